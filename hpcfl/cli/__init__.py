@@ -1,0 +1,1 @@
+"""The ``hpcfl`` command line: one module per sub-command, each with ``register`` and ``run``."""

@@ -1,0 +1,53 @@
+"""User-facing errors.
+
+Anything a user can cause (a bad config, missing data, a diverging learning rate, a rank that died)
+is raised as an :class:`HpcflError`; the command line prints it as one line and exits non-zero,
+never with a traceback. Internal bugs stay ordinary exceptions so they keep their traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class HpcflError(Exception):
+    """A problem the user can fix; ``str(err)`` names the cause and the fix in one line."""
+
+    exit_code = 2
+
+
+class ConfigError(HpcflError):
+    """The configuration or the command-line options are invalid."""
+
+
+class DataError(HpcflError):
+    """A dataset is missing, corrupt, or cannot be downloaded."""
+
+
+class RunDirError(HpcflError):
+    """The run directory is in a state that forbids the requested action."""
+
+
+class DivergenceError(HpcflError):
+    """Training produced NaN/inf or a learning rate is provably unstable."""
+
+
+class CommError(HpcflError):
+    """The process layout (ranks, clients, launcher) is invalid."""
+
+
+class StoreError(HpcflError):
+    """A feature store is missing, incomplete, or does not match the request."""
+
+
+def suggest(name: str, choices: Iterable[str]) -> str:
+    """Return ' (did you mean X?)' for the closest valid choice, or '' when nothing is close."""
+    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown(kind: str, name: str, choices: Iterable[str]) -> ConfigError:
+    """Build the standard 'unknown X' error listing the valid choices."""
+    choices = sorted(choices)
+    return ConfigError(f"unknown {kind} {name!r}{suggest(name, choices)}; choose one of: {', '.join(choices)}")
