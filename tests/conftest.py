@@ -1,0 +1,40 @@
+"""Shared test set-up.
+
+Triton kernels run under the interpreter when there is no GPU (TRITON_INTERPRET must be set
+before triton is imported). Real datasets come from ``$HPCFL_DATA`` (CI points it at
+``../shared/datasets``); tests that need them skip with a reason when it is unset.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+try:  # decide before anything imports triton
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _default_data_root() -> Path | None:
+    env = os.environ.get("HPCFL_DATA")
+    if env:
+        return Path(env)
+    guess = REPO.parent / "shared" / "datasets"
+    return guess if guess.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def data_root() -> Path:
+    """The directory holding the real datasets (MNIST, Fashion-MNIST, FEMNIST sample)."""
+    root = _default_data_root()
+    if root is None or not (root / "fashion-mnist").is_dir():
+        pytest.skip("real datasets not found: set HPCFL_DATA to the shared datasets directory")
+    return root
