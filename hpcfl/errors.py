@@ -50,4 +50,6 @@ def suggest(name: str, choices: Iterable[str]) -> str:
 def unknown(kind: str, name: str, choices: Iterable[str]) -> ConfigError:
     """Build the standard 'unknown X' error listing the valid choices."""
     choices = sorted(choices)
-    return ConfigError(f"unknown {kind} {name!r}{suggest(name, choices)}; choose one of: {', '.join(choices)}")
+    return ConfigError(
+        f"unknown {kind} {name!r}{suggest(name, choices)}; choose one of: {', '.join(choices)}"
+    )

@@ -1,0 +1,34 @@
+"""The single-process communicator: the embedded default, and the reference for MPI runs."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+
+class LocalComm:
+    """One rank that owns every client; every collective is the identity."""
+
+    rank = 0
+    size = 1
+    local_rank = 0
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        return None
+
+    def abort(self, code: int = 1) -> None:
+        sys.exit(code)
+
+    def __repr__(self) -> str:
+        return "LocalComm()"

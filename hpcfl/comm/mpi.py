@@ -1,0 +1,76 @@
+"""MPI communicator over mpi4py (MPICH wheel, Open MPI, or a vendor MPI under srun).
+
+Tensors go through the buffer protocol without copies when they live on the CPU; CUDA tensors
+are staged through host memory unless the MPI library reports CUDA awareness.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hpcfl.errors import CommError
+
+
+def _import_mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as err:  # pragma: no cover - depends on the install
+        raise CommError(
+            "this run needs MPI but mpi4py is not installed; install it with: pip install 'hpcfl[mpi]'"
+        ) from err
+    return MPI
+
+
+def _cuda_aware(mpi: Any) -> bool:
+    try:
+        return bool(mpi.Query_cuda_support())
+    except (AttributeError, NotImplementedError):  # mpi4py < 4 or an MPI without the query
+        return False
+
+
+class MPIComm:
+    """``MPI.COMM_WORLD`` (or a given communicator) behind the :class:`Communicator` interface."""
+
+    def __init__(self, comm: Any | None = None) -> None:
+        self._mpi = _import_mpi()
+        self._comm = comm if comm is not None else self._mpi.COMM_WORLD
+        self.rank: int = self._comm.Get_rank()
+        self.size: int = self._comm.Get_size()
+        node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank: int = node.Get_rank()
+        node.Free()
+        self._cuda_aware = _cuda_aware(self._mpi)
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_contiguous():
+            raise ValueError("allreduce needs a contiguous tensor")
+        if self.size == 1:
+            return tensor
+        if tensor.is_cuda and not self._cuda_aware:
+            host = tensor.cpu()
+            self._comm.Allreduce(self._mpi.IN_PLACE, host.numpy())
+            tensor.copy_(host)
+            return tensor
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+            self._comm.Allreduce(self._mpi.IN_PLACE, tensor)
+            return tensor
+        self._comm.Allreduce(self._mpi.IN_PLACE, tensor.numpy())
+        return tensor
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self._comm.allgather(obj)
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return self._comm.bcast(obj, root=root)
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+    def abort(self, code: int = 1) -> None:
+        self._comm.Abort(code)
+
+    def __repr__(self) -> str:
+        return f"MPIComm(rank={self.rank}, size={self.size}, local_rank={self.local_rank})"

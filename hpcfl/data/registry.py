@@ -1,0 +1,169 @@
+"""``load_dataset(name)``: one entry point for every dataset, normalised and cached in-process.
+
+Decoding Fashion-MNIST (gunzip + float conversion) takes about a second; the decoded
+:class:`~hpcfl.data.types.Dataset` is kept in a small in-process LRU keyed by name, data root and
+options, so every later load in the same process is free. The cached tensors are shared: callers
+must not modify them in place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcfl.data.cifar import load_cifar_arrays
+from hpcfl.data.femnist import NUM_CLASSES as FEMNIST_CLASSES
+from hpcfl.data.femnist import load_femnist_arrays
+from hpcfl.data.idx import load_idx_arrays
+from hpcfl.data.root import resolve_data_root
+from hpcfl.data.synthetic import make_synthetic
+from hpcfl.data.types import Dataset, Split
+from hpcfl.errors import ConfigError, unknown
+
+DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist", "cifar10", "cifar100", "femnist", "synthetic")
+ALIASES: dict[str, str] = {"fmnist": "fashion-mnist"}
+
+# Per-channel (mean, std) of the train split in 0..1 pixel units, the values the literature uses.
+# FEMNIST is kept as LEAF gives it (0..1, no standardisation).
+NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashion-mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+
+# Options each dataset accepts (besides data_root and download).
+_OPTIONS: dict[str, tuple[str, ...]] = {
+    "mnist": ("verify",),
+    "fashion-mnist": ("verify",),
+    "cifar10": ("verify",),
+    "cifar100": ("verify",),
+    "femnist": (),
+    "synthetic": ("n_train", "n_test", "num_classes", "input_shape", "seed", "separation"),
+}
+
+_CACHE_SIZE = 4  # a decoded MNIST-sized dataset is ~220 MB; CIFAR ~740 MB
+_cache: OrderedDict[tuple[Any, ...], Dataset] = OrderedDict()
+
+
+def canonical_name(name: str) -> str:
+    """The registry name for ``name`` (case-insensitive, aliases resolved); unknown → ConfigError."""
+    key = str(name).strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in DATASETS:
+        raise unknown("dataset", name, [*DATASETS, *ALIASES])
+    return key
+
+
+def _normalise(images: np.ndarray, name: str) -> torch.Tensor:
+    """uint8 (N, C, H, W) → float32 (x/255 − mean)/std per channel."""
+    mean, std = NORMALIZATION[name]
+    x = torch.tensor(images).to(torch.float32)  # (N, C, H, W); 5x faster than numpy's astype here
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    return x.sub_(m).div_(s)
+
+
+def _split(images: np.ndarray, labels: np.ndarray, name: str) -> Split:
+    return Split(x=_normalise(images, name), y=torch.from_numpy(labels.astype(np.int64)))
+
+
+def _load_idx(name: str, root: Path, download: bool, verify: bool = True) -> Dataset:
+    x_tr, y_tr, x_te, y_te = load_idx_arrays(name, root, download=download, verify=verify)
+    return Dataset(
+        name=name,
+        train=_split(x_tr[:, None], y_tr, name),
+        test=_split(x_te[:, None], y_te, name),
+        num_classes=10,
+        input_shape=(1, 28, 28),
+    )
+
+
+def _load_cifar(name: str, root: Path, download: bool, verify: bool = True) -> Dataset:
+    x_tr, y_tr, x_te, y_te = load_cifar_arrays(name, root, download=download, verify=verify)
+    return Dataset(
+        name=name,
+        train=_split(x_tr, y_tr, name),
+        test=_split(x_te, y_te, name),
+        num_classes=10 if name == "cifar10" else 100,
+        input_shape=(3, 32, 32),
+    )
+
+
+def _load_femnist(name: str, root: Path, download: bool) -> Dataset:
+    x_tr, y_tr, x_te, y_te, idx_tr, idx_te = load_femnist_arrays(root)
+    return Dataset(
+        name=name,
+        train=Split(x=torch.from_numpy(x_tr), y=torch.from_numpy(y_tr)),
+        test=Split(x=torch.from_numpy(x_te), y=torch.from_numpy(y_te)),
+        num_classes=FEMNIST_CLASSES,
+        input_shape=(1, 28, 28),
+        natural_clients=[torch.from_numpy(i) for i in idx_tr],
+        natural_test_clients=[torch.from_numpy(i) for i in idx_te],
+    )
+
+
+def _load_synthetic(name: str, root: Path, download: bool, **options: Any) -> Dataset:
+    return make_synthetic(**options)
+
+
+_LOADERS: dict[str, Callable[..., Dataset]] = {
+    "mnist": _load_idx,
+    "fashion-mnist": _load_idx,
+    "cifar10": _load_cifar,
+    "cifar100": _load_cifar,
+    "femnist": _load_femnist,
+    "synthetic": _load_synthetic,
+}
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(_hashable(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def load_dataset(
+    name: str, data_root: str | os.PathLike[str] | None = None, *, download: bool = True, **options: Any
+) -> Dataset:
+    """Load a dataset by name, normalised, from ``data_root`` (see :func:`resolve_data_root`).
+
+    Names: ``mnist``, ``fashion-mnist`` (alias ``fmnist``), ``cifar10``, ``cifar100``, ``femnist``,
+    ``synthetic``. Missing official files are downloaded when ``download`` is true (FEMNIST never
+    is). Options: ``verify=False`` skips the MD5 check of MNIST/Fashion-MNIST/CIFAR files;
+    ``synthetic`` takes the keyword arguments of :func:`hpcfl.data.synthetic.make_synthetic`.
+    Raises ConfigError for an unknown name or option and DataError for missing or corrupt data.
+    """
+    key_name = canonical_name(name)
+    allowed = _OPTIONS[key_name]
+    for option in options:
+        if option not in allowed:
+            valid = ", ".join(allowed) if allowed else "none"
+            raise ConfigError(f"dataset {key_name!r} takes no option {option!r}; valid options: {valid}")
+    options = {k: _hashable(v) for k, v in options.items()}
+    root = resolve_data_root(data_root)
+    root_key = "" if key_name == "synthetic" else str(root.resolve())
+    key = (key_name, root_key, tuple(sorted(options.items())))
+    try:
+        hit = _cache.get(key)
+    except TypeError as err:
+        raise ConfigError(
+            f"dataset {key_name!r}: option values must be plain numbers, strings or tuples"
+        ) from err
+    if hit is not None:
+        _cache.move_to_end(key)
+        return hit
+    dataset = _LOADERS[key_name](key_name, root, download, **options)
+    _cache[key] = dataset
+    while len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return dataset
+
+
+def clear_dataset_cache() -> None:
+    """Drop every decoded dataset held by :func:`load_dataset` (frees their memory)."""
+    _cache.clear()

@@ -1,0 +1,38 @@
+"""The in-memory dataset types every loader returns.
+
+A dataset is two splits of already-normalised tensors plus what the partitioner and the models
+need to know about it (class count, input shape, the writers of a naturally federated dataset).
+Tensors are shared by the in-process cache of :func:`hpcfl.data.load_dataset`: treat them as
+read-only (index them, never modify them in place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split held in memory."""
+
+    x: torch.Tensor  # float32 (N, C, H, W), already normalised
+    y: torch.Tensor  # int64 (N,)
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A train and a test split with the metadata partitioners and models need."""
+
+    name: str
+    train: Split
+    test: Split
+    num_classes: int
+    input_shape: tuple[int, int, int]  # (C, H, W)
+    # Train / test index tensors per writer (FEMNIST), aligned by writer; None for pooled datasets.
+    natural_clients: list[torch.Tensor] | None = None
+    natural_test_clients: list[torch.Tensor] | None = None

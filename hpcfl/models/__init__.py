@@ -1,0 +1,174 @@
+"""The model zoo: every network of the papers, built by name from the data's input shape.
+
+=========== ===================================================== =============================
+name        model (paper)                                         options (default)
+=========== ===================================================== =============================
+simplecnn   3 stride-2 convs + 2 fc (TCT, FMNIST)                 —
+mlp         flatten → 100 → ReLU → C (NTK-FL's two-layer net)     —
+cnn-proj    2 convs + 256-d projection head (MOON, FedCKA)        —
+resnet8     CIFAR ResNet-8, widths 16/32/64 (FedPVR)              ``norm`` = ``"bn"`` | ``"gn"``
+resnet18    CIFAR ResNet-18 (TCT)                                 ``norm`` = ``"gn"`` | ``"bn"``
+vgg11       VGG-11, no dropout (FedPVR)                           ``batch_norm`` = ``False``
+=========== ===================================================== =============================
+
+Every model built here has the same small interface, which the algorithms rely on:
+
+- ``model(x)`` → logits ``(B, C)``;
+- ``model.classifier``: the last ``nn.Linear`` (what TCT re-initialises, FedPVR variance-reduces);
+- ``model.features(x)`` → the representation fed to the classifier, and
+  ``model.forward_with_repr(x)`` → ``(logits, representation)`` in one pass (for ``cnn-proj`` the
+  representation is the 256-d projection MOON's contrastive loss uses, ``model.projection``);
+- only standard layers held as module attributes (Conv2d, Linear, BatchNorm2d, GroupNorm, ReLU with
+  ``inplace=False``, pools), so forward hooks see every parametrised op and its unmodified input.
+
+Initialisation is PyTorch's default for every layer, so a model is a function of the global seed
+in force when :func:`build_model` runs.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpcfl.errors import ConfigError, suggest, unknown
+from hpcfl.models.cnn_proj import CNNProj
+from hpcfl.models.mlp import MLP
+from hpcfl.models.resnet import NORMS, resnet8, resnet18
+from hpcfl.models.simplecnn import SimpleCNN
+from hpcfl.models.vgg import vgg11
+
+__all__ = ["MODELS", "build_model", "last_linear", "reinit_last_layer"]
+
+
+def _norm_option(model: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in NORMS:
+        raise unknown(f"norm for model {model!r}", str(value), NORMS)
+    return value
+
+
+def _bool_option(option: str) -> Callable[[str, Any], bool]:
+    def check(model: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"option {option!r} of model {model!r} must be true or false, got {value!r}")
+        return value
+
+    return check
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How to build one model: the constructor, its options' validators, the smallest input side."""
+
+    build: Callable[..., nn.Module]
+    options: Mapping[str, Callable[[str, Any], Any]] = field(default_factory=dict)
+    min_side: int = 1
+
+
+_SPECS: dict[str, _Spec] = {
+    "simplecnn": _Spec(SimpleCNN),
+    "mlp": _Spec(MLP),
+    "cnn-proj": _Spec(CNNProj, min_side=16),  # two unpadded 5×5 convs and two 2×2 pools
+    "resnet8": _Spec(resnet8, {"norm": _norm_option}),
+    "resnet18": _Spec(resnet18, {"norm": _norm_option}),
+    "vgg11": _Spec(vgg11, {"batch_norm": _bool_option("batch_norm")}),
+}
+
+MODELS: tuple[str, ...] = tuple(_SPECS)
+"""The model names :func:`build_model` accepts."""
+
+
+def _check_shape(input_shape: Any) -> tuple[int, int, int]:
+    try:
+        dims = tuple(input_shape)
+    except TypeError:
+        dims = ()
+    ok = len(dims) == 3 and all(
+        isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 1 for d in dims
+    )
+    if not ok:
+        raise ConfigError(
+            f"input_shape must be (channels, height, width) with positive integers, got {input_shape!r}"
+        )
+    return int(dims[0]), int(dims[1]), int(dims[2])
+
+
+def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, **options: Any) -> nn.Module:
+    """Build model ``name`` for images of ``input_shape`` = (C, H, W) and ``num_classes`` outputs.
+
+    Layer sizes that depend on the image (input channels, flattened size, which pools run) are
+    derived from ``input_shape``, so every model runs on 1×28×28 (MNIST-like) and 3×32×32 (CIFAR).
+    ``options`` are the model's own (see the module docstring); unset ones take their defaults.
+
+    Raises:
+        ConfigError: unknown ``name`` or option, a bad option value, a malformed ``input_shape``,
+            an image too small for the model, or ``num_classes`` < 1. The message names the
+            cause and the valid choices.
+    """
+    spec = _SPECS.get(name)
+    if spec is None:
+        raise unknown("model", name, MODELS)
+    for key in options:
+        if key not in spec.options:
+            valid = ", ".join(sorted(spec.options)) or "none"
+            hint = suggest(key, spec.options)
+            raise ConfigError(f"unknown option {key!r} for model {name!r}{hint}; valid options: {valid}")
+    checked = {key: spec.options[key](name, value) for key, value in options.items()}
+    shape = _check_shape(input_shape)
+    if min(shape[1:]) < spec.min_side:
+        raise ConfigError(
+            f"model {name!r} needs images of at least {spec.min_side}×{spec.min_side} pixels, "
+            f"got {shape[1]}×{shape[2]}; choose a model for small images such as simplecnn"
+        )
+    if not isinstance(num_classes, numbers.Integral) or isinstance(num_classes, bool) or num_classes < 1:
+        raise ConfigError(f"num_classes must be a positive integer, got {num_classes!r}")
+    return spec.build(shape, int(num_classes), **checked)
+
+
+def last_linear(model: nn.Module) -> nn.Linear:
+    """The classifier layer: ``model.classifier`` if it is an ``nn.Linear``, else the last one registered.
+
+    This is the layer TCT re-initialises before computing eNTK features (stage 1 → stage 2).
+
+    Raises:
+        TypeError: the model has no ``nn.Linear`` layer at all.
+    """
+    head = getattr(model, "classifier", None)
+    if isinstance(head, nn.Linear):
+        return head
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise TypeError(f"{type(model).__name__} has no nn.Linear layer to act as the classifier")
+    return linears[-1]
+
+
+def reinit_last_layer(model: nn.Module, seed: int) -> None:
+    """Re-initialise the classifier's weight and bias from ``seed``, in place.
+
+    TCT (Yu et al., NeurIPS 2022, Section 4.1) computes the eNTK of the stage-1 model "with the last
+    layer re-initialised"; the draw must be the same on every rank and every resumed run, so it
+    depends on ``seed`` alone: a private CPU ``torch.Generator`` draws PyTorch's default ``nn.Linear``
+    init (Kaiming-uniform with a = √5 for the weight, U(±1/√fan_in) for the bias) in float32, and the
+    values are copied into the existing tensors. Hence the global RNG state is untouched, the values
+    are the same on CPU and GPU (up to the cast to the layer's dtype), they equal
+    ``torch.manual_seed(seed); layer.reset_parameters()`` on CPU, and views into the parameters
+    (a flat parameter buffer) stay valid.
+    """
+    layer = last_linear(model)
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int(seed))
+    weight = torch.empty(layer.weight.shape, dtype=torch.float32)
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=gen)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if layer.bias is not None:
+            fan_in = layer.weight.shape[1]
+            bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+            bias = torch.empty(layer.bias.shape, dtype=torch.float32)
+            nn.init.uniform_(bias, -bound, bound, generator=gen)
+            layer.bias.copy_(bias)

@@ -1,0 +1,112 @@
+"""Local SGD on a flat model: the work every client does between two communications.
+
+The step matches ``torch.optim.SGD`` (weight decay added to the gradient, momentum buffer
+initialised to the first gradient, no dampening) but runs as a few vector ops on the flat buffers.
+Algorithms change the gradient through ``correction`` (SCAFFOLD's ``-h_k``, FedProx's proximal
+term) and the loss through ``loss_fn`` (MOON, FedCKA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpcfl.training.flat import FlatModel
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+Correction = Callable[[torch.Tensor, torch.Tensor], None]  # (params, grad) -> adds to grad in place
+
+
+@dataclass(frozen=True)
+class LocalSchedule:
+    """How a client trains in one round: E local epochs, or M local steps when ``steps`` is set."""
+
+    lr: float
+    batch_size: int
+    epochs: int = 1
+    steps: int | None = None
+    momentum: float = 0.0
+    weight_decay: float = 1e-5
+
+    def num_steps(self, n: int) -> int:
+        """Number of SGD steps a client with ``n`` samples takes in one round."""
+        if self.steps is not None:
+            return self.steps
+        return self.epochs * math.ceil(n / self.batch_size)
+
+
+@dataclass
+class LocalResult:
+    """What local training reports back: mean loss over its steps and whether it stayed finite."""
+
+    loss: float
+    steps: int
+    finite: bool
+
+
+def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The default local objective: mean cross-entropy of the model's logits."""
+    return F.cross_entropy(model(x), y)
+
+
+def batch_indices(n: int, schedule: LocalSchedule, generator: torch.Generator) -> list[torch.Tensor]:
+    """The mini-batches of one round: fresh permutations of ``range(n)``, cut into batches.
+
+    With ``steps`` set, permutations are chained until M batches exist (epochs roll over).
+    The last batch of an epoch may be smaller; it is kept, as in a plain PyTorch DataLoader.
+    """
+    out: list[torch.Tensor] = []
+    total = schedule.num_steps(n)
+    while len(out) < total:
+        perm = torch.randperm(n, generator=generator)
+        for start in range(0, n, schedule.batch_size):
+            out.append(perm[start : start + schedule.batch_size])
+            if len(out) == total:
+                break
+    return out
+
+
+def local_sgd(
+    flat: FlatModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    schedule: LocalSchedule,
+    generator: torch.Generator,
+    *,
+    loss_fn: LossFn = cross_entropy_loss,
+    correction: Correction | None = None,
+) -> LocalResult:
+    """Train ``flat.model`` in place on (x, y); stops early (``finite=False``) on a NaN/inf loss."""
+    model = flat.model
+    model.train()
+    w, g = flat.params, flat.grad
+    momentum_buf: torch.Tensor | None = None
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    batches = batch_indices(x.shape[0], schedule, generator)
+    for step, idx in enumerate(batches):
+        g.zero_()
+        loss = loss_fn(model, x[idx], y[idx])
+        if not torch.isfinite(loss):
+            return LocalResult(loss=float("nan"), steps=step, finite=False)
+        loss.backward()
+        loss_sum += loss.detach().to(torch.float64)
+        d = g.add(w, alpha=schedule.weight_decay) if schedule.weight_decay else g
+        if correction is not None:
+            if d is g:
+                d = g.clone()
+            correction(w, d)
+        if schedule.momentum:
+            if momentum_buf is None:
+                momentum_buf = d.clone()
+            else:
+                momentum_buf.mul_(schedule.momentum).add_(d)
+            d = momentum_buf
+        w.add_(d, alpha=-schedule.lr)
+    if not torch.isfinite(w).all():
+        return LocalResult(loss=float("nan"), steps=len(batches), finite=False)
+    return LocalResult(loss=float(loss_sum) / max(len(batches), 1), steps=len(batches), finite=True)

@@ -1,0 +1,133 @@
+"""Algorithm steps against references: centralised SGD, and the least-squares optimum."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hpcfl.algorithms import ClientData, FedAvg, FedProx, Scaffold, Trainer
+from hpcfl.algorithms.fedprox import FedProxParams
+from hpcfl.comm import place_clients
+from hpcfl.errors import CommError
+from hpcfl.training import FlatModel, LocalSchedule
+
+
+def _tiny_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 8 * 8, 3),
+    )
+
+
+def test_flat_model_views_share_storage():
+    model = _tiny_cnn()
+    ref = copy.deepcopy(model)
+    flat = FlatModel(model)
+    assert flat.num_params == sum(p.numel() for p in ref.parameters())
+    assert flat.num_buffers == 8  # BN running mean + var
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+    flat.vector.zero_()
+    assert all(float(p.detach().abs().sum()) == 0 for p in model.parameters())
+    assert float(model[1].running_var.abs().sum()) == 0
+
+
+def test_fedavg_one_client_one_step_equals_centralised_sgd():
+    torch.manual_seed(1)
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 3, (16,))
+    model = _tiny_cnn()
+    ref = copy.deepcopy(model)
+    flat = FlatModel(model)
+    sched = LocalSchedule(lr=0.1, batch_size=16, steps=1, momentum=0.9, weight_decay=1e-4)
+    algo = FedAvg(FedAvg.Params(), num_params=flat.num_params, state_size=flat.size)
+    server = algo.init_server(flat.vector)
+    upload, _ = algo.client_update(
+        server, algo.init_client(0, server), ClientData(0, x, y), Trainer(flat, sched), torch.Generator()
+    )
+    new = algo.server_update(server, upload.payload * upload.weight, upload.weight)
+
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    ref.train()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    opt.step()
+    expected = torch.cat([p.detach().flatten() for p in ref.parameters()] + [b.flatten() for b in ref[1].buffers() if b.is_floating_point()])
+    torch.testing.assert_close(new.x, expected, rtol=1e-6, atol=1e-7)
+
+
+def _least_squares_clients(K: int = 4, d: int = 6, seed: int = 0) -> list[ClientData]:
+    """Heterogeneous linear regression: each client its own input distribution and optimum."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(K):
+        n = 20 + 7 * k
+        shift = torch.randn(d, generator=g, dtype=torch.float64) * 2
+        a = torch.randn(n, d, generator=g, dtype=torch.float64) + shift
+        w_k = torch.randn(d, 1, generator=g, dtype=torch.float64) * 3
+        out.append(ClientData(k, a, (a @ w_k).squeeze(1) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)))
+    return out
+
+
+def _mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 0.5 * ((model(x).squeeze(1) - y) ** 2).mean()
+
+
+def _run(algo_cls, params, clients, rounds: int, steps: int, lr: float) -> torch.Tensor:
+    model = nn.Linear(clients[0].x.shape[1], 1, bias=False).double()
+    nn.init.zeros_(model.weight)
+    flat = FlatModel(model)
+    trainer = Trainer(flat, LocalSchedule(lr=lr, batch_size=10_000, steps=steps, weight_decay=0.0), loss_fn=_mse)
+    algo = algo_cls(params, num_params=flat.num_params, state_size=flat.size)
+    server = algo.init_server(flat.vector)
+    states = {c.k: algo.init_client(c.k, server) for c in clients}
+    for _ in range(rounds):
+        total = torch.zeros_like(server.x)
+        weight = 0.0
+        for c in clients:
+            up, states[c.k] = algo.client_update(server, states[c.k], c, trainer, torch.Generator())
+            total += up.weight * up.payload
+            weight += up.weight
+        server = algo.server_update(server, total, weight)
+    return server.x
+
+
+def test_scaffold_reaches_least_squares_optimum_fedavg_does_not():
+    clients = _least_squares_clients()
+    a = torch.cat([c.x for c in clients])
+    b = torch.cat([c.y for c in clients])
+    w_star = torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1)
+    lr = 0.2 / float(max(torch.linalg.eigvalsh(c.x.T @ c.x / c.n).max() for c in clients))
+    w_scaffold = _run(Scaffold, Scaffold.Params(), clients, rounds=400, steps=20, lr=lr)
+    w_fedavg = _run(FedAvg, FedAvg.Params(), clients, rounds=400, steps=20, lr=lr)
+    assert torch.linalg.norm(w_scaffold - w_star) / torch.linalg.norm(w_star) < 1e-6
+    assert torch.linalg.norm(w_fedavg - w_star) / torch.linalg.norm(w_star) > 1e-3
+
+
+def test_fedprox_mu_zero_equals_fedavg_and_mu_pulls_towards_server():
+    clients = _least_squares_clients(K=2)
+    w_avg = _run(FedAvg, FedAvg.Params(), clients, rounds=3, steps=5, lr=0.01)
+    w_prox0 = _run(FedProx, FedProxParams(mu=0.0), clients, rounds=3, steps=5, lr=0.01)
+    torch.testing.assert_close(w_prox0, w_avg, rtol=0, atol=1e-12)
+    one_avg = _run(FedAvg, FedAvg.Params(), clients, rounds=1, steps=20, lr=0.01)
+    one_prox = _run(FedProx, FedProxParams(mu=10.0), clients, rounds=1, steps=20, lr=0.01)
+    assert torch.linalg.norm(one_prox) < torch.linalg.norm(one_avg)  # server starts at 0
+
+
+def test_placement_balances_samples_and_covers_every_client():
+    sizes = [600, 50, 300, 300, 120, 80, 1000]
+    owned = place_clients(sizes, 3)
+    assert sorted(k for ks in owned for k in ks) == list(range(len(sizes)))
+    loads = [sum(sizes[k] for k in ks) for ks in owned]
+    assert max(loads) - min(loads) <= max(sizes) - min(sizes)
+    assert place_clients(sizes, 3) == owned
+
+
+def test_more_ranks_than_clients_is_a_clear_error():
+    with pytest.raises(CommError, match="4 ranks but only 3 clients"):
+        place_clients([10, 10, 10], 4)
