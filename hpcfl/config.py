@@ -55,6 +55,7 @@ class Config:
     dataset: str = "fashion-mnist"
     data_root: str | None = None  # else $HPCFL_DATA, else ~/.cache/hpcfl
     download: bool = True
+    dataset_options: dict[str, Any] = field(default_factory=dict)  # e.g. synthetic sizes
     partition: str = "iid"  # iid | dir:ALPHA | classes:C | natural
     num_clients: int = 10
     min_client_size: int = 10  # dir:ALPHA redraws until every client has this many samples
@@ -277,16 +278,11 @@ def validate(cfg: Config) -> None:
 
 def _validate_names(cfg: Config) -> None:
     """Dataset, model and partition names, checked against their registries when those exist."""
+    from hpcfl.data import canonical_name, parse_partition_spec
     from hpcfl.errors import unknown
 
-    try:
-        from hpcfl.data import DATASETS, parse_partition_spec
-    except ImportError:  # pragma: no cover - data package always ships
-        DATASETS, parse_partition_spec = None, None
-    if DATASETS is not None and cfg.dataset not in DATASETS:
-        raise unknown("dataset", cfg.dataset, DATASETS)
-    if parse_partition_spec is not None:
-        parse_partition_spec(cfg.partition)
+    cfg.dataset = canonical_name(cfg.dataset)
+    parse_partition_spec(cfg.partition)
     from hpcfl.models import MODELS
 
     if cfg.model not in MODELS:
@@ -306,7 +302,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
     for key in sorted(set(saved) | set(current)):
         full = f"{prefix}{key}"
         a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict) and key != "model_options":
+        if isinstance(a, dict) and isinstance(b, dict) and key not in ("model_options", "dataset_options"):
             diffs += config_differences(a, b, prefix=f"{full}.")
         elif a != b and full not in RESUMABLE_KEYS:
             diffs.append(full)

@@ -57,7 +57,10 @@ def test_fedavg_one_client_one_step_equals_centralised_sgd():
     ref.train()
     nn.functional.cross_entropy(ref(x), y).backward()
     opt.step()
-    expected = torch.cat([p.detach().flatten() for p in ref.parameters()] + [b.flatten() for b in ref[1].buffers() if b.is_floating_point()])
+    expected = torch.cat(
+        [p.detach().flatten() for p in ref.parameters()]
+        + [b.flatten() for b in ref[1].buffers() if b.is_floating_point()]
+    )
     torch.testing.assert_close(new.x, expected, rtol=1e-6, atol=1e-7)
 
 
@@ -70,7 +73,9 @@ def _least_squares_clients(K: int = 4, d: int = 6, seed: int = 0) -> list[Client
         shift = torch.randn(d, generator=g, dtype=torch.float64) * 2
         a = torch.randn(n, d, generator=g, dtype=torch.float64) + shift
         w_k = torch.randn(d, 1, generator=g, dtype=torch.float64) * 3
-        out.append(ClientData(k, a, (a @ w_k).squeeze(1) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)))
+        out.append(
+            ClientData(k, a, (a @ w_k).squeeze(1) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64))
+        )
     return out
 
 
@@ -82,7 +87,9 @@ def _run(algo_cls, params, clients, rounds: int, steps: int, lr: float) -> torch
     model = nn.Linear(clients[0].x.shape[1], 1, bias=False).double()
     nn.init.zeros_(model.weight)
     flat = FlatModel(model)
-    trainer = Trainer(flat, LocalSchedule(lr=lr, batch_size=10_000, steps=steps, weight_decay=0.0), loss_fn=_mse)
+    trainer = Trainer(
+        flat, LocalSchedule(lr=lr, batch_size=10_000, steps=steps, weight_decay=0.0), loss_fn=_mse
+    )
     algo = algo_cls(params, num_params=flat.num_params, state_size=flat.size)
     server = algo.init_server(flat.vector)
     states = {c.k: algo.init_client(c.k, server) for c in clients}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from hpcfl.errors import HpcflError
@@ -43,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _launcher_rank() -> int:
+    """This process's rank as the launcher announces it (0 when started directly)."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     parser = build_parser()
@@ -53,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except HpcflError as err:
-        print(f"hpcfl: error: {err}", file=sys.stderr)
+        if _launcher_rank() == 0:  # every rank hits the same error; say it once
+            print(f"hpcfl: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("hpcfl: interrupted", file=sys.stderr)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from hpcfl.config import load_config
-from hpcfl.runner import default_run_dir, run_experiment
+from hpcfl.runner import StopRequest, default_run_dir, run_experiment
+
+EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped cleanly on SIGUSR1/SIGTERM, resume to continue
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +34,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     run_dir = args.run_dir or default_run_dir(cfg)
-    result = run_experiment(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
+    stop = StopRequest()
+    stop.install()
+    result = run_experiment(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop=stop)
+    if not result.finished:
+        print(
+            f"hpcfl: stopped by signal after round {result.rounds_done} (checkpoint saved); "
+            f"continue with: hpcfl run {args.config or ''} --run-dir {run_dir} --resume",
+            file=sys.stderr,
+        )
+        return EXIT_RESUMABLE
     if result.metrics:
         last = result.metrics[-1]
         print(f"round {last['round']}: test accuracy {last['test_accuracy']:.4f}  ->  {run_dir}")

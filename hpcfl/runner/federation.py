@@ -80,7 +80,7 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
     """Load, partition and place; build the model from the seed (identical on every rank)."""
     device = resolve_device(cfg, comm)
     if dataset is None:
-        dataset = load_dataset(cfg.dataset, cfg.data_root, download=cfg.download)
+        dataset = load_dataset(cfg.dataset, cfg.data_root, download=cfg.download, **cfg.dataset_options)
     parts = partition(
         dataset.train.y,
         cfg.partition,

@@ -1,0 +1,66 @@
+"""Small helpers shared by tests: running the CLI in-process or as a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def write_config(path: Path, **keys) -> Path:
+    """Write a YAML config with the given keys."""
+    path.write_text(yaml.safe_dump(keys, sort_keys=False))
+    return path
+
+
+def synthetic_config(tmp_path: Path, **overrides) -> Path:
+    """A fast config: synthetic 1x28x28 data, the MLP, 4 non-IID clients."""
+    keys = dict(
+        name="synth",
+        dataset="synthetic",
+        dataset_options={"n_train": 2000, "n_test": 400, "seed": 3},
+        partition="dir:0.5",
+        num_clients=4,
+        model="mlp",
+        algorithm="scaffold",
+        rounds=4,
+        local_epochs=1,
+        lr=0.05,
+        momentum=0.5,
+        batch_size=50,
+        seed=7,
+        threads=1,
+        progress=False,
+    )
+    keys.update(overrides)
+    return write_config(tmp_path / "cfg.yaml", **keys)
+
+
+def hpcfl_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hpcfl", *args]
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m hpcfl ARGS`` as a user would, capturing output."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(hpcfl_cmd(*args), capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def mpiexec_cmd(n: int, *args: str) -> list[str]:
+    """``mpiexec -n N python -m hpcfl ARGS`` with the venv's MPICH launcher."""
+    launcher = VENV_BIN / "mpiexec"
+    return [str(launcher), "-n", str(n), *hpcfl_cmd(*args)]
+
+
+def final_state(run_dir: Path) -> torch.Tensor:
+    """The server state vector of the newest checkpoint of a run."""
+    ckpt = run_dir / "checkpoints"
+    latest = (ckpt / "LATEST").read_text().strip()
+    return torch.load(ckpt / latest / "server.pt", weights_only=True)["server"]["x"]

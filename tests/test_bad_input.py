@@ -1,0 +1,131 @@
+"""Every bad input gives one clear line on stderr, a non-zero exit and no traceback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from hpcfl.cli.main import main
+from tests.helpers import REPO, mpiexec_cmd, run_cli, synthetic_config, write_config
+
+
+def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("hpcfl: error:"), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[-1], (fragment, lines[-1])
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ("dataset=fashon-mnist", ("unknown dataset", "did you mean 'fashion-mnist'")),
+        ("model=simplecn", ("unknown model", "simplecnn")),
+        ("algorithm=fedavgg", ("unknown algorithm", "fedavg")),
+        ("partition=dirichlet:0.5", ("partition",)),
+        ("partition=dir:0", ("0",)),
+        ("partition=dir:-1", ("-1",)),
+        ("partition=classes:11", ("11",)),
+        ("partition=classes:1", ("not coverable",)),
+        ("lr=-1", ("lr",)),
+        ("lrr=0.1", ("unknown config key 'lrr'", "did you mean 'lr'")),
+        ("stage2.solverr=primal", ("stage2.solverr", "stage2.solver")),
+    ],
+)
+def test_bad_config_values(tmp_path, capsys, override, fragments):
+    overrides = [override]
+    if override == "partition=classes:1":
+        overrides.append("num_clients=3")  # 3 clients x 1 class cannot cover 10 classes
+    cfg = synthetic_config(tmp_path)
+    _fails_cleanly(
+        capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", *overrides], *fragments
+    )
+    assert not (tmp_path / "r" / "DONE").exists()
+
+
+def test_malformed_yaml(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1, 2\nlr: 0.1\n")
+    _fails_cleanly(capsys, ["run", str(bad)], "malformed YAML", "line")
+
+
+def test_unreadable_config(tmp_path, capsys):
+    _fails_cleanly(capsys, ["run", str(tmp_path / "missing.yaml")], "not found")
+
+
+def test_missing_data_files(tmp_path, capsys):
+    cfg = write_config(
+        tmp_path / "c.yaml", dataset="fashion-mnist", data_root=str(tmp_path / "empty"), download=False
+    )
+    _fails_cleanly(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r")], "fashion-mnist")
+
+
+def test_checksum_mismatch(tmp_path, capsys, data_root):
+    root = tmp_path / "data"
+    shutil.copytree(data_root / "fashion-mnist", root / "fashion-mnist")
+    victim = root / "fashion-mnist" / "t10k-labels-idx1-ubyte.gz"
+    victim.chmod(0o644)
+    blob = bytearray(victim.read_bytes())
+    blob[100] ^= 0xFF
+    victim.write_bytes(bytes(blob))
+    cfg = write_config(tmp_path / "c.yaml", dataset="fashion-mnist", data_root=str(root), download=False)
+    _fails_cleanly(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r")], "t10k-labels-idx1-ubyte.gz")
+
+
+def test_finished_run_dir_is_refused_and_resume_with_other_config_too(tmp_path, capsys):
+    cfg = synthetic_config(tmp_path, rounds=1)
+    run = tmp_path / "r"
+    assert main(["run", str(cfg), "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    _fails_cleanly(
+        capsys,
+        ["run", str(cfg), "--run-dir", str(run)],
+        "already holds a finished run",
+        "--resume",
+        "--overwrite",
+    )
+    _fails_cleanly(
+        capsys,
+        ["run", str(cfg), "--run-dir", str(run), "--resume", "--set", "lr=0.5"],
+        "different config",
+        "lr",
+    )
+    assert main(["run", str(cfg), "--run-dir", str(run), "--overwrite"]) == 0
+
+
+def test_nan_loss_names_round_and_client(tmp_path, capsys):
+    cfg = synthetic_config(tmp_path, lr=1e6, momentum=0.0, algorithm="fedavg")
+    _fails_cleanly(
+        capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r")], "NaN", "round 1", "client", "lower lr"
+    )
+
+
+@pytest.mark.mpi
+def test_more_ranks_than_clients(tmp_path):
+    cfg = synthetic_config(tmp_path, num_clients=2, partition="iid")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        mpiexec_cmd(3, "run", str(cfg), "--run-dir", str(tmp_path / "r")),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "3 ranks but only 2 clients" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_subprocess_bad_input_exit_code(tmp_path):
+    proc = run_cli("run", str(synthetic_config(tmp_path)), "--set", "model=nope")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("hpcfl: error: unknown model 'nope'")
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,142 @@
+"""The eNTK gather kernels: references against brute-force per-sample gradients, and the Triton
+kernels (run by the interpreter on CPU, TRITON_INTERPRET=1 from conftest) against the references.
+
+Shapes are small and odd (nothing a multiple of a block size) because the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import triton_kernels as tk
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+
+needs_triton = pytest.mark.skipif(not tk.HAS_TRITON, reason="triton is not installed")
+
+
+def _choose(numel: int, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(numel, generator=gen)[:n].sort().values
+
+
+def _per_sample_conv_weight_grad(delta, x, weight_shape, stride, padding, dilation, groups):
+    """(B, O, C/G, kh, kw) by differentiating <δ_b, conv(x_b, W)> w.r.t. W, one sample at a time."""
+    grads = []
+    for b in range(x.shape[0]):
+        w = torch.zeros(weight_shape, dtype=x.dtype, requires_grad=True)
+        y = F.conv2d(x[b : b + 1], w, None, stride, padding, dilation, groups)
+        (g,) = torch.autograd.grad((y * delta[b : b + 1]).sum(), w)
+        grads.append(g)
+    return torch.stack(grads)
+
+
+def _conv_case(dtype, groups=1, stride=(2, 1), padding=(1, 2), dilation=(1, 2), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    batch, channels, out_channels, kh, kw = 3, 4, 6, 3, 2
+    x = torch.randn(batch, channels, 7, 5, generator=gen, dtype=dtype)
+    weight_shape = (out_channels, channels // groups, kh, kw)
+    h_out = (7 + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    w_out = (5 + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    delta = torch.randn(batch, out_channels, h_out, w_out, generator=gen, dtype=dtype)
+    numel = torch.Size(weight_shape).numel()
+    sel = _choose(numel, 37, seed)
+    o, rem = sel // (numel // out_channels), sel % (numel // out_channels)
+    c_local, rem = rem // (kh * kw), rem % (kh * kw)
+    ky, kx = rem // kw, rem % kw
+    chan = (o // (out_channels // groups)) * (channels // groups) + c_local
+    full = _per_sample_conv_weight_grad(delta, x, weight_shape, stride, padding, dilation, groups)
+    expected = full.reshape(batch, -1)[:, sel]
+    geometry = dict(stride=stride, padding=padding, dilation=dilation)
+    return (delta, x, o, chan, ky, kx), geometry, expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_reference_equals_outer_product(dtype):
+    gen = torch.Generator().manual_seed(1)
+    delta, act = torch.randn(5, 7, generator=gen, dtype=dtype), torch.randn(5, 11, generator=gen, dtype=dtype)
+    sel = _choose(77, 23, 1)
+    expected = (delta[:, :, None] * act[:, None, :]).reshape(5, -1)[:, sel]
+    got = tk.linear_gather_reference(delta, act, sel // 11, sel % 11)
+    torch.testing.assert_close(got, expected, **TOL[dtype], msg="linear reference != outer product")
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_reference_equals_autograd(groups):
+    args, geometry, expected = _conv_case(torch.float64, groups=groups)
+    got = tk.conv2d_gather_reference(*args, **geometry)
+    torch.testing.assert_close(got, expected, **TOL[torch.float64], msg="conv reference != autograd")
+
+
+def test_norm_references_equal_formula():
+    gen = torch.Generator().manual_seed(2)
+    delta, x = torch.randn(3, 5, 9, generator=gen, dtype=torch.float64), torch.randn(3, 5, 9, generator=gen, dtype=torch.float64)
+    mean, rstd = torch.randn(5, generator=gen, dtype=torch.float64), torch.rand(5, generator=gen, dtype=torch.float64) + 0.5
+    index = torch.tensor([4, 0, 2])
+    xhat = (x - mean[None, :, None]) * rstd[None, :, None]
+    got_w = tk.norm_weight_gather_reference(delta, x, mean.expand(3, 5), rstd.expand(3, 5), index)
+    torch.testing.assert_close(got_w, (delta * xhat).sum(2)[:, index], msg="norm weight reference != Σ δ·x̂")
+    got_b = tk.channel_sum_gather_reference(delta, index)
+    torch.testing.assert_close(got_b, delta.sum(2)[:, index], msg="channel sum reference != Σ δ")
+
+
+def test_reference_writes_into_strided_half_view():
+    gen = torch.Generator().manual_seed(3)
+    delta, act = torch.randn(4, 3, generator=gen), torch.randn(4, 5, generator=gen)
+    sel = _choose(15, 6, 3)
+    big = torch.zeros(4, 10, dtype=torch.float16)
+    tk.linear_gather_reference(delta, act, sel // 5, sel % 5, out=big[:, 2:8])
+    expected = (delta[:, :, None] * act[:, None, :]).reshape(4, -1)[:, sel].half()
+    torch.testing.assert_close(big[:, 2:8], expected, msg="half output slice")
+    assert big[:, :2].abs().sum() == 0 and big[:, 8:].abs().sum() == 0, "wrote outside its slice"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_triton_equals_reference(dtype):
+    gen = torch.Generator().manual_seed(4)
+    delta, act = torch.randn(19, 7, generator=gen, dtype=dtype), torch.randn(19, 13, generator=gen, dtype=dtype)
+    sel = _choose(91, 45, 4)
+    o, i = sel // 13, sel % 13
+    ref = tk.linear_gather_reference(delta, act, o, i)
+    got = tk.linear_gather_triton(delta, act, o.int(), i.int())
+    torch.testing.assert_close(got, ref, **TOL[dtype], msg="linear_gather_triton != reference")
+    big = torch.zeros(19, 50, dtype=dtype)
+    tk.linear_gather_triton(delta.t().contiguous().t(), act, o, i, out=big[:, 3:48])
+    torch.testing.assert_close(big[:, 3:48], ref, **TOL[dtype], msg="strided inputs / output view")
+
+
+@needs_triton
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_triton_equals_reference(groups):
+    args, geometry, _ = _conv_case(torch.float32, groups=groups, seed=5)
+    ref = tk.conv2d_gather_reference(*args, **geometry)
+    got = tk.conv2d_gather_triton(*args, **geometry)
+    torch.testing.assert_close(got, ref, **TOL[torch.float32], msg="conv2d_gather_triton != reference")
+
+
+@needs_triton
+def test_norm_triton_equals_reference():
+    gen = torch.Generator().manual_seed(6)
+    delta, x = torch.randn(3, 5, 37, generator=gen), torch.randn(3, 5, 37, generator=gen)
+    mean, rstd = torch.randn(3, 5, generator=gen), torch.rand(5, generator=gen).expand(3, 5) + 0.5
+    index = torch.tensor([4, 1, 3])
+    ref_w = tk.norm_weight_gather_reference(delta, x, mean, rstd, index)
+    got_w = tk.norm_weight_gather_triton(delta, x, mean, rstd, index)
+    torch.testing.assert_close(got_w, ref_w, **TOL[torch.float32], msg="norm_weight_gather_triton != reference")
+    ref_b = tk.channel_sum_gather_reference(delta, index)
+    got_b = tk.channel_sum_gather_triton(delta, index)
+    torch.testing.assert_close(got_b, ref_b, **TOL[torch.float32], msg="channel_sum_gather_triton != reference")
+
+
+def test_dispatchers_use_reference_on_cpu(monkeypatch):
+    import triton_kernels.entk_linear as lg
+
+    called = []
+    monkeypatch.setattr(lg, "linear_gather_triton", lambda *a, **k: called.append(1))
+    delta, act = torch.randn(2, 3), torch.randn(2, 4)
+    got = tk.linear_gather(delta, act, torch.tensor([0, 2]), torch.tensor([3, 1]))
+    assert not called, "dispatcher launched Triton on CPU tensors"
+    torch.testing.assert_close(got, delta[:, [0, 2]] * act[:, [3, 1]], msg="dispatcher result")
