@@ -21,7 +21,7 @@ from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config
 from hpcfl.errors import HpcflError, RunDirError
 from hpcfl.runner.checkpoint import load_checkpoint, save_checkpoint
-from hpcfl.runner.federation import Federation, build_federation
+from hpcfl.runner.federation import Federation, build_federation, model_plan
 from hpcfl.runner.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import run_rounds
@@ -135,7 +135,7 @@ def run_experiment(
         return halt
 
     t0 = time.perf_counter()
-    server, clients, done = run_rounds(fed, server, clients, start, cfg.rounds, hook=hook)
+    server, clients, done = run_rounds(model_plan(fed), server, clients, start, cfg.rounds, hook=hook)
     progress.close()
     finished = done >= cfg.rounds
     if comm.rank == 0 and finished:

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, Trainer
+from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Trainer
 from hpcfl.comm import Communicator, place_clients
 from hpcfl.config import Config
 from hpcfl.data import Dataset, load_dataset, partition
 from hpcfl.errors import ConfigError
 from hpcfl.models import build_model
+from hpcfl.runner.rounds import Evaluator, RoundPlan
+from hpcfl.training.evaluate import evaluate
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import LocalSchedule
 
@@ -65,6 +67,36 @@ def client_generator(seed: int, rnd: int, k: int) -> torch.Generator:
     do not depend on which rank trains the client or on whether the run was resumed."""
     state = np.random.SeedSequence([seed, rnd, k]).generate_state(2, dtype=np.uint32)
     return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def model_evaluator(fed: Federation) -> Evaluator:
+    """Test (and, when asked, train) accuracy and loss of the server model."""
+
+    def evaluate_server(server: ServerState) -> dict[str, float]:
+        fed.flat.load(server.x)
+        model, ds = fed.flat.model, fed.dataset
+        row: dict[str, float] = {}
+        row["test_accuracy"], row["test_loss"] = evaluate(model, ds.test.x, ds.test.y, fed.comm)
+        if fed.cfg.eval_train:
+            row["train_accuracy"], row["train_loss"] = evaluate(model, ds.train.x, ds.train.y, fed.comm)
+        return row
+
+    return evaluate_server
+
+
+def model_plan(fed: Federation) -> RoundPlan:
+    """The round plan of a model-training federation (every algorithm but TCT's stage 2)."""
+    return RoundPlan(
+        algorithm=fed.algorithm,
+        comm=fed.comm,
+        data=fed.clients,
+        trainer=fed.trainer,
+        num_clients=len(fed.parts),
+        generator=lambda rnd, k: client_generator(fed.cfg.seed, rnd, k),
+        evaluate=model_evaluator(fed),
+        eval_every=fed.cfg.eval_every,
+        lr_hint=f" (lr is {fed.cfg.lr})",
+    )
 
 
 def make_algorithm(cfg: Config, flat: FlatModel) -> Algorithm:

@@ -3,57 +3,70 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hpcfl.algorithms import ClientState, NonFiniteLoss, ServerState
+from hpcfl.algorithms import Algorithm, ClientData, ClientState, NonFiniteLoss, ServerState, Trainer
+from hpcfl.comm.base import Communicator
 from hpcfl.errors import DivergenceError
-from hpcfl.runner.federation import Federation, client_generator
-from hpcfl.training.evaluate import evaluate
 
 # Called after every round with (round_done, server, clients, metrics_row or None); returns True to stop.
 RoundHook = Callable[[int, ServerState, dict[int, ClientState], dict[str, Any] | None], bool]
+# Evaluates the server state; returns metric columns (test_accuracy, test_loss, ...).
+Evaluator = Callable[[ServerState], dict[str, float]]
+# The RNG of client k in round r (a pure function of seed, round and client).
+GeneratorFn = Callable[[int, int], torch.Generator]
 
 
 @dataclass
-class RoundTimes:
-    """Where one round's wall time went, in seconds."""
+class RoundPlan:
+    """What the loop needs besides the states: who trains, on what, and how results are judged."""
 
-    compute: float = 0.0
-    allreduce: float = 0.0
-    evaluate: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+    algorithm: Algorithm
+    comm: Communicator
+    data: Mapping[int, ClientData]  # this rank's clients
+    trainer: Trainer | None
+    num_clients: int
+    generator: GeneratorFn
+    evaluate: Evaluator
+    eval_every: int = 1
+    lr_hint: str = ""  # how to name the learning rate in a divergence message
 
 
 def run_rounds(
-    fed: Federation,
+    plan: RoundPlan,
     server: ServerState,
     clients: dict[int, ClientState],
     start: int,
     stop: int,
     *,
     stage: str = "train",
+    round_offset: int = 0,
     hook: RoundHook | None = None,
 ) -> tuple[ServerState, dict[int, ClientState], int]:
-    """Run rounds ``start`` .. ``stop - 1``; returns the final states and the rounds completed."""
-    cfg, comm, algo = fed.cfg, fed.comm, fed.algorithm
+    """Run rounds ``start`` .. ``stop - 1``; returns the final states and the rounds completed.
+
+    ``round_offset`` shifts the round numbers written to metrics (TCT's stage 2 continues stage 1's
+    count).
+    """
+    algo, comm = plan.algorithm, plan.comm
     L = algo.payload_size()
-    K = len(fed.parts)
+    K = plan.num_clients
     # [ sum_k w_k * payload_k | sum_k w_k | per-client non-finite flags | local loss sum ]
     buf = torch.zeros(L + 1 + K + 1, dtype=server.x.dtype, device=server.x.device)
     bytes_per_model = L * server.x.element_size()
-    rnd = start
+    done = start
     for rnd in range(start, stop):
         t0 = time.perf_counter()
         # 1. local updates of this rank's clients, summed into one flat buffer
         buf.zero_()
-        for k in fed.owned:
+        for k, data in plan.data.items():
             try:
                 upload, clients[k] = algo.client_update(
-                    server, clients[k], fed.clients[k], fed.trainer, client_generator(cfg.seed, rnd, k)
+                    server, clients[k], data, plan.trainer, plan.generator(rnd, k)
                 )
             except NonFiniteLoss:
                 buf[L + 1 + k] = 1.0
@@ -67,31 +80,20 @@ def run_rounds(
         t2 = time.perf_counter()
         bad = torch.nonzero(buf[L + 1 : L + 1 + K]).flatten().tolist()
         if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise DivergenceError(
-                f"loss became NaN/inf in round {rnd + 1} on client {bad[0]}"
-                f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; lower lr (now {cfg.lr})"
+                f"loss became NaN/inf in round {round_offset + rnd + 1} on client {bad[0]}{more}; "
+                f"lower the learning rate{plan.lr_hint}"
             )
         # 3. the same server update on every rank
         server = algo.server_update(server, buf[:L].clone(), float(buf[L]))
         done = rnd + 1
         # 4. evaluation, sharded over ranks
         row = None
-        if done % cfg.eval_every == 0 or done == stop:
-            fed.flat.load(server.x)
-            acc, loss = evaluate(fed.flat.model, fed.dataset.test.x, fed.dataset.test.y, comm)
+        if done % plan.eval_every == 0 or done == stop:
+            row = {"round": round_offset + done, "stage": stage, **plan.evaluate(server)}
+            row["local_loss"] = float(buf[-1]) / K
             t3 = time.perf_counter()
-            row = {
-                "round": done,
-                "stage": stage,
-                "test_accuracy": acc,
-                "test_loss": loss,
-                "local_loss": float(buf[-1]) / K,
-            }
-            if cfg.eval_train:
-                row["train_accuracy"], row["train_loss"] = evaluate(
-                    fed.flat.model, fed.dataset.train.x, fed.dataset.train.y, comm
-                )
-                t3 = time.perf_counter()
             row.update(
                 bytes_up=K * bytes_per_model,
                 bytes_down=K * bytes_per_model,
@@ -103,4 +105,4 @@ def run_rounds(
         # 5. bookkeeping (metrics, checkpoint, progress) lives in the hook
         if hook is not None and hook(done, server, clients, row):
             return server, clients, done
-    return server, clients, stop if stop > start else start
+    return server, clients, done
