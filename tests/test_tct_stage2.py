@@ -38,18 +38,19 @@ def _problems(raw, labels, C=3):
     ]
 
 
-def test_closed_form_equals_primal_over_rounds():
-    raw, labels = _heterogeneous_features()
+@pytest.mark.parametrize(("p", "form"), [(30, "kernel"), (8, "covariance"), (30, "covariance"), (8, "kernel")])
+def test_closed_form_equals_primal_over_rounds(p, form):
+    raw, labels = _heterogeneous_features(p=p)
     problems = _problems(raw, labels)
     lr = 0.5 * min(2 * pr.n / ClosedFormSolver(pr).lambda_max() for pr in problems)
     results = {}
     for kind in ("primal", "closed"):
         solvers = {
-            k: (PrimalSolver(pr) if kind == "primal" else ClosedFormSolver(pr))
+            k: (PrimalSolver(pr) if kind == "primal" else ClosedFormSolver(pr, form=form))
             for k, pr in enumerate(problems)
         }
-        algo = Stage2(Stage2Params(lr=lr, local_steps=50), solvers, (31, 3))
-        server = algo.init_server(torch.zeros(31 * 3, dtype=torch.float64))
+        algo = Stage2(Stage2Params(lr=lr, local_steps=50), solvers, (p + 1, 3))
+        server = algo.init_server(torch.zeros((p + 1) * 3, dtype=torch.float64))
         states = {k: algo.init_client(k, server) for k in solvers}
         for _ in range(5):
             total, weight = torch.zeros_like(server.x), 0.0

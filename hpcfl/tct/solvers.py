@@ -84,41 +84,62 @@ class PrimalSolver:
         return self._lam
 
 
-class ClosedFormSolver:
-    """The M local steps in closed form through the eigendecomposition of K = Z̃Z̃ᵀ (float64)."""
+def _geometric_sums(eigenvalues: torch.Tensor, n: int, lr: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per eigenvalue λ, with β = 1 − ηλ/n: S1 = Σ_{m<M} βᵐ and S2 = Σ_{m<M} (1 − βᵐ)/(1 − β)."""
+    M = steps
+    one_minus = lr * eigenvalues / n  # 1 − β, exact rather than by subtraction
+    beta = 1.0 - one_minus
+    small = one_minus.abs() < 1e-12
+    safe = torch.where(small, torch.ones_like(one_minus), one_minus)
+    s1 = torch.where(small, torch.full_like(beta, M), (1.0 - beta.pow(M)) / safe)
+    s2 = torch.where(small, torch.full_like(beta, M * (M - 1) / 2), (M - s1) / safe)
+    return s1, s2
 
-    def __init__(self, problem: LinearProblem) -> None:
+
+class ClosedFormSolver:
+    """The M local steps in closed form, exactly equal to :class:`PrimalSolver` for the squared loss.
+
+    Picks the smaller eigensystem once per client, in float64:
+    - kernel form (n_k ≤ p + 1): K = Z̃Z̃ᵀ = UΛUᵀ, the residual recursion in the module docstring;
+      a round costs three products with Z̃.
+    - covariance form (n_k > p + 1): A = Z̃ᵀZ̃ = VΛVᵀ, B = Z̃ᵀY; W̃_{m+1} = βW̃_m + η(B̃/n + h̃) in
+      the eigenbasis, so W̃_M = βᴹW̃₀ + S1·c̃; a round costs three (p+1)² C products and never
+      touches the n_k rows again.
+    """
+
+    def __init__(self, problem: LinearProblem, *, form: str = "auto") -> None:
         self.problem = problem
+        n, d = problem.z.shape
+        self.form = form if form != "auto" else ("kernel" if n <= d else "covariance")
         z = problem.z.to(torch.float64)
-        self._z = z
-        self._y = problem.y.to(torch.float64)
-        lam, u = torch.linalg.eigh(z @ z.T)  # (n,), (n, n)
-        self.eigenvalues = lam.clamp_min(0.0)  # K is PSD; tiny negatives are rounding
-        self.eigenvectors = u
+        y = problem.y.to(torch.float64)
+        if self.form == "kernel":
+            self._z, self._y = z, y
+            lam, vec = torch.linalg.eigh(z @ z.T)  # (n,), (n, n)
+        else:
+            self._b = z.T @ y  # (p+1, C)
+            lam, vec = torch.linalg.eigh(z.T @ z)  # (p+1,), (p+1, p+1)
+            self._b_tilde = vec.T @ self._b
+        self.eigenvalues = lam.clamp_min(0.0)  # PSD; tiny negatives are rounding
+        self.eigenvectors = vec
 
     def lambda_max(self) -> float:
         return float(self.eigenvalues[-1])
 
-    def _sums(self, lr: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-eigenvalue S1 = Σ_{m<M} βᵐ and S2 = Σ_{m<M} (1 − βᵐ)/(1 − β)."""
-        n, M = self.problem.n, steps
-        beta = 1.0 - lr * self.eigenvalues / n
-        one_minus = lr * self.eigenvalues / n  # 1 − β, exact rather than by subtraction
-        small = one_minus.abs() < 1e-12
-        safe = torch.where(small, torch.ones_like(one_minus), one_minus)
-        beta_m = beta.pow(M)
-        s1 = torch.where(small, torch.full_like(beta, M), (1.0 - beta_m) / safe)
-        s2 = torch.where(small, torch.full_like(beta, M * (M - 1) / 2), (M - s1) / safe)
-        return s1, s2
-
     def local_steps(self, w0: torch.Tensor, h: torch.Tensor, lr: float, steps: int) -> torch.Tensor:
-        z, u, n = self._z, self.eigenvectors, self.problem.n
+        n, vec = self.problem.n, self.eigenvectors
         w0_64, h64 = w0.to(torch.float64), h.to(torch.float64)
-        r0 = u.T @ (z @ w0_64 - self._y)  # (n, C) residual in the eigenbasis
-        q = u.T @ (lr * (z @ h64))  # (n, C)
-        s1, s2 = self._sums(lr, steps)
-        residual_sum = u @ (s1[:, None] * r0 + s2[:, None] * q)  # Σ_{m<M} R_m, (n, C)
-        w = w0_64 + (lr * steps) * h64 - (lr / n) * (z.T @ residual_sum)
+        s1, s2 = _geometric_sums(self.eigenvalues, n, lr, steps)
+        if self.form == "kernel":
+            z = self._z
+            r0 = vec.T @ (z @ w0_64 - self._y)  # (n, C) residual in the eigenbasis
+            q = vec.T @ (lr * (z @ h64))  # (n, C)
+            residual_sum = vec @ (s1[:, None] * r0 + s2[:, None] * q)  # Σ_{m<M} R_m
+            w = w0_64 + (lr * steps) * h64 - (lr / n) * (z.T @ residual_sum)
+        else:
+            beta_m = 1.0 - s1 * (lr * self.eigenvalues / n)  # βᴹ = 1 − (1 − β)·S1
+            c = lr * (self._b_tilde / n + vec.T @ h64)  # (p+1, C)
+            w = vec @ (beta_m[:, None] * (vec.T @ w0_64) + s1[:, None] * c)
         return w.to(w0.dtype)
 
 
