@@ -15,7 +15,9 @@ from typing import Any
 
 import yaml
 
+from hpcfl.algorithms.fedcka import FedCKAParams
 from hpcfl.algorithms.fedprox import FedProxParams
+from hpcfl.algorithms.moon import MoonParams
 from hpcfl.errors import ConfigError, suggest
 
 
@@ -35,6 +37,7 @@ class Stage2Section:
     logit: int = 0  # which logit's gradient gives the features (paper: the first)
     params: str = "all"  # all | features
     lr: float = 5e-5  # η2
+    auto_lr: bool = False  # use half the largest stable η2 (from λ_max of every client) instead of lr
     local_steps: int = 500  # M
     rounds: int = 100  # T2
     solver: str = "closed_form"  # closed_form | primal
@@ -77,7 +80,10 @@ class Config:
     threads: int | None = None  # torch intra-op threads per rank (None: torch's default)
     comm: str = "auto"  # auto | local | mpi
     progress: bool = True
+    cka_metrics: bool = False  # per-layer CKA of each client's model vs the global model in metrics rows
     fedprox: FedProxParams = field(default_factory=FedProxParams)
+    moon: MoonParams = field(default_factory=MoonParams)
+    fedcka: FedCKAParams = field(default_factory=FedCKAParams)
     stage1: Stage1Section = field(default_factory=Stage1Section)
     stage2: Stage2Section = field(default_factory=Stage2Section)
 

@@ -11,7 +11,7 @@ from hpcfl.comm import LocalComm
 from hpcfl.errors import DivergenceError
 from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
 from hpcfl.tct.solvers import ClosedFormSolver, PrimalSolver
-from hpcfl.tct.stage2 import Stage2, Stage2Params, check_stability
+from hpcfl.tct.stage2 import Stage2, Stage2Params, check_stability, spectrum
 
 
 def _heterogeneous_features(K=4, p=30, C=3, seed=0, dtype=torch.float64):
@@ -38,7 +38,9 @@ def _problems(raw, labels, C=3):
     ]
 
 
-@pytest.mark.parametrize(("p", "form"), [(30, "kernel"), (8, "covariance"), (30, "covariance"), (8, "kernel")])
+@pytest.mark.parametrize(
+    ("p", "form"), [(30, "kernel"), (8, "covariance"), (30, "covariance"), (8, "kernel")]
+)
 def test_closed_form_equals_primal_over_rounds(p, form):
     raw, labels = _heterogeneous_features(p=p)
     problems = _problems(raw, labels)
@@ -126,7 +128,7 @@ def test_divergence_check_fires_exactly_when_primal_diverges(factor):
     if factor > 1:
         assert diverges
         with pytest.raises(DivergenceError, match="use stage2.lr <"):
-            check_stability(primal, lr, LocalComm())
+            check_stability(spectrum(primal, LocalComm()), lr)
     else:
         assert not diverges
-        check_stability(primal, lr, LocalComm())
+        check_stability(spectrum(primal, LocalComm()), lr)

@@ -16,10 +16,15 @@ from hpcfl.algorithms.base import (
     Upload,
 )
 from hpcfl.algorithms.fedavg import FedAvg
+from hpcfl.algorithms.fedcka import FedCKA
 from hpcfl.algorithms.fedprox import FedProx
+from hpcfl.algorithms.moon import Moon
 from hpcfl.algorithms.scaffold import Scaffold
+from hpcfl.algorithms.tct import TCT
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FedAvg, FedProx, Scaffold)}
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls for cls in (FedAvg, FedProx, Scaffold, TCT, Moon, FedCKA)
+}
 
 __all__ = [
     "ALGORITHMS",
@@ -27,10 +32,13 @@ __all__ = [
     "ClientData",
     "ClientState",
     "FedAvg",
+    "FedCKA",
     "FedProx",
     "HyperParams",
+    "Moon",
     "NonFiniteLoss",
     "Scaffold",
+    "TCT",
     "ServerState",
     "Trainer",
     "Upload",

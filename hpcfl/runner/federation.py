@@ -16,6 +16,7 @@ from hpcfl.comm import Communicator, place_clients
 from hpcfl.config import Config
 from hpcfl.data import Dataset, load_dataset, partition
 from hpcfl.errors import ConfigError
+from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.models import build_model
 from hpcfl.runner.rounds import Evaluator, RoundPlan
 from hpcfl.training.evaluate import evaluate
@@ -96,6 +97,7 @@ def model_plan(fed: Federation) -> RoundPlan:
         evaluate=model_evaluator(fed),
         eval_every=fed.cfg.eval_every,
         lr_hint=f" (lr is {fed.cfg.lr})",
+        similarity=LayerSimilarity.for_federation(fed) if fed.cfg.cka_metrics else None,
     )
 
 

@@ -12,6 +12,7 @@ import torch
 from hpcfl.algorithms import Algorithm, ClientData, ClientState, NonFiniteLoss, ServerState, Trainer
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import DivergenceError
+from hpcfl.metrics.similarity import LayerSimilarity
 
 # Called after every round with (round_done, server, clients, metrics_row or None); returns True to stop.
 RoundHook = Callable[[int, ServerState, dict[int, ClientState], dict[str, Any] | None], bool]
@@ -34,6 +35,7 @@ class RoundPlan:
     evaluate: Evaluator
     eval_every: int = 1
     lr_hint: str = ""  # how to name the learning rate in a divergence message
+    similarity: LayerSimilarity | None = None  # per-layer CKA of each client vs global (cka_metrics)
 
 
 def run_rounds(
@@ -55,14 +57,19 @@ def run_rounds(
     algo, comm = plan.algorithm, plan.comm
     L = algo.payload_size()
     K = plan.num_clients
-    # [ sum_k w_k * payload_k | sum_k w_k | per-client non-finite flags | local loss sum ]
-    buf = torch.zeros(L + 1 + K + 1, dtype=server.x.dtype, device=server.x.device)
+    S = plan.similarity.size if plan.similarity is not None else 0
+    # [ sum_k w_k * payload_k | sum_k w_k | per-client non-finite flags | per-client CKA | local loss sum ]
+    buf = torch.zeros(L + 1 + K + S + 1, dtype=server.x.dtype, device=server.x.device)
+    sims = buf[L + 1 + K : L + 1 + K + S]
     bytes_per_model = L * server.x.element_size()
     done = start
     for rnd in range(start, stop):
         t0 = time.perf_counter()
         # 1. local updates of this rank's clients, summed into one flat buffer
         buf.zero_()
+        probe = plan.similarity if (rnd + 1) % plan.eval_every == 0 or rnd + 1 == stop else None
+        if probe is not None:
+            probe.set_reference(server.x)
         for k, data in plan.data.items():
             try:
                 upload, clients[k] = algo.client_update(
@@ -74,6 +81,8 @@ def run_rounds(
             buf[:L].add_(upload.payload, alpha=upload.weight)
             buf[L] += upload.weight
             buf[-1] += upload.metrics.get("loss", 0.0)
+            if probe is not None:
+                probe.record(k, upload.payload, sims)
         t1 = time.perf_counter()
         # 2. one allreduce per round
         comm.allreduce(buf)
@@ -93,6 +102,8 @@ def run_rounds(
         if done % plan.eval_every == 0 or done == stop:
             row = {"round": round_offset + done, "stage": stage, **plan.evaluate(server)}
             row["local_loss"] = float(buf[-1]) / K
+            if probe is not None:
+                row.update(probe.row(sims))
             t3 = time.perf_counter()
             row.update(
                 bytes_up=K * bytes_per_model,

@@ -84,7 +84,9 @@ class PrimalSolver:
         return self._lam
 
 
-def _geometric_sums(eigenvalues: torch.Tensor, n: int, lr: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _geometric_sums(
+    eigenvalues: torch.Tensor, n: int, lr: float, steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per eigenvalue λ, with β = 1 − ηλ/n: S1 = Σ_{m<M} βᵐ and S2 = Σ_{m<M} (1 − βᵐ)/(1 − β)."""
     M = steps
     one_minus = lr * eigenvalues / n  # 1 − β, exact rather than by subtraction

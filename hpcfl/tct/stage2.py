@@ -87,16 +87,26 @@ class Stage2(Algorithm):
         return Upload(payload=w.flatten(), weight=float(data.n)), state
 
 
-def check_stability(solvers: dict[int, LocalSolver], lr: float, comm: Communicator) -> dict[int, float]:
-    """Refuse a learning rate for which some client's local steps diverge (η·λ_max/n_k > 2).
-
-    Every rank checks its own clients; one allgather gives every rank the same verdict, so the
-    error is raised everywhere before any round is wasted. Returns λ_max per client.
-    """
+def spectrum(solvers: dict[int, LocalSolver], comm: Communicator) -> dict[int, tuple[float, int]]:
+    """(λ_max of Z̃_kZ̃_kᵀ, n_k) of every client, gathered on every rank."""
     mine = {k: (s.lambda_max(), s.problem.n) for k, s in solvers.items()}
     every: dict[int, tuple[float, int]] = {}
     for part in comm.allgather(mine):
         every.update(part)
+    return every
+
+
+def auto_lr(every: dict[int, tuple[float, int]], fraction: float = 0.5) -> float:
+    """``fraction`` of the largest η2 that keeps every client's local steps stable."""
+    return fraction * min(max_stable_lr(lam, n) for lam, n in every.values())
+
+
+def check_stability(every: dict[int, tuple[float, int]], lr: float) -> None:
+    """Refuse a learning rate for which some client's local steps diverge (η·λ_max/n_k > 2).
+
+    ``every`` comes from :func:`spectrum`, identical on every rank, so the error is raised
+    everywhere before any round is wasted.
+    """
     bad = {k: v for k, v in every.items() if lr * v[0] / v[1] > 2.0}
     if bad:
         k = max(bad, key=lambda c: bad[c][0] / bad[c][1])
@@ -104,6 +114,5 @@ def check_stability(solvers: dict[int, LocalSolver], lr: float, comm: Communicat
         safest = min(max_stable_lr(lam_, n_) for lam_, n_ in every.values())
         raise DivergenceError(
             f"stage-2 learning rate {lr:g} diverges: client {k} has λ_max(Z̃Z̃ᵀ) = {lam:.4g} with n_k = {n}, "
-            f"so η·λ_max/n_k = {lr * lam / n:.3g} > 2; use stage2.lr < {safest:.4g}"
+            f"so η·λ_max/n_k = {lr * lam / n:.3g} > 2; use stage2.lr < {safest:.4g} (or stage2.auto_lr: true)"
         )
-    return {k: v[0] for k, v in every.items()}

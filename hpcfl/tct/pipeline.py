@@ -1,0 +1,156 @@
+"""TCT stage 2 end to end on one rank: convexify, features, standardise, solve, evaluate.
+
+Algorithm 2 of the TCT paper: re-initialise the last layer from a fixed seed, take per-sample
+features of the bootstrapped model (eNTK of one logit, or the last-layer representation of
+Table 12), standardise them with statistics from one allreduce, then run SCAFFOLD (or a variant)
+over ψ = (φ, b) from zero with the round loop every algorithm uses.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hpcfl.algorithms import ClientData, ServerState
+from hpcfl.config import Stage2Section
+from hpcfl.features import open_feature_store
+from hpcfl.models import reinit_last_layer
+from hpcfl.runner.federation import Federation
+from hpcfl.runner.rounds import RoundPlan
+from hpcfl.tct.features import ensure_store, feature_meta, test_shards
+from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
+from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver
+from hpcfl.tct.stage2 import Stage2, Stage2Params, auto_lr, check_stability, spectrum
+
+log = logging.getLogger("hpcfl.tct")
+
+
+@dataclass
+class Stage2Setup:
+    """The convexified problem as one rank holds it, ready for rounds."""
+
+    plan: RoundPlan
+    shape: tuple[int, int]  # (p + 1, C)
+    dtype: torch.dtype
+    lr: float  # η2 actually used (differs from the config with auto_lr)
+    lambda_max: dict[int, float]
+
+    def initial_server(self) -> ServerState:
+        """ψ₀ = 0 (Algorithm 2)."""
+        return self.plan.algorithm.init_server(torch.zeros(self.shape[0] * self.shape[1], dtype=self.dtype))
+
+
+def _dtype(cfg2: Stage2Section) -> torch.dtype:
+    # The closed form is derived and decomposed in float64; the primal reference follows the
+    # feature dtype's precision class (float32 unless asked otherwise) to stay a cheap reference.
+    return torch.float64 if cfg2.solver == "closed_form" else torch.float32
+
+
+def prepare_stage2(
+    fed: Federation, theta: torch.Tensor, run_dir: Path, cfg2: Stage2Section, *, extract: bool = True
+) -> Stage2Setup:
+    """Everything before stage 2's first round, collectively on every rank.
+
+    With ``extract=False`` the feature stores must already be complete and match (tct-stage2).
+    """
+    comm, ds = fed.comm, fed.dataset
+    # 1. convexify: the bootstrapped model with its last layer re-initialised from a fixed seed
+    fed.flat.load(theta)
+    model = fed.flat.model
+    reinit_last_layer(model, cfg2.seed)
+    model.eval()
+    meta = feature_meta(model, cfg2)
+    # 2. features of every owned client and test shard, into Zarr (reused when complete)
+    K = len(fed.parts)
+    shards = test_shards(ds.test.y.numel(), K, comm)
+    if not extract:
+        for name in ("features.zarr", "features_test.zarr"):
+            open_feature_store(run_dir / name, expect=meta)  # StoreError names what differs
+    ensure_store(
+        run_dir / "features.zarr",
+        meta,
+        {k: (d.x, d.y) for k, d in fed.clients.items()},
+        list(range(K)),
+        model,
+        cfg2,
+        comm,
+    )
+    ensure_store(
+        run_dir / "features_test.zarr",
+        meta,
+        {s: (ds.test.x[a:b], ds.test.y[a:b]) for s, (a, b) in shards.items()},
+        list(range(K)),
+        model,
+        cfg2,
+        comm,
+    )
+    train = open_feature_store(run_dir / "features.zarr", expect=meta)
+    test = open_feature_store(run_dir / "features_test.zarr", expect=meta)
+    raw = {k: train.read_client(k) for k in fed.clients}
+    # 3. standardise with ONE allreduce of (Σz, Σz², n) over all clients' training features
+    moments = federated_moments([z for z, _ in raw.values()], comm, p=meta.p) if cfg2.normalize else None
+    dtype, C = _dtype(cfg2), ds.num_classes
+    problems = {
+        k: LinearProblem(design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y)
+        for k, (z, y) in raw.items()
+    }
+    del raw
+    test_problems = []
+    for s in shards:
+        z, y = test.read_client(s)
+        test_problems.append(
+            LinearProblem(design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y)
+        )
+    # 4. local solvers and the stability check (before any round is spent)
+    solvers: dict[int, LocalSolver] = {
+        k: ClosedFormSolver(pr) if cfg2.solver == "closed_form" else PrimalSolver(pr, loss=cfg2.loss)
+        for k, pr in problems.items()
+    }
+    every = spectrum(solvers, comm)
+    lr = auto_lr(every) if cfg2.auto_lr else cfg2.lr
+    if cfg2.loss == "mse":
+        check_stability(every, lr)
+    if cfg2.auto_lr and comm.rank == 0:
+        log.info("stage2.auto_lr: η2 = %.4g (half the largest stable rate)", lr)
+    shape = (meta.p + 1, C)
+    algo = Stage2(Stage2Params(lr=lr, local_steps=cfg2.local_steps, variant=cfg2.variant), solvers, shape)
+    plan = RoundPlan(
+        algorithm=algo,
+        comm=comm,
+        data={k: ClientData(k, pr.z, pr.y) for k, pr in problems.items()},
+        trainer=None,
+        num_clients=K,
+        generator=lambda rnd, k: torch.Generator(),  # stage 2 is deterministic full-batch
+        evaluate=_evaluator(problems, test_problems, shape, comm),
+        eval_every=1,
+        lr_hint=f" (stage-2 η is {lr:g})",
+    )
+    return Stage2Setup(
+        plan=plan, shape=shape, dtype=dtype, lr=lr, lambda_max={k: v[0] for k, v in every.items()}
+    )
+
+
+def _evaluator(problems, test_problems, shape, comm):
+    """Train/test accuracy of argmax(Z̃W) and the mean squared error, one allreduce."""
+
+    def evaluate_linear(server: ServerState) -> dict[str, float]:
+        stats = torch.zeros(6, dtype=torch.float64)
+        for offset, group in ((0, test_problems), (3, list(problems.values()))):
+            for pr in group:
+                w = server.x.view(shape).to(pr.z.dtype)
+                out = pr.z @ w
+                stats[offset] += (out.argmax(1) == pr.labels).sum()
+                stats[offset + 1] += 0.5 * ((out - pr.y) ** 2).sum(1).sum()
+                stats[offset + 2] += pr.n
+        comm.allreduce(stats)
+        return {
+            "test_accuracy": float(stats[0] / stats[2]),
+            "test_loss": float(stats[1] / stats[2]),
+            "train_accuracy": float(stats[3] / stats[5]),
+            "train_loss": float(stats[4] / stats[5]),
+        }
+
+    return evaluate_linear
