@@ -17,6 +17,7 @@ from hpcfl.errors import HpcflError
 # Sub-command modules, in the order --help lists them.
 _COMMANDS = (
     "run",
+    "compare",
     "partition",
     "tct_stage2",
     "report",

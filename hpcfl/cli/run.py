@@ -25,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", nargs="?", help="YAML config (omit to use the built-in defaults)")
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys (a.b=1)")
+    p.add_argument("--data-root", help="dataset directory (default: $HPCFL_DATA, else ~/.cache/hpcfl)")
     p.add_argument("--run-dir", type=Path, help="output directory (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete an existing run directory first")
@@ -32,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.set)
+    overrides = list(args.set) + ([f"data_root={args.data_root}"] if args.data_root else [])
+    cfg = load_config(args.config, overrides)
     run_dir = args.run_dir or default_run_dir(cfg)
     stop = StopRequest()
     stop.install()

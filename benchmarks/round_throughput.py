@@ -1,0 +1,175 @@
+"""FedAvg round throughput: hpcfl against a hand-written PyTorch loop, and strong scaling over ranks.
+
+Fashion-MNIST, simplecnn, 10 clients (IID), one local epoch, batch 64, plain SGD. Measured in one
+invocation so the ratios compare like with like:
+
+- ``plain``: a hand-written loop doing the same local work (per client: load the global weights,
+  one epoch of torch.optim.SGD over a fresh permutation, then the n_k-weighted average), 1 thread;
+- ``hpcfl R×T``: ``mpiexec -n R hpcfl run`` with T torch threads per rank; the round time comes
+  from metrics.jsonl (local compute + allreduce, evaluation excluded), so start-up and data
+  loading do not count.
+
+Samples/s = training samples processed per round / training time per round (the first round is
+a warm-up and is dropped). Prints a table and writes CSV + JSON (+ PNG) to --out.
+
+    python benchmarks/round_throughput.py --rounds 3 --out benchmarks/out/round_throughput
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def plain_loop(data_root: str, rounds: int, threads: int) -> float:
+    """Samples/s of a plain PyTorch FedAvg loop (runs in this process)."""
+    import torch
+    import torch.nn.functional as F
+
+    from hpcfl.data import load_dataset, partition
+    from hpcfl.models import build_model
+
+    torch.set_num_threads(threads)
+    ds = load_dataset("fashion-mnist", data_root)
+    parts = partition(ds.train.y, "iid", 10, seed=0, num_classes=10)
+    torch.manual_seed(0)
+    model = build_model("simplecnn", ds.input_shape, 10)
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+    clients = [(ds.train.x[p], ds.train.y[p]) for p in parts]
+    times = []
+    for rnd in range(rounds):
+        t0 = time.perf_counter()
+        total = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in global_state.items()}
+        n_all = 0
+        for k, (x, y) in enumerate(clients):
+            model.load_state_dict(global_state)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=1e-5)
+            g = torch.Generator().manual_seed(1000 * rnd + k)
+            perm = torch.randperm(x.shape[0], generator=g)
+            model.train()
+            for s in range(0, x.shape[0], 64):
+                idx = perm[s : s + 64]
+                opt.zero_grad()
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+            for key, v in model.state_dict().items():
+                if v.is_floating_point():
+                    total[key] += v * x.shape[0]
+            n_all += x.shape[0]
+        global_state = {
+            key: (total[key] / n_all if v.is_floating_point() else v) for key, v in model.state_dict().items()
+        }
+        times.append(time.perf_counter() - t0)
+    steady = times[1:] or times
+    return n_all / (sum(steady) / len(steady))
+
+
+def hpcfl_run(data_root: str, rounds: int, ranks: int, threads: int, workdir: Path) -> dict:
+    """Samples/s and the time split of ``mpiexec -n ranks hpcfl run`` (threads per rank)."""
+    cfg = dict(
+        name=f"r{ranks}t{threads}",
+        dataset="fashion-mnist",
+        data_root=data_root,
+        partition="iid",
+        num_clients=10,
+        model="simplecnn",
+        algorithm="fedavg",
+        rounds=rounds,
+        local_epochs=1,
+        lr=0.05,
+        batch_size=64,
+        eval_every=rounds,
+        threads=threads,
+        progress=False,
+        checkpoint_every=rounds,
+    )
+    path = workdir / f"{cfg['name']}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_dir = workdir / cfg["name"]
+    cmd = [sys.executable, "-m", "hpcfl", "run", str(path), "--run-dir", str(run_dir), "--overwrite"]
+    if ranks > 1:
+        cmd = [str(BIN / "mpiexec"), "-n", str(ranks), *cmd]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]  # eval_every = rounds: one row, the last (steady-state) round's time split
+    train_s = last["compute_s"] + last["allreduce_s"]
+    return {
+        "samples_per_s": 60000 / train_s,
+        "compute_s": last["compute_s"],
+        "allreduce_s": last["allreduce_s"],
+        "eval_s": last["eval_s"],
+        "allreduce_share": last["allreduce_s"] / (last["seconds"] - last["eval_s"]),
+        "allreduce_share_with_eval": last["allreduce_s"] / last["seconds"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--data-root", default=os.environ.get("HPCFL_DATA"), help="dataset dir (default $HPCFL_DATA)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds per configuration (the last one is timed)"
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/out/round_throughput")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        plain = plain_loop(args.data_root, args.rounds, threads=1)
+        rows.append({"config": "plain 1x1", "ranks": 1, "threads": 1, "samples_per_s": plain})
+        print(f"plain loop 1 rank x 1 thread: {plain:,.0f} samples/s", flush=True)
+        for ranks, threads in ((1, 1), (2, 1), (1, 2)):
+            r = hpcfl_run(args.data_root, args.rounds, ranks, threads, work)
+            rows.append({"config": f"hpcfl {ranks}x{threads}", "ranks": ranks, "threads": threads, **r})
+            print(
+                f"hpcfl {ranks} rank(s) x {threads} thread(s): {r['samples_per_s']:,.0f} samples/s, "
+                f"allreduce {100 * r['allreduce_share']:.3f}% of round",
+                flush=True,
+            )
+    by = {r["config"]: r for r in rows}
+    summary = {
+        "hpcfl_vs_plain_1x1": by["hpcfl 1x1"]["samples_per_s"] / by["plain 1x1"]["samples_per_s"],
+        "speedup_2x1_vs_1x1": by["hpcfl 2x1"]["samples_per_s"] / by["hpcfl 1x1"]["samples_per_s"],
+        "speedup_1x2_vs_1x1": by["hpcfl 1x2"]["samples_per_s"] / by["hpcfl 1x1"]["samples_per_s"],
+        "allreduce_share_2x1": by["hpcfl 2x1"]["allreduce_share"],
+    }
+    print("\n| configuration | samples/s | ratio to hpcfl 1x1 |\n|---|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['config']} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / by['hpcfl 1x1']['samples_per_s']:.3f} |"
+        )
+    print(
+        f"\nhpcfl / plain loop (1 rank x 1 thread): {summary['hpcfl_vs_plain_1x1']:.3f}  (required >= 0.95)"
+    )
+    print(
+        f"strong scaling 2 ranks x 1 thread vs 1x1: {summary['speedup_2x1_vs_1x1']:.3f}x  (required >= 1.8)"
+    )
+    print(f"1 rank x 2 threads vs 1x1: {summary['speedup_1x2_vs_1x1']:.3f}x")
+    print(f"allreduce share of the round at 2 ranks: {100 * summary['allreduce_share_2x1']:.3f}%")
+    with open(args.out / "round_throughput.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=sorted({k for r in rows for k in r}))
+        writer.writeheader()
+        writer.writerows(rows)
+    (args.out / "round_throughput.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+    print(f"written: {args.out}/round_throughput.csv, .json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Turn run directories into what a person reads: a table of final results and accuracy curves."""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcfl.config import read_yaml
+from hpcfl.errors import RunDirError
+from hpcfl.runner.files import atomic_write_text, read_jsonl
+
+
+@dataclass
+class RunSummary:
+    """The headline numbers of one run directory."""
+
+    name: str
+    algorithm: str
+    partition: str
+    rounds: int
+    final_accuracy: float
+    best_accuracy: float
+    seconds: float
+    rows: list[dict]
+
+
+def summarise(run_dir: Path) -> RunSummary:
+    """Read one run directory's config and metrics."""
+    run_dir = Path(run_dir)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    if not (run_dir / "config.yaml").exists() or not rows:
+        raise RunDirError(f"{run_dir} holds no finished round (no config.yaml or empty metrics.jsonl)")
+    cfg = read_yaml(run_dir / "config.yaml")
+    return RunSummary(
+        name=str(cfg.get("name", run_dir.name)),
+        algorithm=str(cfg.get("algorithm")),
+        partition=str(cfg.get("partition")),
+        rounds=int(rows[-1]["round"]),
+        final_accuracy=float(rows[-1]["test_accuracy"]),
+        best_accuracy=max(float(r["test_accuracy"]) for r in rows),
+        seconds=sum(float(r.get("seconds", 0.0)) for r in rows),
+        rows=rows,
+    )
+
+
+def markdown_table(runs: list[RunSummary]) -> str:
+    """A markdown table with one line per run."""
+    lines = [
+        "| run | algorithm | partition | rounds | final test acc. | best test acc. | round time (s) |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r.name} | {r.algorithm} | {r.partition} | {r.rounds} | {100 * r.final_accuracy:.2f}% "
+            f"| {100 * r.best_accuracy:.2f}% | {r.seconds:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def csv_table(runs: list[RunSummary]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(
+        ["run", "algorithm", "partition", "rounds", "final_test_accuracy", "best_test_accuracy", "seconds"]
+    )
+    for r in runs:
+        writer.writerow(
+            [r.name, r.algorithm, r.partition, r.rounds, r.final_accuracy, r.best_accuracy, r.seconds]
+        )
+    return buf.getvalue()
+
+
+def plot_accuracy(
+    runs: list[RunSummary], path: Path, *, title: str = "test accuracy vs communication round"
+) -> Path:
+    """One curve per run; TCT's stage boundary is marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in runs:
+        ax.plot(
+            [row["round"] for row in r.rows],
+            [100 * row["test_accuracy"] for row in r.rows],
+            marker="o",
+            ms=3,
+            label=r.name,
+        )
+        stage2 = [row["round"] for row in r.rows if row.get("stage") == "stage2"]
+        if stage2:
+            ax.axvline(stage2[0] - 0.5, color="grey", ls=":", lw=1)
+    ax.set_xlabel("communication round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def write_report(run_dirs: list[Path], out: Path) -> list[RunSummary]:
+    """report.md, report.csv and accuracy.png for the given runs, into ``out``."""
+    runs = [summarise(d) for d in run_dirs]
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "report.md", markdown_table(runs))
+    atomic_write_text(out / "report.csv", csv_table(runs))
+    plot_accuracy(runs, out / "accuracy.png")
+    return runs

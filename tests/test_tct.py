@@ -1,0 +1,164 @@
+"""TCT end to end: resume inside and across stages, MPI standardisation, tct-stage2, real data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from hpcfl.cli.main import main
+from hpcfl.config import load_config
+from hpcfl.runner import StopRequest, run_experiment
+from tests.helpers import REPO, VENV_BIN, synthetic_config
+
+
+class StopAfter(StopRequest):
+    """Asks the run to stop after ``n`` rounds of this invocation (a deterministic preemption)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, 0
+
+    @property
+    def requested(self) -> bool:  # read once per round by the runner
+        self.calls += 1
+        return self.calls >= self.n
+
+
+def _tct_config(tmp_path, **overrides):
+    keys = dict(
+        algorithm="tct",
+        partition="classes:2",
+        num_clients=5,
+        stage1={"rounds": 2},
+        stage2={"p": 300, "rounds": 3, "local_steps": 20, "auto_lr": True},
+    )
+    keys.update(overrides)
+    return load_config(synthetic_config(tmp_path, **keys))
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("stop_after", [1, 3])  # inside stage 1; inside stage 2
+def test_resume_inside_and_across_stages_is_bit_identical(tmp_path, stop_after):
+    cfg = _tct_config(tmp_path)
+    ref = run_experiment(cfg, tmp_path / "ref")
+    assert [r["stage"] for r in ref.metrics] == ["stage1", "stage1", "stage2", "stage2", "stage2"]
+    run = tmp_path / "cut"
+    first = run_experiment(cfg, run, stop=StopAfter(stop_after))
+    assert not first.finished and first.rounds_done == stop_after
+    second = run_experiment(cfg, run, resume=True)
+    assert second.finished
+    assert torch.equal(second.server.x, ref.server.x)
+    assert [r["test_accuracy"] for r in _rows(run)] == [r["test_accuracy"] for r in ref.metrics]
+
+
+def test_tct_stage2_rerun_reuses_features_and_refuses_feature_changes(tmp_path, capsys):
+    cfg = _tct_config(tmp_path)
+    run = tmp_path / "tct"
+    run_experiment(cfg, run)
+    mtime = (run / "features.zarr" / "zarr.json").stat().st_mtime_ns
+    assert main(["tct-stage2", str(run), "--set", "stage2.local_steps=5", "stage2.variant=gd"]) == 0
+    out = run / "stage2" / "local_steps=5,variant=gd" / "metrics.jsonl"
+    assert len(out.read_text().splitlines()) == 3
+    assert (run / "features.zarr" / "zarr.json").stat().st_mtime_ns == mtime  # not recomputed
+    capsys.readouterr()
+    assert main(["tct-stage2", str(run), "--set", "stage2.p=100"]) == 2
+    assert "changes the features" in capsys.readouterr().err
+
+
+def test_diverging_stage2_learning_rate_is_refused_before_any_round(tmp_path, capsys):
+    cfg_path = synthetic_config(
+        tmp_path,
+        algorithm="tct",
+        partition="classes:2",
+        num_clients=5,
+        stage1={"rounds": 1},
+        stage2={"p": 300, "rounds": 3, "local_steps": 20, "lr": 1000.0},
+    )
+    assert main(["run", str(cfg_path), "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "diverges" in err and "use stage2.lr <" in err and "Traceback" not in err
+    assert all(r["stage"] == "stage1" for r in _rows(tmp_path / "r"))
+
+
+@pytest.mark.mpi
+def test_federated_standardisation_over_two_mpi_ranks():
+    proc = subprocess.run(
+        [
+            str(VENV_BIN / "mpiexec"),
+            "-n",
+            "2",
+            str(VENV_BIN / "python"),
+            str(REPO / "tests/mpi_programs/standardize.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("OK") == 2, proc.stdout
+
+
+@pytest.mark.mpi
+def test_tct_two_ranks_match_one_process(tmp_path):
+    cfg_path = synthetic_config(
+        tmp_path,
+        algorithm="tct",
+        partition="classes:2",
+        num_clients=5,
+        stage1={"rounds": 1},
+        stage2={"p": 300, "rounds": 2, "local_steps": 20, "auto_lr": True},
+    )
+    local = run_experiment(load_config(cfg_path), tmp_path / "local")
+    run = tmp_path / "mpi"
+    proc = subprocess.run(
+        [
+            str(VENV_BIN / "mpiexec"),
+            "-n",
+            "2",
+            str(VENV_BIN / "python"),
+            "-m",
+            "hpcfl",
+            "run",
+            str(cfg_path),
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = _rows(run)
+    assert abs(rows[-1]["test_accuracy"] - local.metrics[-1]["test_accuracy"]) < 1e-9
+
+
+def test_short_tct_on_fashion_mnist_classes1_beats_fedavg(data_root, tmp_path):
+    """One FedAvg round is the shared stage-1 budget; TCT's stage 2 then lifts accuracy far above it."""
+    cfg = load_config(
+        None,
+        [
+            f"data_root={data_root}",
+            "partition=classes:1",
+            "algorithm=tct",
+            "stage1.rounds=1",
+            "lr=0.01",
+            "stage2.p=500",
+            "stage2.rounds=3",
+            "stage2.local_steps=500",
+            "stage2.auto_lr=true",
+            "progress=false",
+        ],
+    )
+    result = run_experiment(cfg, tmp_path / "tct")
+    fedavg = [r for r in result.metrics if r["stage"] == "stage1"][-1]["test_accuracy"]
+    tct = result.metrics[-1]["test_accuracy"]
+    print(f"FMNIST classes:1 — FedAvg after stage 1: {fedavg:.4f}, TCT: {tct:.4f}")
+    assert tct > fedavg + 0.25
