@@ -120,7 +120,7 @@ def test_divergence_check_fires_exactly_when_primal_diverges(factor):
     critical = min(2 * pr.n / ClosedFormSolver(pr).lambda_max() for pr in problems)
     lr = factor * critical
     diverges = False
-    for k, pr in enumerate(problems):
+    for k in range(len(problems)):
         w = primal[k].local_steps(
             torch.zeros(31, 3, dtype=torch.float64), torch.zeros(31, 3, dtype=torch.float64), lr, 3000
         )
