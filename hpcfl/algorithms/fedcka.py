@@ -59,7 +59,7 @@ from hpcfl.algorithms.reference import (
 from hpcfl.errors import ConfigError
 from hpcfl.metrics.cka import fedcka_loss
 from hpcfl.metrics.gram import CentredGram, fedcka_loss_gram
-from hpcfl.metrics.layers import LayerTap, first_layers
+from hpcfl.metrics.layers import LayerTap, check_layers, first_layers
 from hpcfl.training.sgd import LocalResult
 
 __all__ = ["FedCKA", "FedCKAClientState", "FedCKAParams", "cka_regulariser"]
@@ -116,7 +116,13 @@ def cka_regulariser(
     *,
     debiased: bool,
 ) -> Tensor:
-    """ℓ_cka of Eq. 2. CPU, biased estimator: shared Gram form; otherwise :func:`fedcka_loss`."""
+    """ℓ_cka of Eq. 2. CPU, biased estimator: shared Gram form; otherwise :func:`fedcka_loss`.
+
+    The debiased estimator needs n ≥ 4 samples: a smaller batch (an epoch's last one) is not
+    regularised, its ℓ_cka is the constant log 2 of two equal similarities.
+    """
+    if debiased and local_acts[0].shape[0] < 4:
+        return local_acts[0].new_tensor(math.log(2.0))
     if debiased or local_acts[0].is_cuda:
         return fedcka_loss(local_acts, global_acts, prev_acts, debiased=debiased)
     with torch.no_grad():
@@ -169,6 +175,8 @@ class FedCKA(Algorithm):
     ) -> tuple[Upload, FedCKAClientState]:
         assert isinstance(client, FedCKAClientState)
         p: FedCKAParams = self.params  # type: ignore[assignment]
+        if self._model is not trainer.flat.model:  # a bad layer name fails in round 1, not 2
+            check_layers(trainer.flat.model, self.layer_names(trainer.flat.model))
         if p.mu == 0 or client.prev is None:
             x, result = trainer.train(server.x, data, generator)
             loss = result.loss + p.mu * math.log(2.0)  # ℓ_cka = log 2 when w_prev = w_g

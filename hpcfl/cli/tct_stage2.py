@@ -61,7 +61,7 @@ def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
 
 def run(args: argparse.Namespace) -> int:
     from hpcfl.comm import get_comm
-    from hpcfl.runner.experiment import STAGE1_MODEL
+    from hpcfl.runner.experiment import STAGE1_MODEL, set_threads
     from hpcfl.runner.federation import build_federation
     from hpcfl.runner.files import append_jsonl, write_jsonl
     from hpcfl.runner.progress import Progress
@@ -75,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.run_dir} has no {STAGE1_MODEL}: its stage 1 has not finished; resume the run first"
         )
     comm = get_comm(cfg.comm)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg, comm)
     fed = build_federation(cfg, comm)
     setup = prepare_stage2(
         fed, torch.load(theta_path, weights_only=True), args.run_dir, cfg.stage2, extract=False

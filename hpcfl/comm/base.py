@@ -19,6 +19,7 @@ class Communicator(Protocol):
     rank: int
     size: int
     local_rank: int
+    local_size: int  # ranks on this node
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks in place and return it (contiguous tensors only)."""

@@ -14,6 +14,7 @@ class LocalComm:
     rank = 0
     size = 1
     local_rank = 0
+    local_size = 1
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -40,6 +40,7 @@ class MPIComm:
         self.size: int = self._comm.Get_size()
         node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank: int = node.Get_rank()
+        self.local_size: int = node.Get_size()
         node.Free()
         self._cuda_aware = _cuda_aware(self._mpi)
 

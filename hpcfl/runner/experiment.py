@@ -8,6 +8,7 @@ its two stages here in sequence; round numbers and checkpoints continue across t
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -93,6 +94,19 @@ def _write_partition(fed: Federation, run_dir: Path) -> None:
     plot_partition_heatmap(counts, run_dir / "partition.png")
 
 
+def set_threads(cfg: Config, comm: Communicator) -> None:
+    """Torch threads per rank: the config's, else this node's cores shared among its ranks.
+
+    Without this every rank of ``mpiexec -n R`` starts one thread per core and they oversubscribe
+    the node, and spinning OpenMP threads make rounds many times slower.
+    """
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    elif comm.local_size > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // comm.local_size))
+
+
 def stage_rounds(cfg: Config) -> tuple[int, int]:
     """(rounds of the model-training stage, total rounds): TCT adds its stage-2 rounds."""
     if cfg.algorithm == "tct":
@@ -154,8 +168,7 @@ def run_experiment(
     """Run (or continue) the configured federation; every rank returns the same server state."""
     comm = comm or get_comm(cfg.comm)
     run_dir = Path(run_dir)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg, comm)
     has_state = _collective_check(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)
     )

@@ -1,0 +1,31 @@
+"""eNTK features for TCT stage 2: z = S(∂f_logit(x; θ)/∂θ), p of the P coordinates.
+
+Public API:
+
+- :func:`entk_features` — the one entry point (loop / vmap / fused implementations behind
+  :class:`EntkMethod`).
+- :func:`coordinate_set` — the sorted kept coordinates (the paper's ``randperm(P)[:p]`` set).
+- :func:`num_params` / :func:`scope_parameters` — the index space (``params="all"|"features"``).
+- :func:`reinit_last_layer` — re-exported from :mod:`hpcfl.models` (TCT re-initialises the last
+  layer from a fixed seed before extracting features).
+"""
+
+from hpcfl.entk.api import entk_features as entk_features
+from hpcfl.entk.coords import PARAM_SCOPES as PARAM_SCOPES
+from hpcfl.entk.coords import coordinate_set as coordinate_set
+from hpcfl.entk.coords import coords_hash as coords_hash
+from hpcfl.entk.coords import num_params as num_params
+from hpcfl.entk.coords import scope_parameters as scope_parameters
+from hpcfl.entk.methods import EntkMethod as EntkMethod
+from hpcfl.models import reinit_last_layer as reinit_last_layer
+
+__all__ = [
+    "PARAM_SCOPES",
+    "EntkMethod",
+    "coordinate_set",
+    "coords_hash",
+    "entk_features",
+    "num_params",
+    "reinit_last_layer",
+    "scope_parameters",
+]

@@ -1,0 +1,59 @@
+"""Small helpers shared by the eNTK implementations."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from hpcfl.errors import ConfigError
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Put every submodule in eval mode and restore each one's own ``training`` flag afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Device and floating dtype of the model's first parameter (inputs are cast to them)."""
+    first = next(model.parameters(), None)
+    if first is None:
+        raise ValueError("the model has no parameters, so it has no eNTK features")
+    return first.device, first.dtype
+
+
+def batches(n: int, batch_size: int, *, progress: bool, desc: str) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` row ranges of ``batch_size``, with an optional tqdm bar over samples."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, desc=desc, unit="sample")
+    try:
+        for start in range(0, n, batch_size):
+            stop = min(n, start + batch_size)
+            yield start, stop
+            if bar is not None:
+                bar.update(stop - start)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def logit_of(output: Tensor | tuple, logit: int) -> Tensor:
+    """Column ``logit`` of the model's logits ``(B, C)`` → (B,); tuples use their first element."""
+    logits = output[0] if isinstance(output, tuple | list) else output
+    if logits.dim() != 2:
+        raise ValueError(f"the model must return logits of shape (B, C), got {tuple(logits.shape)}")
+    if not -logits.shape[1] <= logit < logits.shape[1]:
+        raise ConfigError(f"eNTK logit {logit} is out of range for a model with {logits.shape[1]} outputs")
+    return logits[:, logit]

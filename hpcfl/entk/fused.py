@@ -1,0 +1,185 @@
+"""The fused eNTK path: one batched forward + one backward per batch, then per-layer gathers.
+
+In eval mode the samples of a batch do not interact (BatchNorm uses running statistics), so the
+gradient of S = Σ_b f_logit(x_b) w.r.t. a layer's output, restricted to sample b, is exactly the
+gradient of f_logit(x_b) w.r.t. that sample's output. Forward hooks record each parametrised
+layer's input and the *gradient edge* of its output (``torch.autograd.graph.get_gradient_edge``:
+the edge of the value as produced, so a later in-place op on the output cannot redirect it); one
+``torch.autograd.grad(S, edges)`` then returns every layer's δ without computing any parameter
+gradient (the engine only runs the nodes on the path to the requested edges). Each layer plan turns
+(a, δ) into its kept coordinates (see :mod:`hpcfl.entk.layers`).
+
+Supported parametrised layers: Linear (2-d inputs), Conv2d (zero padding, any stride, dilation,
+groups), BatchNorm1d/2d with running statistics, GroupNorm. Anything else raises
+:class:`~hpcfl.entk.layers.Unsupported` naming the layer type and the reason; the caller falls back
+to ``vmap`` for the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+
+from hpcfl.entk._common import batches, logit_of, model_device_dtype
+from hpcfl.entk.coords import ParamColumns
+from hpcfl.entk.layers import ConvPlan, LayerPlan, LinearPlan, NormPlan, Unsupported, Workspace
+
+_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm)
+
+
+def structure_signature(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> tuple:
+    """What a cached plan depends on: parameter names, shapes and the owning module types."""
+    modules = dict(model.named_modules())
+    return tuple(
+        (name, tuple(t.shape), type(modules.get(name.rpartition(".")[0], model)).__name__)
+        for name, t in named
+    )
+
+
+@dataclass
+class FusedPlan:
+    """Per-layer plans (module name → plan) for one (model, scope, coordinates, device)."""
+
+    signature: tuple
+    layers: dict[str, LayerPlan]
+    workspace: Workspace = field(default_factory=Workspace)
+
+
+def _owner_map(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, t in module.named_parameters(recurse=False):
+            owners.setdefault(id(t), []).append((mod_name, module, attr))
+    return owners
+
+
+def _layer_plan(module: nn.Module, cols: dict[str, ParamColumns], device: torch.device) -> LayerPlan:
+    kind = type(module).__name__
+    extra = set(cols) - {"weight", "bias"}
+    if extra:
+        raise Unsupported(kind, f"parameter(s) {sorted(extra)} of a {kind} are not weight/bias")
+    weight, bias = cols.get("weight"), cols.get("bias")
+    if isinstance(module, nn.Linear):
+        if weight is None:
+            raise Unsupported(kind, "a Linear whose weight is outside the scope but whose bias is inside")
+        return LinearPlan(module, weight, bias, device)
+    if isinstance(module, nn.Conv2d):
+        if weight is None:
+            raise Unsupported(kind, "a Conv2d whose weight is outside the scope but whose bias is inside")
+        return ConvPlan(module, weight, bias, device)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and isinstance(module, _NORMS):
+        if module.running_mean is None or module.running_var is None:
+            raise Unsupported(kind, "BatchNorm without running statistics normalises with batch statistics")
+        return NormPlan(module, weight, bias, device)
+    if isinstance(module, nn.GroupNorm):
+        return NormPlan(module, weight, bias, device)
+    raise Unsupported(kind, f"no per-sample gradient gather for {kind} layers")
+
+
+def build_plan(
+    model: nn.Module, named: list[tuple[str, nn.Parameter]], columns: list[ParamColumns], device: torch.device
+) -> FusedPlan:
+    """Check every parametrised layer in scope and precompute its index vectors.
+
+    Raises:
+        Unsupported: a layer type without a gather, a parameter shared by several modules, or a
+            parameter owned by a module attribute other than weight/bias.
+    """
+    owners = _owner_map(model)
+    per_module: dict[str, tuple[nn.Module, dict[str, ParamColumns]]] = {}
+    for (_, t), col in zip(named, columns, strict=True):
+        found = owners.get(id(t), [])
+        if len(found) != 1:
+            raise Unsupported(
+                "shared parameter", f"parameter {col.name!r} is registered in {len(found)} modules"
+            )
+        mod_name, module, attr = found[0]
+        per_module.setdefault(mod_name, (module, {}))[1][attr] = col
+    layers = {name: _layer_plan(module, cols, device) for name, (module, cols) in per_module.items()}
+    return FusedPlan(structure_signature(model, named), layers)
+
+
+class _Capture:
+    """Forward hooks recording (input, input version, output gradient edge) per planned layer."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        self.records: dict[str, tuple[Tensor, int, Any]] = {}
+        modules = dict(model.named_modules())
+        self.handles = [modules[name].register_forward_hook(self._hook(name)) for name in names]
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            kind = type(module).__name__
+            if name in self.records:
+                raise Unsupported(kind, f"layer {name!r} runs more than once per forward (weight sharing)")
+            if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
+                raise Unsupported(kind, f"layer {name!r} is not called on a single tensor")
+            if not output.requires_grad:
+                raise Unsupported(kind, f"the output of {name!r} does not depend on anything requiring grad")
+            act = args[0]
+            self.records[name] = (act.detach(), act._version, get_gradient_edge(output))
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def fused_features(
+    model: nn.Module,
+    inputs: Tensor,
+    *,
+    plan: FusedPlan,
+    logit: int,
+    out: Tensor,
+    batch_size: int,
+    progress: bool,
+) -> Tensor:
+    """Fill ``out`` (n, p) batch by batch with the fused path (model already in eval mode).
+
+    Raises:
+        Unsupported: discovered while running (a layer called twice, an in-place op on a layer's
+            input, a Linear on 3-d inputs); ``out`` is then partially written.
+    """
+    device, dtype = model_device_dtype(model)
+    names = list(plan.layers)
+    capture = _Capture(model, names)
+    try:
+        for start, stop in batches(inputs.shape[0], batch_size, progress=progress, desc="eNTK fused"):
+            rows = out[start:stop]  # (B, p)
+            capture.records.clear()
+            x = inputs[start:stop].to(device=device)  # (B, ...)
+            if x.is_floating_point():  # a leaf requiring grad gives every layer output a grad_fn
+                x = x.to(dtype).requires_grad_(True)
+            with torch.enable_grad():
+                score = logit_of(model(x), logit).sum()  # Σ_b f_logit(x_b)
+                ran = [name for name in names if name in capture.records]
+                edges = [capture.records[name][2] for name in ran]
+                deltas = torch.autograd.grad(score, edges, allow_unused=True) if edges else ()
+            del score
+            done = set()
+            for name, delta in zip(ran, deltas, strict=True):
+                act, version, _ = capture.records.pop(name)
+                if act._version != version:
+                    kind = type(dict(model.named_modules())[name]).__name__
+                    raise Unsupported(kind, f"the input of {name!r} is modified in place after the layer ran")
+                if delta is None:
+                    continue
+                plan.layers[name].apply(_module(model, name), act, delta, rows, plan.workspace)
+                done.add(name)
+            for name in names:
+                if name not in done:
+                    plan.layers[name].zero(rows)
+    finally:
+        capture.close()
+    return out
+
+
+def _module(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name) if name else model

@@ -1,0 +1,102 @@
+"""The two reference implementations: the paper's per-sample loop and ``vmap(grad(...))``.
+
+Both write ``out[rows, :]`` for the sorted coordinate set; both are exact (no approximation beyond
+floating point) and serve as ground truth for the fused path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from hpcfl.entk._common import batches, logit_of, model_device_dtype
+from hpcfl.entk.coords import ParamColumns
+
+VMAP_BUDGET_ELEMS = 1 << 26
+"""Per-sample gradient elements held at once by ``vmap`` (chunk × P ≤ 2**26, 256 MiB in float32)."""
+
+
+def _cast(x: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Inputs to the model's device; floating inputs also to its dtype."""
+    return x.to(device=device, dtype=dtype if x.is_floating_point() else None)
+
+
+def _fixed(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor]:
+    """Detached copies of the parameters outside the scope (constants: no graph to the model)."""
+    inside = {name for name, _ in named}
+    return {name: t.detach() for name, t in model.named_parameters() if name not in inside}
+
+
+def loop_features(
+    model: nn.Module,
+    inputs: Tensor,
+    *,
+    named: list[tuple[str, nn.Parameter]],
+    coords: Tensor,
+    logit: int,
+    out: Tensor,
+    progress: bool,
+) -> Tensor:
+    """TCT Algorithm 3: per sample, backward of f_logit(x), concatenate the flat gradients, index.
+
+    The gradient is taken w.r.t. detached copies of the parameters (``functional_call``), so the
+    model's ``.grad`` fields are untouched and frozen parameters are included like the others.
+    """
+    device, dtype = model_device_dtype(model)
+    names = [name for name, _ in named]
+    params = {name: t.detach().requires_grad_(True) for name, t in named}
+    params = {**_fixed(model, named), **params}
+    coords = coords.to(device)
+    for start, stop in batches(inputs.shape[0], 1, progress=progress, desc="eNTK loop"):
+        x = _cast(inputs[start:stop], device, dtype)  # (1, ...)
+        with torch.enable_grad():
+            value = logit_of(functional_call(model, params, (x,)), logit)[0]
+            grads = torch.autograd.grad(value, [params[n] for n in names], allow_unused=True)
+        flat = torch.cat(
+            [
+                (g if g is not None else torch.zeros_like(params[n])).reshape(-1)
+                for g, n in zip(grads, names, strict=True)
+            ]
+        )  # (P,)
+        out[start].copy_(flat.index_select(0, coords))
+    return out
+
+
+def vmap_features(
+    model: nn.Module,
+    inputs: Tensor,
+    *,
+    named: list[tuple[str, nn.Parameter]],
+    columns: list[ParamColumns],
+    logit: int,
+    out: Tensor,
+    batch_size: int,
+    progress: bool,
+) -> Tensor:
+    """``vmap(grad(f))`` over ``functional_call`` in chunks of ≤ ``VMAP_BUDGET_ELEMS / P`` samples.
+
+    Each chunk's per-sample gradients are indexed parameter by parameter straight into the output
+    columns, so the (chunk, P) concatenation is never formed.
+    """
+    device, dtype = model_device_dtype(model)
+    params = {name: t.detach() for name, t in named}
+    fixed = _fixed(model, named)
+    total = sum(t.numel() for t in params.values())
+    chunk = max(1, min(batch_size, VMAP_BUDGET_ELEMS // max(1, total)))
+    locals_ = [c.local.to(device) for c in columns]
+
+    def f(theta: dict[str, Tensor], x: Tensor) -> Tensor:
+        return logit_of(functional_call(model, (fixed, theta), (x.unsqueeze(0),)), logit)[0]
+
+    per_sample = vmap(grad(f), in_dims=(None, 0))
+    for start, stop in batches(inputs.shape[0], chunk, progress=progress, desc="eNTK vmap"):
+        x = _cast(inputs[start:stop], device, dtype)  # (b, ...)
+        with torch.enable_grad():
+            grads = per_sample(params, x)  # name -> (b, *shape)
+        for col, local in zip(columns, locals_, strict=True):
+            if col.n:
+                flat = grads[col.name].reshape(stop - start, -1)  # (b, numel)
+                out[start:stop, col.col0 : col.col1].copy_(flat.index_select(1, local))
+        del grads
+    return out

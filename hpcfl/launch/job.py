@@ -1,0 +1,92 @@
+"""The callable a submitit job runs: one hpcfl run on every task of the allocation.
+
+It follows submitit's checkpoint protocol (:class:`submitit.helpers.Checkpointable`) with one
+change of timing. Submitit's own handler of the preemption / time-limit signal (``USR2``, sent
+``signal_delay_s`` before the limit) calls :meth:`HpcflJob.checkpoint` at once, in the middle of a
+round, and requeues. hpcfl instead lets every rank finish the round in flight and write a round
+checkpoint (the ranks agree on the stop through their per-round allreduce), and only then does rank
+0 go through submitit's checkpoint-and-requeue, so no finished work is lost and the rerun resumes
+bit for bit. If the signal comes before the round loop is running, submitit's handler still does the
+right thing: the resubmission :meth:`checkpoint` returns resumes from the last round checkpoint.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.core.job_environment import SignalHandler
+from submitit.core.utils import DelayedSubmission
+
+from hpcfl.config import config_from_dict
+from hpcfl.errors import ConfigError
+from hpcfl.runner import StopRequest, run_experiment
+from hpcfl.runner.checkpoint import latest_round
+
+#: Exit status of ranks that stopped for a requeue (submitit's own handler exits with -1 too).
+REQUEUE_EXIT = 255
+
+
+@dataclass
+class HpcflJob(submitit.helpers.Checkpointable):
+    """``hpcfl run CONFIG --run-dir RUN_DIR --resume`` as a submitit job (every task runs it).
+
+    ``config`` is the resolved config (``Config.to_dict()``, validated at submission), ``run_dir``
+    an absolute path on the shared file system. The job always resumes: the first run starts
+    fresh, every rerun after a requeue continues from the newest round checkpoint.
+    """
+
+    config: dict[str, Any]
+    run_dir: str
+
+    def __call__(self) -> dict[str, Any]:
+        """Run (or continue) the federation; returns a summary, or requeues and exits on a signal."""
+        cfg = config_from_dict(self.config)
+        run_dir = Path(self.run_dir)
+        start = latest_round(run_dir / "checkpoints") or 0
+        stop = StopRequest()
+        stop.install()  # SIGUSR1 / SIGTERM
+        try:  # and submitit's preemption / time-limit signal, which replaces its immediate requeue
+            signal.signal(
+                submitit.JobEnvironment._usr_sig(), lambda signum, frame: setattr(stop, "requested", True)
+            )
+        except (ValueError, RuntimeError):  # not the main thread, or an unknown SUBMITIT_PREEMPT_SIGNAL
+            pass
+        result = run_experiment(cfg, run_dir, resume=True, stop=stop)
+        last = result.metrics[-1] if result.metrics else {}
+        summary = {
+            "run_dir": str(run_dir),
+            "finished": result.finished,
+            "rounds_done": result.rounds_done,
+            "rounds": cfg.rounds,
+            "test_accuracy": last.get("test_accuracy"),
+        }
+        if not result.finished:
+            if result.rounds_done <= start:
+                raise ConfigError(
+                    f"stopped by a signal before finishing a round (still at round {start}); a round "
+                    "does not fit in the time left: raise --time or --signal-delay"
+                )
+            self._requeue_after_checkpoint()
+        return summary
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
+        """The resubmission after a preemption or time limit: the same job (it always resumes).
+
+        The state lives in the run directory's round checkpoints, not in this object, so nothing
+        needs saving here.
+        """
+        return DelayedSubmission(HpcflJob(config=self.config, run_dir=self.run_dir))
+
+    def _requeue_after_checkpoint(self) -> None:
+        """After the round checkpoint: rank 0 runs submitit's checkpoint-and-requeue (writes the
+        resubmission, ``scontrol requeue``, exits); the other ranks just exit."""
+        env = submitit.JobEnvironment()
+        if env.global_rank == 0:
+            delayed = DelayedSubmission.load(env.paths.submitted_pickle)
+            SignalHandler(env, env.paths, delayed).checkpoint_and_try_requeue(env._usr_sig())
+        sys.exit(REQUEUE_EXIT)
