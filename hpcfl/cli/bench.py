@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-KINDS: tuple[str, ...] = ("entk",)
+KINDS: tuple[str, ...] = ("entk", "scaling")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
