@@ -138,8 +138,9 @@ class FedCKA(Algorithm):
     def __init__(self, params: HyperParams, *, num_params: int, state_size: int) -> None:
         super().__init__(params, num_params=num_params, state_size=state_size)
         self._model: nn.Module | None = None  # the working model the references were built from
-        self._layers: list[str] = []
         self._refs: References | None = None
+        self._layers: list[str] = []
+        self._layers_model: nn.Module | None = None  # the model ``_layers`` were checked against
 
     def init_client(self, k: int, server: ServerState) -> FedCKAClientState:
         return FedCKAClientState()
@@ -149,18 +150,25 @@ class FedCKA(Algorithm):
         p: FedCKAParams = self.params  # type: ignore[assignment]
         return list(p.layers) if p.layers is not None else first_layers(model, p.num_layers)
 
+    def _layers_of(self, model: nn.Module) -> list[str]:
+        """:meth:`layer_names`, checked against the model once (a bad name fails in round 1)."""
+        if self._layers_model is not model:
+            names = self.layer_names(model)
+            check_layers(model, names)
+            self._layers, self._layers_model = names, model
+        return self._layers
+
     def _setup(self, trainer: Trainer) -> References:
         """Build the two frozen copies once per working model (not per client, never per batch)."""
         model = trainer.flat.model
         if self._refs is None or self._model is not model:
             p: FedCKAParams = self.params  # type: ignore[assignment]
-            layers = self.layer_names(model)
+            layers = self._layers_of(model)
 
             def represent(frozen: nn.Module) -> Represent:
                 tap = LayerTap(frozen, layers, truncate=True)
                 return lambda x: tap.forward(x)[1]
 
-            self._layers = layers
             self._refs = References(model, self.state_size, represent, cache_bytes=p.cache_mb * 2**20)
             self._model = model
         return self._refs
@@ -175,8 +183,7 @@ class FedCKA(Algorithm):
     ) -> tuple[Upload, FedCKAClientState]:
         assert isinstance(client, FedCKAClientState)
         p: FedCKAParams = self.params  # type: ignore[assignment]
-        if self._model is not trainer.flat.model:  # a bad layer name fails in round 1, not 2
-            check_layers(trainer.flat.model, self.layer_names(trainer.flat.model))
+        self._layers_of(trainer.flat.model)
         if p.mu == 0 or client.prev is None:
             x, result = trainer.train(server.x, data, generator)
             loss = result.loss + p.mu * math.log(2.0)  # ℓ_cka = log 2 when w_prev = w_g
@@ -195,7 +202,7 @@ class FedCKA(Algorithm):
         refs.begin(x0, prev, data.x, visits, chunk=sched.batch_size)
         task_loss, mu = trainer.loss_fn, p.mu
         try:
-            with LayerTap(trainer.flat.model, self._layers) as tap:
+            with LayerTap(trainer.flat.model, self._layers_of(trainer.flat.model)) as tap:
 
                 def loss_fn(model: nn.Module, xb: Tensor, target: Tensor) -> Tensor:
                     y, idx = split_indices(target)

@@ -23,8 +23,8 @@ model        :func:`block_outputs` (the first two are FedCKA's default)
 ============ ====================================================================================
 cnn-proj     pool1, pool2, relu3, relu4, relu5, projection, classifier (the 7 layers of Table 4)
 simplecnn    relu1, relu2, relu3, relu4, classifier
-resnet8/18   relu1 (stem), layer1.0, layer1.1 ..., layer4.1 → pool, classifier
-vgg11        encoder.2 (pool after conv 1), encoder.5 (pool after conv 2), encoder.7, ...
+resnet8/18   relu1 (stem), layer1.0, layer1.1, ..., pool (last block + global pool), classifier
+vgg11        encoder.2, encoder.5 (the pools after convs 1 and 2; encoder.3, encoder.7 with BN), ...
 mlp          relu1, classifier
 ============ ====================================================================================
 
@@ -50,6 +50,7 @@ __all__ = ["LayerTap", "block_outputs", "check_layers", "first_layers"]
 log = logging.getLogger("hpcfl.metrics")
 
 _PARAMETRISED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_UNCUT: set[str] = set()  # model classes whose forwards could not be truncated (logged once)
 
 
 def _units(module: nn.Module, prefix: str, out: list[str]) -> None:
@@ -159,11 +160,12 @@ class LayerTap:
             pass
         else:
             if self.truncate and self._stop is not None:
-                log.info(
-                    "%s: the forward could not be cut after %r; running full forwards",
-                    type(self.model).__name__,
-                    self._stop,
-                )
+                kind = type(self.model).__name__
+                if kind not in _UNCUT:  # one line per model class and process
+                    _UNCUT.add(kind)
+                    log.info(
+                        "%s: the forward could not be cut after %r; running full forwards", kind, self._stop
+                    )
                 self.truncate, self._stop = False, None
         finally:
             self._cutting = False
