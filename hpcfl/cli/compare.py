@@ -36,7 +36,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--out", type=Path, default=Path("runs/compare"), help="output directory (default: runs/compare)"
     )
     p.add_argument("--data-root", help="dataset directory (overrides the configs' data_root)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override keys in every config")
+    p.add_argument(
+        "--set",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override keys in every config",
+    )
     p.set_defaults(func=run)
 
 

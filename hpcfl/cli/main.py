@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
+from hpcfl.comm import launcher_rank
 from hpcfl.errors import HpcflError
 
 # Sub-command modules, in the order --help lists them.
@@ -45,15 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _launcher_rank() -> int:
-    """This process's rank as the launcher announces it (0 when started directly)."""
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        value = os.environ.get(var)
-        if value and value.isdigit():
-            return int(value)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     parser = build_parser()
@@ -64,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except HpcflError as err:
-        if _launcher_rank() == 0:  # every rank hits the same error; say it once
+        if launcher_rank() == 0:  # every rank hits the same error; say it once
             print(f"hpcfl: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hpcfl.comm import launcher_rank
 from hpcfl.config import load_config
 from hpcfl.runner import StopRequest, default_run_dir, run_experiment
 
@@ -24,7 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example: hpcfl run configs/fmnist_fedavg.yaml --set rounds=5 lr=0.05 --run-dir runs/try",
     )
     p.add_argument("config", nargs="?", help="YAML config (omit to use the built-in defaults)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys (a.b=1)")
+    p.add_argument(
+        "--set",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override config keys (a.b=1)",
+    )
     p.add_argument("--data-root", help="dataset directory (default: $HPCFL_DATA, else ~/.cache/hpcfl)")
     p.add_argument("--run-dir", type=Path, help="output directory (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
@@ -40,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     stop.install()
     result = run_experiment(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop=stop)
     if not result.finished:
+        if launcher_rank() != 0:
+            return EXIT_RESUMABLE
         print(
             f"hpcfl: stopped by signal after round {result.rounds_done} (checkpoint saved); "
             f"continue with: hpcfl run {args.config or ''} --run-dir {run_dir} --resume",

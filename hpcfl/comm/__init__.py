@@ -25,6 +25,15 @@ def launched_world_size() -> int:
     return 1
 
 
+def launcher_rank() -> int:
+    """This process's rank as the launcher announces it (0 when started directly)."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return 0
+
+
 def get_comm(kind: str = "auto") -> Communicator:
     """Return the communicator for this process: ``local``, ``mpi`` or ``auto`` (MPI if launched so)."""
     if kind == "local" or (kind == "auto" and launched_world_size() <= 1):
@@ -34,4 +43,4 @@ def get_comm(kind: str = "auto") -> Communicator:
     return MPIComm()
 
 
-__all__ = ["Communicator", "LocalComm", "get_comm", "launched_world_size", "place_clients"]
+__all__ = ["Communicator", "LocalComm", "get_comm", "launched_world_size", "launcher_rank", "place_clients"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ class HpcflJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict[str, Any]:
         """Run (or continue) the federation; returns a summary, or requeues and exits on a signal."""
+        t_start = time.time()
         cfg = config_from_dict(self.config)
         run_dir = Path(self.run_dir)
         start = latest_round(run_dir / "checkpoints") or 0
@@ -71,7 +73,7 @@ class HpcflJob(submitit.helpers.Checkpointable):
                     f"stopped by a signal before finishing a round (still at round {start}); a round "
                     "does not fit in the time left: raise --time or --signal-delay"
                 )
-            self._requeue_after_checkpoint()
+            self._requeue_after_checkpoint(t_start, result.rounds_done)
         return summary
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
@@ -82,11 +84,27 @@ class HpcflJob(submitit.helpers.Checkpointable):
         """
         return DelayedSubmission(HpcflJob(config=self.config, run_dir=self.run_dir))
 
-    def _requeue_after_checkpoint(self) -> None:
-        """After the round checkpoint: rank 0 runs submitit's checkpoint-and-requeue (writes the
-        resubmission, ``scontrol requeue``, exits); the other ranks just exit."""
+    def _requeue_after_checkpoint(self, t_start: float, rounds_done: int) -> None:
+        """After the round checkpoint: every rank finalizes MPI, then rank 0 runs submitit's
+        checkpoint-and-requeue (writes the resubmission, ``scontrol requeue``, exits) and the
+        other ranks exit.
+
+        Finalizing first matters with MPICH: its start-up shared memory is named after the PMI
+        job/step id, which the rerun of a requeued job reuses; ranks killed by the requeue before
+        MPI_Finalize leave it in /dev/shm and the rerun's MPI_Init then fails ("Message truncated").
+        """
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.COMM_WORLD.Barrier()
+            mpi.Finalize()
         env = submitit.JobEnvironment()
         if env.global_rank == 0:
+            print(
+                f"hpcfl: stopped by a signal after round {rounds_done} (checkpoint saved); requeueing",
+                file=sys.stderr,
+            )
             delayed = DelayedSubmission.load(env.paths.submitted_pickle)
-            SignalHandler(env, env.paths, delayed).checkpoint_and_try_requeue(env._usr_sig())
+            handler = SignalHandler(env, env.paths, delayed)
+            handler._start_time = t_start  # so submitit tells a time limit (counted) from a preemption
+            handler.checkpoint_and_try_requeue(env._usr_sig())
         sys.exit(REQUEUE_EXIT)

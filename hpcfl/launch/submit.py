@@ -13,7 +13,10 @@ preemption signal ``signal_delay_s`` before the time limit.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import io
+import math
 import os
 import shlex
 import sys
@@ -41,7 +44,9 @@ class SubmitOptions:
     """What to ask SLURM for. Field names follow sbatch's options; ``None`` leaves the cluster's
     default. ``mpi`` is srun's ``--mpi`` (``default``: the site's MpiDefault); ``sbatch`` holds any
     other sbatch option (``{"reservation": "x"}``); ``executor="local"`` runs the job in a local
-    process through submitit's LocalExecutor (one rank; for trying a config and for tests)."""
+    process through submitit's LocalExecutor (one rank; for trying a config and for tests).
+    ``max_requeues`` bounds the reruns after reaching the time limit (submitit's
+    ``max_num_timeout``; preemptions do not count), so a run may span that many ``time_min``."""
 
     partition: str | None = None
     nodes: int = 1
@@ -58,6 +63,7 @@ class SubmitOptions:
     job_name: str | None = None
     sbatch: dict[str, str] = field(default_factory=dict)
     executor: str = "slurm"
+    max_requeues: int = 20
 
     @property
     def ranks(self) -> int:
@@ -71,6 +77,8 @@ def check_options(options: SubmitOptions, cfg: Config) -> None:
         raise ConfigError(f"unknown executor {options.executor!r}; choose one of: {', '.join(EXECUTORS)}")
     if options.mpi not in PMI_CHOICES:
         raise ConfigError(f"unknown --mpi {options.mpi!r}; choose one of: {', '.join(PMI_CHOICES)}")
+    if options.max_requeues < 0:
+        raise ConfigError(f"--max-requeues must be 0 or more, got {options.max_requeues}")
     for name in ("nodes", "ntasks_per_node", "time_min", "signal_delay_s"):
         if getattr(options, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(options, name)}")
@@ -107,13 +115,12 @@ def check_run_dir(run_dir: Path, cfg: Config) -> None:
 
 
 def _slurm_parameters(options: SubmitOptions, name: str) -> dict[str, Any]:
-    """``SlurmExecutor.update_parameters`` keywords for ``options`` (submitit's generic names
-    where it has one, sbatch's otherwise)."""
+    """``SlurmExecutor.update_parameters`` keywords (sbatch's names, ``_`` for ``-``) for ``options``."""
     params: dict[str, Any] = {
-        "name": name,
-        "timeout_min": options.time_min,
+        "job_name": name,
+        "time": options.time_min,
         "nodes": options.nodes,
-        "tasks_per_node": options.ntasks_per_node,
+        "ntasks_per_node": options.ntasks_per_node,
         "signal_delay_s": options.signal_delay_s,
         # scontrol requeue must work even on a cluster whose JobRequeue=0
         "additional_parameters": {"requeue": True, **options.sbatch},
@@ -124,7 +131,7 @@ def _slurm_parameters(options: SubmitOptions, name: str) -> dict[str, Any]:
         params["cpus_per_task"] = options.cpus_per_task
         params["setup"] = [f"export OMP_NUM_THREADS={options.cpus_per_task}"]
     if options.mem_gb is not None:
-        params["mem_gb"] = options.mem_gb
+        params["mem"] = f"{math.ceil(options.mem_gb * 1024)}M"
     for key in ("partition", "gpus_per_task", "account", "qos", "constraint"):
         value = getattr(options, key)
         if value is not None:
@@ -143,14 +150,16 @@ class _RenderOnlySlurmExecutor(submitit.SlurmExecutor):
 def make_executor(options: SubmitOptions, folder: Path, name: str, *, render_only: bool = False) -> Any:
     """The submitit executor for ``options``, writing its files under ``folder``."""
     if options.executor == "local":
-        local = submitit.LocalExecutor(folder=folder)
+        local = submitit.LocalExecutor(folder=folder, max_num_timeout=options.max_requeues)
         local.update_parameters(timeout_min=options.time_min, tasks_per_node=1)
         return local
     if render_only:
-        executor: submitit.SlurmExecutor = _RenderOnlySlurmExecutor(folder)
+        executor: submitit.SlurmExecutor = _RenderOnlySlurmExecutor(
+            folder, max_num_timeout=options.max_requeues
+        )
     else:
         try:
-            executor = submitit.SlurmExecutor(folder)
+            executor = submitit.SlurmExecutor(folder, max_num_timeout=options.max_requeues)
         except RuntimeError as err:  # submitit: 'Could not detect "srun"'
             raise ConfigError(
                 "no SLURM here (srun not found); submit from a cluster's login node, "
@@ -188,6 +197,19 @@ def read_job_records(run_dir: Path) -> list[JobRecord]:
     return [JobRecord(**row) for row in read_jsonl(path)] if path.exists() else []
 
 
+def _sbatch_reason(stderr: str) -> str:
+    """sbatch's error lines as one line, with a pointer for the common partition mistake."""
+    lines: list[str] = []
+    for line in stderr.splitlines():
+        line = line.strip().removeprefix("sbatch: error: ").strip()
+        if line and line not in lines:
+            lines.append(line)
+    reason = "; ".join(lines) or "sbatch gave no reason"
+    if "partition" in reason.lower():
+        reason += " (sinfo -s lists the partitions)"
+    return reason
+
+
 def submit_run(
     cfg: Config,
     run_dir: Path,
@@ -209,11 +231,10 @@ def submit_run(
     if config.get("data_root"):
         config["data_root"] = str(Path(config["data_root"]).expanduser().resolve())
     try:
-        job = executor.submit(HpcflJob(config=config, run_dir=str(run_dir)))
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr; we say it once
+            job = executor.submit(HpcflJob(config=config, run_dir=str(run_dir)))
     except FailedJobError as err:
-        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-        reason = lines[-1] if lines else "no reason given"
-        raise ConfigError(f"sbatch rejected the job: {reason.removeprefix('sbatch: error: ')}") from err
+        raise ConfigError(f"sbatch rejected the job: {_sbatch_reason(str(err))}") from err
     record = JobRecord(
         job_id=str(job.job_id),
         executor=options.executor,

@@ -1,0 +1,231 @@
+"""``hpcfl status RUN_DIR``: where a submitted run stands, from the run directory alone.
+
+Sources, each optional: the newest record of ``RUN_DIR/slurm/jobs.jsonl`` (written by ``hpcfl
+submit``), SLURM's view of that job (``squeue``/``scontrol`` while slurmctld remembers it, then
+``sacct`` where the cluster keeps accounting), the run's own files (``metrics.jsonl``,
+``config.yaml``, ``DONE``) and, for a failed job, the error submitit pickled on rank 0. A pending job
+gets SLURM's reason with what it means; a failed one its one-line cause and the log to read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcfl.errors import RunDirError
+
+#: SLURM states after which the job will not run again.
+FINAL_BAD = frozenset(
+    {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+)
+
+#: What a pending reason means for the user (SLURM's names; the rest are shown as they are).
+PENDING_HINTS = {
+    "Resources": "waiting for free nodes",
+    "Priority": "other jobs go first",
+    "BeginTime": "its start time has not come (a requeued job waits a few seconds)",
+    "Dependency": "waiting for another job",
+    "PartitionConfig": "the partition can never run this request: change --partition, --nodes or --time",
+    "PartitionNodeLimit": "more nodes than the partition allows: lower --nodes or change --partition",
+    "PartitionTimeLimit": "longer than the partition allows: lower --time or change --partition",
+    "ReqNodeNotAvail": "the requested nodes are down or reserved",
+    "QOSMaxJobsPerUserLimit": "you have as many jobs running as your QOS allows",
+    "JobHeldUser": "held: release it with scontrol release JOBID",
+    "JobHeldAdmin": "held by an administrator",
+}
+
+
+@dataclass
+class RunStatus:
+    """Everything ``hpcfl status`` prints about one run (also its ``--json`` form)."""
+
+    run_dir: str
+    job_id: str | None = None
+    executor: str | None = None
+    ranks: int | None = None
+    nodes: int | None = None
+    partition: str | None = None
+    submissions: int = 0
+    state: str = "NOT SUBMITTED"
+    reason: str | None = None
+    node_list: str | None = None
+    elapsed: str | None = None
+    restarts: int | None = None
+    rounds_done: int = 0
+    rounds_total: int | None = None
+    test_accuracy: float | None = None
+    finished: bool = False
+    error: str | None = None
+    log: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """True when the job ended without finishing the run."""
+        return self.state in FINAL_BAD or (self.error is not None and not self.finished)
+
+
+def _run(argv: list[str], timeout: float = 20.0) -> str | None:
+    """stdout of a SLURM command, or None when it is missing or fails."""
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _slurm_state(job_id: str, status: RunStatus) -> None:
+    """Fill state, reason, nodes, elapsed, restarts from squeue/scontrol, else sacct."""
+    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%N|%M"])
+    if out and out.strip():
+        state, reason, nodes, elapsed = (out.strip().splitlines()[0].split("|") + ["", "", "", ""])[:4]
+        status.state = state
+        status.reason = reason if reason and reason != "None" else None
+        status.node_list = nodes or None
+        status.elapsed = elapsed or None
+        show = _run(["scontrol", "show", "job", "-o", job_id]) or ""
+        for token in show.split():
+            if token.startswith("Restarts="):
+                status.restarts = int(token.split("=", 1)[1])
+        return
+    out = _run(["sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "State,NodeList,Elapsed"])
+    rows = [line.split("|") for line in (out or "").strip().splitlines() if line.strip()]
+    if rows:
+        state, nodes, elapsed = (rows[-1] + ["", "", ""])[:3]
+        status.state = state.split(" ")[0]  # "CANCELLED by 0" -> "CANCELLED"
+        status.node_list = nodes or None
+        status.elapsed = elapsed or None
+        status.restarts = len(rows) - 1
+        return
+    status.state = "UNKNOWN"
+    status.reason = "the queue no longer lists the job and the cluster keeps no accounting"
+
+
+def _local_state(job_id: str, status: RunStatus) -> None:
+    """A local-executor job is a process of this machine: alive or not."""
+    try:
+        os.kill(int(job_id), 0)
+    except (ValueError, ProcessLookupError):
+        status.state = "ENDED"
+    except PermissionError:
+        status.state = "RUNNING"
+    else:
+        status.state = "RUNNING"
+
+
+def _job_error(folder: Path, job_id: str) -> str | None:
+    """The last line of the exception submitit saved for rank 0, if the job failed with one."""
+    from submitit.core.utils import JobPaths, pickle_load
+
+    result = JobPaths(folder, job_id=job_id, task_id=0).result_pickle
+    if not result.exists():
+        return None
+    try:
+        outcome, value = pickle_load(result)
+    except Exception:  # a result being written, or from another submitit version
+        return None
+    if outcome != "error":
+        return None
+    lines = [ln.strip() for ln in str(value).splitlines() if ln.strip()]
+    return lines[-1] if lines else "failed without a message"
+
+
+def _run_progress(run_dir: Path, status: RunStatus) -> None:
+    """Rounds done, total and the last accuracy from the run's own files."""
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line being appended
+                continue
+            status.rounds_done = max(status.rounds_done, int(row.get("round", 0)))
+            if row.get("test_accuracy") is not None:
+                status.test_accuracy = float(row["test_accuracy"])
+    config = run_dir / "config.yaml"
+    if config.exists():
+        from hpcfl.config import read_yaml
+
+        status.rounds_total = read_yaml(config).get("rounds")
+    status.finished = (run_dir / "DONE").exists()
+
+
+def run_status(run_dir: Path) -> RunStatus:
+    """Where the run in ``run_dir`` stands (raises :class:`RunDirError` when it is no run dir)."""
+    from hpcfl.launch.submit import read_job_records
+
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir} does not exist; give the --run-dir the run was submitted with")
+    status = RunStatus(run_dir=str(run_dir))
+    _run_progress(run_dir, status)
+    records = read_job_records(run_dir)
+    if not records:
+        if not (run_dir / "config.yaml").exists():
+            raise RunDirError(
+                f"{run_dir} holds no run and no submitted job; submit one with: hpcfl submit CONFIG --run-dir {run_dir}"
+            )
+        status.state = "FINISHED" if status.finished else "NOT SUBMITTED"
+        return status
+    record = records[-1]
+    status.job_id, status.executor = record.job_id, record.executor
+    status.ranks, status.nodes, status.partition = record.ranks, record.nodes, record.partition
+    status.submissions = len(records)
+    folder = Path(record.folder)
+    if record.executor == "local":
+        _local_state(record.job_id, status)
+    else:
+        _slurm_state(record.job_id, status)
+    status.error = _job_error(folder, record.job_id)
+    from submitit.core.utils import JobPaths
+
+    status.log = str(JobPaths(folder, job_id=record.job_id, task_id=0).stderr)
+    return status
+
+
+def format_status(status: RunStatus) -> str:
+    """The human-readable lines ``hpcfl status`` prints."""
+    lines = []
+    if status.job_id is None:
+        lines.append(f"run      {status.run_dir}  (no job submitted)")
+    else:
+        where = f"{status.ranks} rank{'s' if status.ranks != 1 else ''} on {status.nodes} node"
+        where += "s" if status.nodes != 1 else ""
+        if status.partition:
+            where += f", partition {status.partition}"
+        lines.append(f"run      {status.run_dir}  (job {status.job_id}, {status.executor}, {where})")
+    state = status.state
+    if status.reason:
+        hint = PENDING_HINTS.get(status.reason)
+        state += f" ({status.reason}: {hint})" if hint else f" ({status.reason})"
+    if status.node_list and status.state in ("RUNNING", "COMPLETING"):
+        state += f" on {status.node_list}"
+    if status.elapsed and status.state not in ("PENDING",):
+        state += f", elapsed {status.elapsed}"
+    if status.restarts:
+        state += f", requeued {status.restarts}x"
+    lines.append(f"state    {state}")
+    total = f"/{status.rounds_total}" if status.rounds_total is not None else ""
+    progress = f"rounds   {status.rounds_done}{total}"
+    if status.test_accuracy is not None:
+        progress += f"  test accuracy {status.test_accuracy:.4f}"
+    if status.finished:
+        progress += "  (finished)"
+    lines.append(progress)
+    if status.error and not status.finished:
+        lines.append(f"error    {status.error}")
+    if status.log and (status.failed or status.state in ("RUNNING", "COMPLETING")):
+        lines.append(f"log      {status.log}")
+    return "\n".join(lines)
+
+
+def status_json(status: RunStatus) -> str:
+    """The ``--json`` form: every field, plus ``failed``."""
+    data: dict[str, Any] = asdict(status)
+    data["failed"] = status.failed
+    return json.dumps(data)
