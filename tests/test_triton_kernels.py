@@ -54,13 +54,19 @@ def _conv_case(dtype, groups=1, stride=(2, 1), padding=(1, 2), dilation=(1, 2), 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_linear_reference_equals_outer_product(dtype):
+@pytest.mark.parametrize(("rows", "cols", "n"), [(7, 11, 23), (3, 200, 150)], ids=["row-tiles", "runs"])
+def test_linear_reference_equals_outer_product(dtype, rows, cols, n):
+    """Short runs of equal output row take the row-tile path, long ones the per-run path."""
     gen = torch.Generator().manual_seed(1)
-    delta, act = torch.randn(5, 7, generator=gen, dtype=dtype), torch.randn(5, 11, generator=gen, dtype=dtype)
-    sel = _choose(77, 23, 1)
+    delta = torch.randn(5, rows, generator=gen, dtype=dtype)
+    act = torch.randn(5, cols, generator=gen, dtype=dtype)
+    sel = _choose(rows * cols, n, 1)
     expected = (delta[:, :, None] * act[:, None, :]).reshape(5, -1)[:, sel]
-    got = tk.linear_gather_reference(delta, act, sel // 11, sel % 11)
+    got = tk.linear_gather_reference(delta, act, sel // cols, sel % cols)
     torch.testing.assert_close(got, expected, **TOL[dtype], msg="linear reference != outer product")
+    half = torch.zeros(5, n + 3, dtype=torch.float16)
+    tk.linear_gather_reference(delta, act, sel // cols, sel % cols, out=half[:, 1 : n + 1])
+    torch.testing.assert_close(half[:, 1 : n + 1], expected.half(), msg="half output slice")
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -72,8 +78,14 @@ def test_conv_reference_equals_autograd(groups):
 
 def test_norm_references_equal_formula():
     gen = torch.Generator().manual_seed(2)
-    delta, x = torch.randn(3, 5, 9, generator=gen, dtype=torch.float64), torch.randn(3, 5, 9, generator=gen, dtype=torch.float64)
-    mean, rstd = torch.randn(5, generator=gen, dtype=torch.float64), torch.rand(5, generator=gen, dtype=torch.float64) + 0.5
+    delta, x = (
+        torch.randn(3, 5, 9, generator=gen, dtype=torch.float64),
+        torch.randn(3, 5, 9, generator=gen, dtype=torch.float64),
+    )
+    mean, rstd = (
+        torch.randn(5, generator=gen, dtype=torch.float64),
+        torch.rand(5, generator=gen, dtype=torch.float64) + 0.5,
+    )
     index = torch.tensor([4, 0, 2])
     xhat = (x - mean[None, :, None]) * rstd[None, :, None]
     got_w = tk.norm_weight_gather_reference(delta, x, mean.expand(3, 5), rstd.expand(3, 5), index)
@@ -97,7 +109,10 @@ def test_reference_writes_into_strided_half_view():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_linear_triton_equals_reference(dtype):
     gen = torch.Generator().manual_seed(4)
-    delta, act = torch.randn(19, 7, generator=gen, dtype=dtype), torch.randn(19, 13, generator=gen, dtype=dtype)
+    delta, act = (
+        torch.randn(19, 7, generator=gen, dtype=dtype),
+        torch.randn(19, 13, generator=gen, dtype=dtype),
+    )
     sel = _choose(91, 45, 4)
     o, i = sel // 13, sel % 13
     ref = tk.linear_gather_reference(delta, act, o, i)
@@ -125,10 +140,14 @@ def test_norm_triton_equals_reference():
     index = torch.tensor([4, 1, 3])
     ref_w = tk.norm_weight_gather_reference(delta, x, mean, rstd, index)
     got_w = tk.norm_weight_gather_triton(delta, x, mean, rstd, index)
-    torch.testing.assert_close(got_w, ref_w, **TOL[torch.float32], msg="norm_weight_gather_triton != reference")
+    torch.testing.assert_close(
+        got_w, ref_w, **TOL[torch.float32], msg="norm_weight_gather_triton != reference"
+    )
     ref_b = tk.channel_sum_gather_reference(delta, index)
     got_b = tk.channel_sum_gather_triton(delta, index)
-    torch.testing.assert_close(got_b, ref_b, **TOL[torch.float32], msg="channel_sum_gather_triton != reference")
+    torch.testing.assert_close(
+        got_b, ref_b, **TOL[torch.float32], msg="channel_sum_gather_triton != reference"
+    )
 
 
 def test_dispatchers_use_reference_on_cpu(monkeypatch):
@@ -140,3 +159,20 @@ def test_dispatchers_use_reference_on_cpu(monkeypatch):
     got = tk.linear_gather(delta, act, torch.tensor([0, 2]), torch.tensor([3, 1]))
     assert not called, "dispatcher launched Triton on CPU tensors"
     torch.testing.assert_close(got, delta[:, [0, 2]] * act[:, [3, 1]], msg="dispatcher result")
+
+
+def test_package_imports_and_dispatches_without_triton():
+    """A CPU-only install without Triton: the package imports and the dispatchers use the references."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, triton_kernels as tk\n"
+        "assert not tk.HAS_TRITON\n"
+        "d, a = torch.randn(2, 3), torch.randn(2, 4)\n"
+        "g = tk.linear_gather(d, a, torch.tensor([1]), torch.tensor([2]))\n"
+        "assert torch.equal(g, d[:, [1]] * a[:, [2]])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]

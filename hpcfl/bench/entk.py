@@ -19,6 +19,13 @@ must not land on one method only, and the minimum is the stable figure. ``loop``
 runs ``--loop-samples`` samples and is reported per sample. Features are written into one
 preallocated (B, p) buffer (the streaming use: batches go to the feature store one at a time).
 
+OpenMP: ``--omp-wait-policy passive|active`` sets ``OMP_WAIT_POLICY`` for the timed processes
+(default: the environment's; recorded in the JSON). It matters on cores shared with other
+processes and it does not shift all methods alike, so compare only runs with the same policy:
+measured on the 2-core dev box, passive waiting cut the fused Linear gather under heavy load
+(load 12) from 2,184 to 107 ms but slowed plain training at light load (4,710 → 2,834 samples/s)
+while speeding up vmap (189 → 521 samples/s).
+
 Peak memory: CUDA ``torch.cuda.max_memory_allocated`` above the steady state; CPU the process's
 peak resident set (``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs``
 after set-up and warm-up) minus the resident set at that point — i.e. the extra memory the
@@ -66,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-out/entk"), help="output directory")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per method (0: torch default)")
     parser.add_argument("--seed", type=int, default=0, help="model / coordinate seed (default 0)")
+    parser.add_argument(
+        "--omp-wait-policy",
+        default="default",
+        choices=("default", "passive", "active"),
+        help="OMP_WAIT_POLICY for the timed processes (default: leave the environment's)",
+    )
     parser.add_argument(
         "--rounds",
         type=int,
@@ -252,6 +265,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
+    if spec["omp_wait_policy"] != "default":
+        env["OMP_WAIT_POLICY"] = spec["omp_wait_policy"].upper()
     if spec["threads"]:
         env["OMP_NUM_THREADS"] = str(spec["threads"])
     proc = subprocess.run(
@@ -361,6 +376,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads,
         "seed": args.seed,
         "rounds": args.rounds,
+        "omp_wait_policy": args.omp_wait_policy
+        if args.omp_wait_policy != "default"
+        else os.environ.get("OMP_WAIT_POLICY", "default"),
     }
     best: dict[str, dict[str, Any]] = {}
     for round_ in range(args.rounds):  # interleaved, so a busy spell on shared cores hits all methods

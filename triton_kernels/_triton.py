@@ -1,0 +1,71 @@
+"""Optional Triton import, shared by every kernel module.
+
+The package must import without Triton (CPU-only installs): ``triton`` and ``tl`` are ``None``
+then, and the dispatchers use the pure-torch references. ``TRITON_INTERPRET=1`` must be set before
+the first ``import triton`` for the interpreter to run kernels on CPU tensors (the tests do that).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+try:  # pragma: no cover - exercised by whichever environment runs the tests
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    triton: Any = None  # type: ignore[no-redef]
+    tl: Any = None  # type: ignore[no-redef]
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+"""True when Triton runs kernels in its CPU interpreter (tests without a GPU)."""
+
+
+def jit(fn: Any) -> Any:
+    """``triton.jit`` when Triton is installed; otherwise the plain function (never launched)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether a dispatcher should launch the Triton kernel for these tensors (all on CUDA)."""
+    return HAS_TRITON and all(t.is_cuda for t in tensors)
+
+
+def require_triton(*tensors: torch.Tensor) -> None:
+    """Raise when a ``*_triton`` function cannot run here (no Triton, or CPU tensors without the interpreter)."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed; use the *_reference function or the dispatcher")
+    if not INTERPRET and not all(t.is_cuda for t in tensors):
+        raise RuntimeError(
+            "Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before importing triton)"
+        )
+
+
+def check_out(out: torch.Tensor | None, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """Validate a caller's ``out`` (rows, cols) with unit column stride, or allocate one like ``like``."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=like.dtype, device=like.device)
+    if out.shape != (rows, cols):
+        raise ValueError(f"out must have shape {(rows, cols)}, got {tuple(out.shape)}")
+    if out.device != like.device:
+        raise ValueError(f"out is on {out.device}, inputs on {like.device}")
+    return out
+
+
+def check_index(name: str, index: torch.Tensor, n: int, bound: int) -> None:
+    """Shape/dtype sanity of one index vector (values are the caller's responsibility: no sync)."""
+    if index.dim() != 1 or index.numel() != n:
+        raise ValueError(f"{name} must be a vector of length {n}, got shape {tuple(index.shape)}")
+    if index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got {index.dtype}")
+    del bound  # documented range; checking it would force a device sync
+
+
+def compute_dtype(t: torch.Tensor) -> Any:
+    """Triton accumulation dtype for inputs like ``t``: float64 for float64, float32 otherwise."""
+    return tl.float64 if t.dtype == torch.float64 else tl.float32

@@ -1,0 +1,269 @@
+"""Subsampled per-sample gradient of an ``nn.Conv2d`` weight, summed over output positions.
+
+For the j-th selected weight coordinate ``W[o_j, c_j - g(o_j)·C/G, ky_j, kx_j]`` (``c_j`` is the
+*absolute* input channel, so grouped convolutions need no special case here):
+
+    g[b, j] = Σ_{h, w} δ[b, o_j, h, w] · x_pad[b, c_j, h·s_h + ky_j·d_h, w·s_w + kx_j·d_w]
+
+with ``δ`` (B, O, Ho, Wo) the gradient w.r.t. the layer's output, ``x`` (B, C, H, W) its input and
+``x_pad`` that input zero-padded by ``padding``. Only the n selected coordinates are computed; the
+(B, O, C/G, kh, kw) per-sample gradient and the unfolded input are never materialised.
+
+- :func:`conv2d_gather_reference`: pure torch (gather rows of the padded input with precomputed
+  flat offsets, multiply, sum), the CPU path for sparse selections and the tests' ground truth.
+- :func:`conv2d_gather_triton`: one program per (sample, BLOCK_N coordinates), looping over output
+  positions in BLOCK_L steps; padding is handled by masks instead of a padded copy.
+- :func:`conv2d_gather`: Triton on CUDA tensors, the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from triton_kernels._triton import (
+    check_index,
+    check_out,
+    compute_dtype,
+    jit,
+    require_triton,
+    tl,
+    triton,
+    use_triton,
+)
+
+_TILE_ELEMS = 1 << 21
+"""Elements of each (B, chunk, L) temporary in the reference (8 MiB in float32)."""
+
+_MIN_RUN = 4
+"""From this mean run length of equal output channel on (sorted coordinates), the reference walks
+the runs and skips gathering δ: the windows of a run are reduced against δ[:, o] by one bmm."""
+
+Pair = tuple[int, int]
+
+
+def _check(delta: Tensor, x: Tensor, out_index: Tensor, chan_index: Tensor, ky: Tensor, kx: Tensor) -> int:
+    if delta.dim() != 4 or x.dim() != 4 or delta.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"delta (B, O, Ho, Wo) and x (B, C, H, W) must share B, got {tuple(delta.shape)} and {tuple(x.shape)}"
+        )
+    n = out_index.numel()
+    for name, index in (("out_index", out_index), ("chan_index", chan_index), ("ky", ky), ("kx", kx)):
+        check_index(name, index, n, 0)
+    return n
+
+
+def conv2d_gather_reference(
+    delta: Tensor,
+    x: Tensor,
+    out_index: Tensor,
+    chan_index: Tensor,
+    ky: Tensor,
+    kx: Tensor,
+    *,
+    stride: Pair,
+    padding: Pair,
+    dilation: Pair,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Per-sample conv weight gradient at the selected coordinates → (B, n), in pure torch.
+
+    Args:
+        delta: (B, O, Ho, Wo) gradient w.r.t. the convolution's output.
+        x: (B, C, H, W) the convolution's input (unpadded).
+        out_index, chan_index, ky, kx: (n,) output channel, absolute input channel and kernel
+            offsets of each selected coordinate.
+        stride, padding, dilation: the layer's (zero-padding) geometry.
+        out: optional (B, n) destination, possibly a strided view of a larger matrix.
+    """
+    n = _check(delta, x, out_index, chan_index, ky, kx)
+    batch, channels_out, h_out, w_out = delta.shape
+    _, channels, height, width = x.shape
+    out = check_out(out, batch, n, delta)
+    if n == 0 or batch == 0:
+        return out
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    hp, wp = height + 2 * ph, width + 2 * pw
+    xp = F.pad(x, (pw, pw, ph, ph)).reshape(batch, channels * hp * wp)  # (B, C·Hp·Wp)
+    d = delta.reshape(batch, channels_out, h_out * w_out)  # (B, O, L)
+    dev = x.device
+    rows = torch.arange(h_out, device=dev) * (sh * wp)  # (Ho,)
+    cols = torch.arange(w_out, device=dev) * sw  # (Wo,)
+    pos = (rows[:, None] + cols[None, :]).reshape(-1)  # (L,) flat offset of each output position
+    base = chan_index.long() * (hp * wp) + ky.long() * (dh * wp) + kx.long() * dw  # (n,)
+    length = h_out * w_out
+    chunk = max(1, _TILE_ELEMS // max(1, batch * length))
+    runs, counts = torch.unique_consecutive(out_index, return_counts=True)
+    if n >= _MIN_RUN * runs.numel():
+        _runs(xp, d, base, pos, runs.tolist(), counts.tolist(), chunk, out)
+        return out
+    for j0 in range(0, n, chunk):
+        j1 = min(n, j0 + chunk)
+        offsets = (base[j0:j1, None] + pos[None, :]).reshape(-1)  # (cj·L,)
+        xs = xp.index_select(1, offsets).view(batch, j1 - j0, length)  # (B, cj, L)
+        ds = d.index_select(1, out_index[j0:j1])  # (B, cj, L)
+        prod = xs.mul_(ds)  # (B, cj, L)
+        if out.dtype == prod.dtype:
+            torch.sum(prod, dim=2, out=out[:, j0:j1])
+        else:
+            out[:, j0:j1].copy_(prod.sum(dim=2))
+    return out
+
+
+def _runs(
+    xp: Tensor,
+    d: Tensor,
+    base: Tensor,
+    pos: Tensor,
+    runs: list[int],
+    counts: list[int],
+    chunk: int,
+    out: Tensor,
+) -> None:
+    """Runs of equal output channel o: gather the input windows, reduce them against δ[:, o] by bmm."""
+    batch, length = d.shape[0], d.shape[2]
+    start = 0
+    for o, count in zip(runs, counts, strict=True):
+        dcol = d[:, o, :, None]  # (B, L, 1)
+        for j0 in range(start, start + count, chunk):
+            j1 = min(start + count, j0 + chunk)
+            offsets = (base[j0:j1, None] + pos[None, :]).reshape(-1)  # (cj·L,)
+            xs = xp.index_select(1, offsets).view(batch, j1 - j0, length)  # (B, cj, L)
+            out[:, j0:j1].copy_(torch.bmm(xs, dcol).view(batch, j1 - j0))  # (B, cj)
+        start += count
+
+
+@jit
+def _conv2d_gather_kernel(
+    delta_ptr,
+    x_ptr,
+    oidx_ptr,
+    cidx_ptr,
+    ky_ptr,
+    kx_ptr,
+    out_ptr,
+    n,
+    height,
+    width,
+    h_out,
+    w_out,
+    s_db,
+    s_dc,
+    s_dh,
+    s_dw,
+    s_xb,
+    s_xc,
+    s_xh,
+    s_xw,
+    s_ob,
+    s_on,
+    SH: tl.constexpr,
+    SW: tl.constexpr,
+    PH: tl.constexpr,
+    PW: tl.constexpr,
+    DH: tl.constexpr,
+    DW: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    mask_n = offs_n < n
+    o = tl.load(oidx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+    c = tl.load(cidx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+    ky = tl.load(ky_ptr + offs_n, mask=mask_n, other=0)
+    kx = tl.load(kx_ptr + offs_n, mask=mask_n, other=0)
+    length = h_out * w_out
+    acc = tl.zeros((BLOCK_N,), dtype=COMPUTE)
+    for l0 in range(0, length, BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)  # (BL,)
+        mask_l = offs_l < length
+        oh = offs_l // w_out
+        ow = offs_l % w_out
+        ih = oh[None, :] * SH - PH + ky[:, None] * DH  # (BN, BL)
+        iw = ow[None, :] * SW - PW + kx[:, None] * DW  # (BN, BL)
+        valid = mask_n[:, None] & mask_l[None, :]
+        inside = valid & (ih >= 0) & (ih < height) & (iw >= 0) & (iw < width)
+        x_ptrs = x_ptr + b * s_xb + c[:, None] * s_xc + ih.to(tl.int64) * s_xh + iw.to(tl.int64) * s_xw
+        d_ptrs = delta_ptr + b * s_db + o[:, None] * s_dc + (oh * s_dh + ow * s_dw).to(tl.int64)[None, :]
+        xv = tl.load(x_ptrs, mask=inside, other=0.0)
+        dv = tl.load(d_ptrs, mask=valid, other=0.0)
+        acc += tl.sum(xv.to(COMPUTE) * dv.to(COMPUTE), axis=1)
+    out_ptrs = out_ptr + b * s_ob + offs_n.to(tl.int64) * s_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def conv2d_gather_triton(
+    delta: Tensor,
+    x: Tensor,
+    out_index: Tensor,
+    chan_index: Tensor,
+    ky: Tensor,
+    kx: Tensor,
+    *,
+    stride: Pair,
+    padding: Pair,
+    dilation: Pair,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Triton version of :func:`conv2d_gather_reference` (same signature and result)."""
+    n = _check(delta, x, out_index, chan_index, ky, kx)
+    require_triton(delta, x, out_index)
+    batch, _, h_out, w_out = delta.shape
+    out = check_out(out, batch, n, delta)
+    if n == 0 or batch == 0:
+        return out
+    block_n = 32
+    block_l = min(128, triton.next_power_of_2(h_out * w_out))
+    grid = (triton.cdiv(n, block_n), batch)
+    _conv2d_gather_kernel[grid](
+        delta,
+        x,
+        out_index,
+        chan_index,
+        ky,
+        kx,
+        out,
+        n,
+        x.shape[2],
+        x.shape[3],
+        h_out,
+        w_out,
+        *delta.stride(),
+        *x.stride(),
+        out.stride(0),
+        out.stride(1),
+        SH=stride[0],
+        SW=stride[1],
+        PH=padding[0],
+        PW=padding[1],
+        DH=dilation[0],
+        DW=dilation[1],
+        COMPUTE=compute_dtype(delta),
+        BLOCK_N=block_n,
+        BLOCK_L=block_l,
+    )
+    return out
+
+
+def conv2d_gather(
+    delta: Tensor,
+    x: Tensor,
+    out_index: Tensor,
+    chan_index: Tensor,
+    ky: Tensor,
+    kx: Tensor,
+    *,
+    stride: Pair,
+    padding: Pair,
+    dilation: Pair,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Dispatch :func:`conv2d_gather_triton` on CUDA tensors, :func:`conv2d_gather_reference` elsewhere."""
+    fn = conv2d_gather_triton if use_triton(delta, x) else conv2d_gather_reference
+    return fn(
+        delta, x, out_index, chan_index, ky, kx, stride=stride, padding=padding, dilation=dilation, out=out
+    )
