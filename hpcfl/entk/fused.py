@@ -9,6 +9,13 @@ the edge of the value as produced, so a later in-place op on the output cannot r
 gradient (the engine only runs the nodes on the path to the requested edges). Each layer plan turns
 (a, δ) into its kept coordinates (see :mod:`hpcfl.entk.layers`).
 
+CPU note: a batch issues a few hundred parallel torch ops (per-layer gathers), against a few dozen
+for plain training, so it is more sensitive to OpenMP threads waiting on descheduled peers when
+other processes share the cores. Measured on the 2-core dev box at load ~7 (simplecnn, p = 1e5,
+256 samples): 1.1-4.2 s per batch with 2 spinning threads, 0.5 s with the gathers on one thread,
+0.18 s with ``torch.set_num_threads(1)`` throughout. On shared cores, run with one thread per
+process or ``OMP_WAIT_POLICY=PASSIVE``; on dedicated cores the default is fastest.
+
 Supported parametrised layers: Linear (2-d inputs), Conv2d (zero padding, any stride, dilation,
 groups), BatchNorm1d/2d with running statistics, GroupNorm. Anything else raises
 :class:`~hpcfl.entk.layers.Unsupported` naming the layer type and the reason; the caller falls back
