@@ -68,9 +68,7 @@ MAIN, PARTNER = 0, 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=6000, help="rows n_k of the measured client (default 6000)")
     p.add_argument("--p", type=int, default=100_000, help="eNTK coordinates p (default 100000; +1 bias)")
     p.add_argument("--classes", "-C", type=int, default=10, help="classes C (default 10)")
@@ -99,9 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partner-n", type=int, default=600, help="rows of the small partner client (600)")
     p.add_argument("--rank", type=int, default=64, help="latent rank r of the synthetic features (64)")
     p.add_argument("--noise", type=float, default=1.0, help="isotropic noise σ of the features (1.0)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (0)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/out/stage2_solver"))
+    p.add_argument(
+        "--out", type=Path, default=Path("benchmarks/out/stage2_solver"), help="CSV + JSON directory"
+    )
     p.add_argument(
         "--results",
         type=Path,

@@ -9,18 +9,20 @@ the baselines collapse at #C = 1. The paper's budget (200 rounds × 5 local epoc
 100 FedAvg + 100 stage-2 rounds with p = 100,000 for TCT) is GPU-sized; this script runs the same
 grid at a budget that fits a shared 2-core CPU and states it in every output:
 
-- baselines: ``--rounds`` R rounds of ``--local-steps`` SGD steps (batch ``--batch``, lr ``--lr``,
-  no momentum, weight decay 1e-5; FedProx μ = ``--mu``); SCAFFOLD is the one-model-per-round form
-  of TCT Appendix A.1;
-- TCT: T1 = ``--stage1-rounds`` rounds of the same FedAvg, then eNTK features (first logit, p =
-  ``--p`` random coordinates, last layer re-initialised), standardised, and T2 =
-  ``--stage2-rounds`` rounds of SCAFFOLD on the linear regression with M = ``--stage2-steps`` local
-  steps in closed form and η2 = half the largest stable rate (``stage2.auto_lr``). T1 + T2 = R
-  communication rounds, the baselines' count. M defaults to 100, not the paper's 500: with
-  p = 2000 < n_k ≈ 6000 every client's local problem is strongly convex, local steps run to the
-  client's own optimum, and SCAFFOLD's correction lags — on #C=2 the stage-2 test accuracy after 5
-  rounds is 78.7 / 79.7 / 77.3 / 72.8 / 60.8 / 46.6 % for M = 50 / 100 / 200 / 500 / 2000 / 10000
-  (benchmarks/README.md). The paper's M = 500 goes with p = 100,000 ≫ n_k.
+- baselines: R = ``--rounds`` (10) rounds of ``--local-steps`` (40) SGD steps per client (batch
+  ``--batch`` 64, lr ``--lr`` 0.05, no momentum, weight decay 1e-5; FedProx μ = ``--mu`` 0.01);
+  SCAFFOLD is the one-model-per-round form of TCT Appendix A.1;
+- TCT: T1 = ``--stage1-rounds`` (R/2) rounds of the same FedAvg, then eNTK features (first logit,
+  p = ``--p`` (2000) random coordinates, last layer re-initialised), standardised, and
+  T2 = ``--stage2-rounds`` (R − T1) rounds of SCAFFOLD on the linear regression with
+  M = ``--stage2-steps`` (100) local steps in closed form and η2 = half the largest stable rate
+  (``stage2.auto_lr``). T1 + T2 = R communication rounds, the baselines' count.
+
+M defaults to 100, not the paper's 500: with p = 2000 < n_k ≈ 6000 every client's local problem is
+strongly convex, the local steps run to the client's own optimum and SCAFFOLD's correction lags —
+on #C=2 the stage-2 test accuracy after 5 rounds is 78.7 / 79.7 / 77.3 / 72.8 / 60.8 / 46.6 % for
+M = 50 / 100 / 200 / 500 / 2000 / 10000 (benchmarks/README.md). The paper's M = 500 goes with
+p = 100,000 ≫ n_k. With the defaults the whole script takes about 40 minutes on 2 shared cores.
 
 Every run is an ordinary ``hpcfl`` run directory under ``--out`` (default benchmarks/out/tct_fmnist/
 runs/<partition>_<method>); a run whose directory holds DONE with the same config is skipped, an
@@ -28,7 +30,8 @@ unfinished one is resumed, so the script can be interrupted and restarted.
 
 Figure 3(a) (``--figure3``, on by default): stage-2 *training* accuracy vs round on #C = 2 for TCT
 with M ∈ ``--fig3-steps`` local steps against full-batch GD (``stage2.variant=gd``, one step per
-round, at 1.9·η2 — just under the largest rate the per-client stability check admits — η2 and η2/10), all re-solved on the #C = 2 TCT run's stored features with
+round, at 1.9·η2 — just under the largest rate the per-client stability check admits — at η2
+and at η2/10), all re-solved on the #C = 2 TCT run's stored features with
 ``hpcfl tct-stage2 RUN_DIR --set stage2.local_steps=... stage2.variant=...`` (metrics land in
 RUN_DIR/stage2/<settings>/metrics.jsonl).
 
@@ -65,19 +68,21 @@ COLUMN = {"classes:1": "#C=1", "classes:2": "#C=2", "dir:0.1": "α=0.1", "dir:0.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-root", help="datasets directory (default: $HPCFL_DATA)")
-    p.add_argument("--partitions", nargs="+", default=PARTITIONS)
-    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    p.add_argument("--clients", type=int, default=10)
+    p.add_argument(
+        "--partitions", nargs="+", default=PARTITIONS, help="partition specs (default: the four of Table 2)"
+    )
+    p.add_argument(
+        "--methods", nargs="+", default=METHODS, choices=METHODS, help="methods (default: all four)"
+    )
+    p.add_argument("--clients", type=int, default=10, help="clients (default 10)")
     p.add_argument("--rounds", type=int, default=10, help="R: baseline rounds (default 10)")
     p.add_argument("--local-steps", type=int, default=40, help="SGD steps per round (0: --local-epochs)")
     p.add_argument("--local-epochs", type=int, default=1, help="epochs per round when --local-steps 0")
     p.add_argument("--lr", type=float, default=0.05, help="client lr of the baselines and stage 1")
     p.add_argument("--mu", type=float, default=0.01, help="FedProx μ (default 0.01)")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64, help="SGD batch size (default 64)")
     p.add_argument("--stage1-rounds", type=int, default=None, help="T1 (default R/2)")
     p.add_argument("--stage2-rounds", type=int, default=None, help="T2 (default R − T1)")
     p.add_argument("--p", type=int, default=2000, help="eNTK coordinates kept (default 2000)")
@@ -87,16 +92,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=100,
         help="M of stage 2 (default 100; the paper's 500 assumes p ≫ n_k)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="run seed (partition, init, batches)")
     p.add_argument("--eval-every", type=int, default=2, help="baselines and stage 1 (stage 2: every round)")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (1 avoids oversubscription)")
     p.add_argument("--no-figure3", dest="figure3", action="store_false", help="skip Figure 3")
-    p.add_argument("--fig3-partition", default="classes:2")
-    p.add_argument("--fig3-steps", type=int, nargs="+", default=[100, 1000])
+    p.add_argument("--fig3-partition", default="classes:2", help="partition of Figure 3 (classes:2)")
+    p.add_argument(
+        "--fig3-steps", type=int, nargs="+", default=[100, 1000], help="TCT local steps M of Figure 3"
+    )
     p.add_argument("--fig3-rounds", type=int, default=30, help="stage-2 rounds of the Figure 3 curves")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/out/tct_fmnist"))
-    p.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out/tct_fmnist"), help="run directories")
+    p.add_argument("--results", type=Path, default=Path("benchmarks/results"), help="summary files")
     args = p.parse_args(argv)
     if args.stage1_rounds is None:
         args.stage1_rounds = args.rounds // 2
@@ -246,9 +253,13 @@ def _tct_stage2(run_dir: Path, pairs: list[str], rounds: int) -> list[dict[str, 
     if len(rows) < rounds:
         cmd = [sys.executable, "-m", "hpcfl", "tct-stage2", str(run_dir), "--set", *pairs]
         print("$ hpcfl " + " ".join(cmd[3:]), flush=True)
+        t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
+        (metrics.parent / "WALL_SECONDS").write_text(f"{time.perf_counter() - t0:.1f}\n")
         rows = read_jsonl(metrics)
-    return rows
+    wall = metrics.parent / "WALL_SECONDS"
+    seconds = float(wall.read_text()) if wall.exists() else float("nan")
+    return [{**r, "sweep_seconds": seconds} for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,7 +270,8 @@ def summarise(
     args: argparse.Namespace, results: dict[tuple[str, str], dict[str, Any]]
 ) -> list[dict[str, Any]]:
     table = []
-    for (part, method), res in results.items():
+    for part, method in ((p, m) for p in args.partitions for m in args.methods):
+        res = results[(part, method)]
         rows = [r for r in res["rows"] if "test_accuracy" in r]
         acc = [100 * r["test_accuracy"] for r in rows]
         stage1 = [100 * r["test_accuracy"] for r in rows if r.get("stage") == "stage1"]
@@ -268,12 +280,12 @@ def summarise(
             {
                 "partition": part,
                 "method": method,
-                "ours_final": float("nan") if failed or not acc else acc[-1],
-                "ours_best": max(acc) if acc else float("nan"),
+                "ours_final": float("nan") if failed or not acc else round(acc[-1], 2),
+                "ours_best": round(max(acc), 2) if acc else float("nan"),
                 "paper": PAPER[method][part],
                 "rounds": rows[-1]["round"] if rows else 0,
-                "stage1_final": stage1[-1] if stage1 else "",
-                "seconds": res["seconds"],
+                "stage1_final": round(stage1[-1], 2) if stage1 else "",
+                "seconds": round(res["seconds"], 1),
                 "status": "failed" if failed else "ok",
             }
         )
@@ -299,7 +311,9 @@ def shape_checks(args: argparse.Namespace, table: list[dict[str, Any]]) -> list[
     return checks
 
 
-def markdown(args: argparse.Namespace, table: list[dict[str, Any]], checks, total_s: float) -> str:
+def markdown(
+    args: argparse.Namespace, table: list[dict[str, Any]], checks, total_s: float, fig3_s: float = 0.0
+) -> str:
     acc = {(r["partition"], r["method"]): r for r in table}
     head = "| method | " + " | ".join(f"{COLUMN[p]} ours (paper)" for p in args.partitions) + " |"
     lines = [head, "|---" * (len(args.partitions) + 1) + "|"]
@@ -329,7 +343,9 @@ def markdown(args: argparse.Namespace, table: list[dict[str, Any]], checks, tota
         "",
         "Wall seconds per run: "
         + ", ".join(f"{r['partition']}/{r['method']} {r['seconds']:.0f}" for r in table)
-        + f". Script total this invocation: {total_s:.0f} s (cached runs cost nothing).",
+        + f". Sum over runs: {sum(r['seconds'] for r in table):.0f} s ({args.jobs} at a time)"
+        + (f"; Figure 3 re-solves: {fig3_s:.0f} s" if fig3_s else "")
+        + f". This invocation: {total_s:.0f} s wall (runs already DONE are not re-run).",
         "",
     ]
     return "\n".join(out)
@@ -401,8 +417,9 @@ def plot_figure3(args: argparse.Namespace, curves: dict[str, list[dict[str, Any]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for label, rows in curves.items():
+        label = f"{label} = {rows[0]['stage2_lr']:.2g}" if label.startswith("GD") else label
         first = rows[0]["round"] - 1
         style = dict(ls=":", marker="s") if label.startswith("GD") else dict(ls="--", marker="o")
         ax.plot(
@@ -414,8 +431,11 @@ def plot_figure3(args: argparse.Namespace, curves: dict[str, list[dict[str, Any]
         )
     ax.set_xlabel("stage-2 communication round")
     ax.set_ylabel("stage-2 training accuracy (%)")
+    lr = next(iter(curves.values()))[0]["stage2_lr"]
     ax.set_title(
-        f"Fashion-MNIST {COLUMN[args.fig3_partition]}: TCT (SCAFFOLD) vs full-batch GD (p = {args.p})"
+        f"Fashion-MNIST {COLUMN[args.fig3_partition]}, stage 2 (p = {args.p}, η2 = {lr:.2g}):\n"
+        "TCT (SCAFFOLD, M local steps at η2) vs full-batch GD",
+        fontsize=10,
     )
     ax.grid(alpha=0.3)
     ax.legend()
@@ -438,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         fig3 = figure3_runs(args)
         plot_figure3(args, fig3, args.results / "tct_figure3.png")
     total = time.perf_counter() - t0
-    md = markdown(args, table, checks, total)
+    fig3_s = sum(rows[0]["sweep_seconds"] for rows in fig3.values() if rows)
+    md = markdown(args, table, checks, total, fig3_s)
     if fig3:
         marks = sorted({r for r in (1, 2, 5, 10, 20, args.fig3_rounds) if r <= args.fig3_rounds})
         md += f"\nFigure 3(a): stage-2 training accuracy (%) on {COLUMN[args.fig3_partition]} after stage-2 round …\n\n"
