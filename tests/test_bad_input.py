@@ -104,7 +104,12 @@ def test_finished_run_dir_is_refused_and_resume_with_other_config_too(tmp_path, 
 def test_nan_loss_names_round_and_client(tmp_path, capsys):
     cfg = synthetic_config(tmp_path, lr=1e6, momentum=0.0, algorithm="fedavg")
     _fails_cleanly(
-        capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r")], "NaN", "round 1", "client", "lower the learning rate"
+        capsys,
+        ["run", str(cfg), "--run-dir", str(tmp_path / "r")],
+        "NaN",
+        "round 1",
+        "client",
+        "lower the learning rate",
     )
 
 

@@ -33,7 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run_dir", type=Path, help="directory of a TCT run whose stage 1 finished")
     p.add_argument(
-        "--set", nargs="+", action="extend", default=[], metavar="stage2.KEY=VALUE", help="stage-2 settings to change"
+        "--set",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="stage2.KEY=VALUE",
+        help="stage-2 settings to change",
     )
     p.set_defaults(func=run)
 
