@@ -12,7 +12,8 @@ hyper-parameters' defaults (FedProx μ = 0.01, MOON μ = 1 and τ = 0.5, FedCKA 
 paper's per-setting μ tuning; every run records per-layer CKA (``cka_metrics``). Larger budgets:
 ``--rounds``, ``--local-steps`` or ``--local-epochs``, ``--seeds``.
 
-Every run is an ordinary run directory under ``<out>/runs/`` (``hpcfl report``-able); the script
+Every run is an ordinary run directory under ``<out>/runs/`` (``hpcfl report``-able; a finished one
+is reused, an unfinished one resumed, a diverged one reported as such); the script
 writes ``accuracy.{csv,md,json}`` (final and best test accuracy per method and α) and
 ``accuracy.png`` (test accuracy vs round), and prints the markdown table.
 """
@@ -23,6 +24,7 @@ import argparse
 import concurrent.futures
 import csv
 import json
+import math
 import multiprocessing
 import statistics
 import sys
@@ -30,8 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _runs import run_cached
+
 from hpcfl.config import config_from_dict
-from hpcfl.runner import run_experiment
 
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "fedavg": {},
@@ -97,18 +100,24 @@ def config(args: argparse.Namespace, partition: str, algorithm: str, seed: int) 
 
 
 def _run_one(cfg_dict: dict[str, Any], run_dir: str, tags: dict[str, Any]) -> dict[str, Any]:
-    """One run (in a worker process when ``--jobs`` > 1)."""
-    cfg = config_from_dict(cfg_dict)
-    t0 = time.perf_counter()
-    res = run_experiment(cfg, Path(run_dir), overwrite=True)
-    seconds = time.perf_counter() - t0
-    acc = [r["test_accuracy"] for r in res.metrics]
-    rounds = [r["round"] for r in res.metrics]
-    out = {**tags, "final_accuracy": acc[-1], "best_accuracy": max(acc), "seconds": seconds}
+    """One run (in a worker process when ``--jobs`` > 1); a diverged run gets NaN accuracies."""
+    res = run_cached(cfg_dict, run_dir)
+    rows = [r for r in res["rows"] if "test_accuracy" in r]
+    acc = [r["test_accuracy"] for r in rows]
+    failed = res["status"].startswith("failed")
+    out = {
+        **tags,
+        "final_accuracy": float("nan") if failed or not acc else acc[-1],
+        "best_accuracy": float("nan") if failed or not acc else max(acc),
+        "seconds": res["seconds"],
+        "status": res["status"],
+    }
     print(
-        f"{tags['partition']:8s} {tags['algorithm']:8s} seed {tags['seed']}: final {acc[-1]:.4f} ({seconds:.0f} s)"
+        f"{tags['partition']:8s} {tags['algorithm']:8s} seed {tags['seed']}: final {out['final_accuracy']:.4f} "
+        f"({res['seconds']:.0f} s, {res['status']})",
+        flush=True,
     )
-    return {**out, "rounds": rounds, "curve": acc, "run_dir": run_dir}
+    return {**out, "rounds": [r["round"] for r in rows], "curve": acc, "run_dir": run_dir}
 
 
 def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -149,7 +158,10 @@ def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
     head += " | seconds per run | paper CIFAR-10 (" + ", ".join(p[4:] for p in args.partitions) + ") |"
     lines = [head, "|" + "---|" * (len(args.partitions) + 3)]
     for row in table:
-        cells = [f"{100 * row[p]:.2f}% ({100 * row[p + ' best']:.2f}%)" for p in args.partitions]
+        cells = [
+            "diverged" if math.isnan(row[p]) else f"{100 * row[p]:.2f}% ({100 * row[p + ' best']:.2f}%)"
+            for p in args.partitions
+        ]
         secs = statistics.mean(row[f"{p} s"] for p in args.partitions)
         paper = ", ".join(
             f"{PAPER_TABLE2[row['algorithm']].get(p, float('nan')):.2f}" for p in args.partitions
@@ -172,8 +184,13 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
             curves = [
                 r["curve"] for r in results if r["algorithm"] == algorithm and r["partition"] == partition
             ]
-            mean = [statistics.mean(v) for v in zip(*curves, strict=True)]
-            rounds = next(r["rounds"] for r in results if r["partition"] == partition)
+            length = min(len(c) for c in curves)  # a diverged run stops early
+            if not length:
+                continue
+            mean = [statistics.mean(v) for v in zip(*(c[:length] for c in curves), strict=True)]
+            rounds = next(
+                r["rounds"] for r in results if r["partition"] == partition and r["algorithm"] == algorithm
+            )[:length]
             ax.plot(rounds, mean, marker="o", ms=3, label=algorithm)
         ax.set_title(f"Fashion-MNIST, {partition}")
         ax.set_xlabel("round")

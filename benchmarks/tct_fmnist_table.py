@@ -54,6 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _runs import run_cached
+
 PARTITIONS = ["classes:1", "classes:2", "dir:0.1", "dir:0.5"]
 METHODS = ["fedavg", "fedprox", "scaffold", "tct"]
 LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "tct": "TCT"}
@@ -165,41 +167,6 @@ def config(args: argparse.Namespace, partition: str, method: str) -> dict[str, A
     return cfg
 
 
-def _same_config(run_dir: Path, cfg_dict: dict[str, Any]) -> bool:
-    from hpcfl.config import config_differences, config_from_dict, read_yaml
-
-    if not (run_dir / "config.yaml").exists():
-        return False
-    return not config_differences(read_yaml(run_dir / "config.yaml"), config_from_dict(cfg_dict).to_dict())
-
-
-def run_one(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
-    """One run (in a worker process): skipped when DONE with this config, resumed when unfinished."""
-    from hpcfl.config import config_from_dict
-    from hpcfl.errors import HpcflError
-    from hpcfl.runner import run_experiment
-    from hpcfl.runner.files import read_jsonl
-
-    path = Path(run_dir)
-    same = _same_config(path, cfg_dict)
-    status = "cached"
-    t0 = time.perf_counter()
-    if (path / "FAILED").exists() and same:
-        status = "failed (cached): " + (path / "FAILED").read_text().strip()
-    elif not (same and (path / "DONE").exists()):
-        status = "resumed" if same else "ran"
-        (path / "FAILED").unlink(missing_ok=True)
-        try:
-            run_experiment(config_from_dict(cfg_dict), path, resume=same, overwrite=not same)
-        except HpcflError as err:  # e.g. a diverging baseline: report it, keep the grid going
-            status = f"failed: {err}"
-            (path / "FAILED").write_text(f"{err}\n")
-        (path / "WALL_SECONDS").write_text(f"{time.perf_counter() - t0:.1f}\n")
-    seconds = float((path / "WALL_SECONDS").read_text()) if (path / "WALL_SECONDS").exists() else float("nan")
-    print(f"{cfg_dict['name']:20s} {status} ({seconds:.0f} s)", flush=True)
-    return {"rows": read_jsonl(path / "metrics.jsonl"), "seconds": seconds, "status": status}
-
-
 def run_grid(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, Any]]:
     from hpcfl.config import config_from_dict
 
@@ -211,10 +178,10 @@ def run_grid(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, Any]]:
     # TCT runs first: they are the longest (stage 1 + features), so they do not end the queue alone
     order = sorted(keys, key=lambda k: k[1] != "tct")
     if args.jobs <= 1:
-        return {key: run_one(cfgs[key], dirs[key]) for key in order}
+        return {key: run_cached(cfgs[key], dirs[key]) for key in order}
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-        futures = {key: pool.submit(run_one, cfgs[key], dirs[key]) for key in order}
+        futures = {key: pool.submit(run_cached, cfgs[key], dirs[key]) for key in order}
         return {key: fut.result() for key, fut in futures.items()}
 
 
