@@ -48,7 +48,7 @@ def summarise(run_dir: Path) -> RunSummary:
 def markdown_table(runs: list[RunSummary]) -> str:
     """A markdown table with one line per run."""
     lines = [
-        "| run | algorithm | partition | rounds | final test acc. | best test acc. | round time (s) |",
+        "| run | algorithm | partition | rounds | final test acc. | best test acc. | time of all rounds (s) |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
     for r in runs:
