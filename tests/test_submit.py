@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -224,26 +225,20 @@ def test_local_preemption_signal_checkpoints_requeues_and_resumes(tmp_path: Path
 # on the real local SLURM
 
 
+def _submit_two_ranks(
+    cfg: Path, run_dir: Path, cluster: SlurmCluster, *extra: str, timeout: float
+) -> subprocess.CompletedProcess:
+    """``hpcfl submit`` of a 2-rank, 1-CPU-per-rank, 10-minute job to the test cluster."""
+    args = ["--run-dir", str(run_dir), "--ntasks-per-node", "2", "-c", "1", "--time", "10", *extra]
+    return run_cli("submit", str(cfg), *args, env=cluster.env, timeout=timeout)
+
+
 @pytest.mark.slurm
 def test_slurm_two_rank_run_completes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     cfg = synthetic_config(tmp_path, rounds=5)
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    proc = run_cli(
-        "submit",
-        str(cfg),
-        "--run-dir",
-        str(run_dir),
-        "--ntasks-per-node",
-        "2",
-        "-c",
-        "1",
-        "--time",
-        "10",
-        "--wait",
-        env=slurm_cluster.env,
-        timeout=300,
-    )
+    proc = _submit_two_ranks(cfg, run_dir, slurm_cluster, "--wait", timeout=300)
     print(f"\nhpcfl submit --wait (2 ranks, 5 rounds): {time.monotonic() - t0:.1f}s")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (run_dir / "DONE").exists() and _metric_rounds(run_dir) == [1, 2, 3, 4, 5]
@@ -261,20 +256,7 @@ def test_slurm_preemption_requeues_and_resumes(slurm_cluster: SlurmCluster, tmp_
     rounds = 80
     cfg = synthetic_config(tmp_path, rounds=rounds)
     run_dir = tmp_path / "run"
-    proc = run_cli(
-        "submit",
-        str(cfg),
-        "--run-dir",
-        str(run_dir),
-        "--ntasks-per-node",
-        "2",
-        "-c",
-        "1",
-        "--time",
-        "10",
-        env=slurm_cluster.env,
-        timeout=120,
-    )
+    proc = _submit_two_ranks(cfg, run_dir, slurm_cluster, timeout=120)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip()
     _wait_for(lambda: len(_metric_rounds(run_dir)) >= 2, 180, "two finished rounds")
