@@ -275,3 +275,80 @@ def test_bench_entk_writes_csv_json_png(tmp_path, capsys):
     assert (out / "entk_bench.csv").read_text().startswith("method,")
     assert (out / "entk_bench.png").stat().st_size > 1000
     assert "fused_vs_plain" in capsys.readouterr().out
+
+
+class _NeedsNCHW(nn.Module):
+    """A conv net whose forward ``.view``s its conv output: impossible on channels-last strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).view(x.shape[0], -1))
+
+
+def _plan_of(model: nn.Module):
+    from hpcfl.entk import api
+
+    (entry,) = api._PLANS[model].values()
+    return entry[1]
+
+
+def test_channels_last_forward_falls_back_to_the_models_own_format():
+    torch.manual_seed(0)
+    model = _NeedsNCHW().to(F64)
+    x = torch.randn(4, 3, 5, 5, dtype=F64)
+    got = _features(model, x, 60, "fused")
+    assert _plan_of(model).channels_last is False  # the .view refused channels-last strides
+    _assert_close(got, _features(model, x, 60, "vmap"), "NCHW fallback vs vmap")
+    _assert_close(_features(model, x, 60, "fused"), got, "second call, NCHW from the start")
+
+
+def test_fused_follows_in_place_weight_updates():
+    """The channels-last weight copies are refreshed when a weight changes in place."""
+    model = _model("simplecnn", (1, 28, 28))
+    x = torch.randn(3, 1, 28, 28, dtype=F64, generator=torch.Generator().manual_seed(5))
+    before = _features(model, x, 5000, "fused")
+    assert _plan_of(model).channels_last is True
+    with torch.no_grad():
+        model.conv2.weight.mul_(-1.5)  # what an optimizer step does: same storage, new version
+    after = _features(model, x, 5000, "fused")
+    _assert_close(after, _features(model, x, 5000, "vmap"), "after an in-place update")
+    assert not torch.allclose(after, before)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_is_the_same_on_any_number_of_threads(threads):
+    """The per-layer tasks run on ``torch.get_num_threads()`` threads; the result does not depend on it."""
+    model = _model("resnet8", (3, 32, 32), norm="bn")
+    x = torch.randn(5, 3, 32, 32, dtype=F64, generator=torch.Generator().manual_seed(6))
+    ref = _features(model, x, 20_000, "vmap")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _features(model, x, 20_000, "fused")
+    finally:
+        torch.set_num_threads(before)
+    assert torch.get_num_threads() == before
+    _assert_close(got, ref, f"fused on {threads} threads")
+
+
+def test_run_tasks_runs_every_task_and_reraises_the_first_error():
+    from hpcfl.entk.tasks import run_tasks
+
+    def bad() -> None:
+        raise ValueError("task failed")
+
+    for workers in (1, 2, 4):
+        done: list[int] = []
+        tasks = [lambda i=i, done=done: done.append(i) for i in range(10)]
+        before = torch.get_num_threads()
+        run_tasks(tasks, workers)
+        assert sorted(done) == list(range(10))
+        done.clear()
+        with pytest.raises(ValueError, match="task failed"):
+            run_tasks([bad, *tasks], workers)
+        assert sorted(done) == list(range(10)), "the other tasks still ran"
+        assert torch.get_num_threads() == before

@@ -2,7 +2,9 @@
 (both for a whole batch) to the kept coordinates of its per-sample parameter gradients.
 
 Each plan is built once per (model, scope, p, seed, device) with its index vectors precomputed,
-and writes straight into column slices of the (B, p) output. For a weight whose kept coordinates
+and writes straight into column slices of the (B, p) output. Its work comes as independent tasks
+(column ranges of a Linear weight, sample tiles of a conv weight, a bias) that
+:func:`hpcfl.entk.tasks.run_tasks` spreads over the CPU cores. For a weight whose kept coordinates
 are all of it (``p = P``) the per-sample gradient is written without any gather; otherwise a cost
 model picks, per layer, between
 
@@ -17,6 +19,8 @@ per sample against 3n for the gather, and the gather wins unless n ≈ O·I, whi
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,15 +81,20 @@ def _write(dst: Tensor, value: Tensor) -> None:
     dst.copy_(value)
 
 
+Task = Callable[[], None]
+"""One independent piece of a layer's work: it writes a part of the output no other task writes."""
+
+
 @dataclass
 class Workspace:
-    """Reusable flat scratch buffers (page-faulting a fresh large buffer every batch is slow)."""
+    """Reusable flat scratch buffers (page-faulting a fresh large buffer every batch is slow), one
+    set per thread, so tasks running concurrently never share one."""
 
-    buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = field(default_factory=dict)
+    buffers: dict[tuple[str, torch.dtype, torch.device, int], Tensor] = field(default_factory=dict)
 
     def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """A 1-d buffer of at least ``numel`` elements (contents undefined)."""
-        k = (key, dtype, device)
+        """A 1-d buffer of at least ``numel`` elements for the calling thread (contents undefined)."""
+        k = (key, dtype, device, threading.get_ident())
         buf = self.buffers.get(k)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=device)
@@ -98,9 +107,17 @@ class LayerPlan:
 
     columns: tuple[ParamColumns | None, ...] = ()
 
-    def apply(self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace) -> None:
-        """Write this layer's kept per-sample gradient coordinates into ``out`` (B, p)."""
+    def tasks(
+        self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace, *, pieces: int
+    ) -> list[Task]:
+        """This layer's work as independent tasks (about ``pieces`` for the big parts of it) that
+        together write its kept per-sample gradient coordinates into ``out`` (B, p)."""
         raise NotImplementedError
+
+    def apply(self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace) -> None:
+        """Write this layer's kept per-sample gradient coordinates into ``out`` (B, p), serially."""
+        for task in self.tasks(module, act, delta, out, ws, pieces=1):
+            task()
 
     def zero(self, out: Tensor) -> None:
         """Zero this layer's columns (the layer did not run, or its output does not reach the logit)."""
@@ -122,28 +139,53 @@ class LinearPlan(LayerPlan):
         self.columns = (weight, bias)
         self.shape = (module.out_features, module.in_features)
         width = module.in_features
-        self.o = weight.local.div(width, rounding_mode="floor").to(device)  # (n,)
+        o = weight.local.div(width, rounding_mode="floor")
+        self.o = o.to(device)  # (n,)
         self.i = weight.local.remainder(width).to(device)  # (n,)
+        # where the output row o changes: the gather splits into pieces only at these positions
+        self.row_starts = [0, *(torch.nonzero(o[1:] != o[:-1]).flatten() + 1).tolist()]
         self.bias_index = _on(bias.local, device) if bias is not None else None
 
-    def apply(self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace) -> None:
+    def _pieces(self, pieces: int) -> list[tuple[int, int]]:
+        """≤ ``pieces`` column ranges of about equal size, cut at row boundaries."""
+        weight = self.columns[0]
+        assert weight is not None
+        n, starts = weight.n, self.row_starts
+        cuts = sorted({starts[min(len(starts) - 1, (len(starts) * k) // pieces)] for k in range(1, pieces)})
+        bounds = [0, *(c for c in cuts if 0 < c < n), n]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    def tasks(
+        self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace, *, pieces: int
+    ) -> list[Task]:
         if act.dim() != 2:
             raise Unsupported("Linear", f"Linear on {act.dim()}-d inputs (only (B, features) is fused)")
         weight, bias = self.columns
+        work: list[Task] = []
         if weight is not None and weight.n:
             dst = out[:, weight.col0 : weight.col1]  # (B, n)
             if weight.full:  # p = P: the whole outer product, written in place, no gather
-                view = dst.view(act.shape[0], *self.shape)  # (B, O, I)
-                if view.dtype == act.dtype:
-                    torch.mul(delta[:, :, None], act[:, None, :], out=view)
-                else:
-                    _write(view, delta[:, :, None] * act[:, None, :])
+                work.append(lambda: self._outer(act, delta, dst))
             else:
-                linear_gather(delta, act, self.o, self.i, out=dst)
+                for j0, j1 in self._pieces(pieces):
+                    work.append(
+                        lambda j0=j0, j1=j1: linear_gather(
+                            delta, act, self.o[j0:j1], self.i[j0:j1], out=dst[:, j0:j1]
+                        )
+                    )
         if bias is not None and bias.n:
             assert self.bias_index is not None
-            dst = out[:, bias.col0 : bias.col1]
-            _write(dst, delta if bias.full else delta.index_select(1, self.bias_index))
+            dst_b = out[:, bias.col0 : bias.col1]
+            index = None if bias.full else self.bias_index
+            work.append(lambda: _write(dst_b, delta if index is None else delta.index_select(1, index)))
+        return work
+
+    def _outer(self, act: Tensor, delta: Tensor, dst: Tensor) -> None:
+        view = dst.view(act.shape[0], *self.shape)  # (B, O, I)
+        if view.dtype == act.dtype:
+            torch.mul(delta[:, :, None], act[:, None, :], out=view)
+        else:
+            _write(view, delta[:, :, None] * act[:, None, :])
 
 
 def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:
@@ -264,32 +306,54 @@ class ConvPlan(LayerPlan):
             self._mode[length] = "dense" if dense < sparse else "sparse"
         return self._mode[length]
 
-    def apply(self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace) -> None:
+    def tasks(
+        self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace, *, pieces: int
+    ) -> list[Task]:
         weight, bias = self.columns
         batch, channels = act.shape[:2]
         length = delta.shape[2] * delta.shape[3]
+        work: list[Task] = []
         if weight is not None and weight.n:
             dst = out[:, weight.col0 : weight.col1]  # (B, n)
             mode = self.mode(length, channels)
             if mode == "sparse":
-                conv2d_gather(
-                    delta,
-                    act,
-                    self.o,
-                    self.chan,
-                    self.ky,
-                    self.kx,
-                    stride=self.stride,
-                    padding=self.padding,
-                    dilation=self.dilation,
-                    out=dst,
-                )
+                step = -(-batch // pieces)
+                for b0 in range(0, batch, step):
+                    work.append(
+                        lambda b0=b0: self._sparse(
+                            act[b0 : b0 + step], delta[b0 : b0 + step], dst[b0 : b0 + step]
+                        )
+                    )
             else:
-                self._dense(act, delta, dst, ws, full=mode == "full")
+                tile = self._tile(act, delta)
+                for b0 in range(0, batch, tile):
+                    b1 = min(batch, b0 + tile)
+                    work.append(
+                        lambda b0=b0, b1=b1: self._dense(act, delta, dst, ws, b0, b1, full=mode == "full")
+                    )
         if bias is not None and bias.n:
             assert self.bias_index is not None
-            dst = out[:, bias.col0 : bias.col1]
-            channel_sum_gather(delta.reshape(batch, self.out_channels, length), self.bias_index, out=dst)
+            dst_b = out[:, bias.col0 : bias.col1]
+            work.append(
+                lambda: channel_sum_gather(
+                    delta.reshape(batch, self.out_channels, length), self.bias_index, out=dst_b
+                )
+            )
+        return work
+
+    def _sparse(self, act: Tensor, delta: Tensor, dst: Tensor) -> None:
+        conv2d_gather(
+            delta,
+            act,
+            self.o,
+            self.chan,
+            self.ky,
+            self.kx,
+            stride=self.stride,
+            padding=self.padding,
+            dilation=self.dilation,
+            out=dst,
+        )
 
     def _layout(self, channels: int, full: bool) -> str:
         """Operand layout of the dense bmm (all give the same numbers, in different orders).
@@ -307,36 +371,42 @@ class ConvPlan(LayerPlan):
             return "weight"
         return "nhwc" if channels >= 16 else "ko"
 
-    def _dense(self, act: Tensor, delta: Tensor, dst: Tensor, ws: Workspace, *, full: bool) -> None:
-        """Per-sample weight gradients of a tile of samples by unfold + bmm, then gather."""
-        batch, channels = act.shape[:2]
+    def _tile(self, act: Tensor, delta: Tensor) -> int:
+        """Samples per tile of the dense path (its temporaries stay within ``DENSE_TILE_ELEMS``)."""
+        channels = act.shape[1]
+        length = delta.shape[2] * delta.shape[3]
+        kh, kw = self.kernel
+        per_sample = channels * kh * kw * length + self.out_channels * self.k  # unfolded input + gradient
+        return max(1, min(act.shape[0], DENSE_TILE_ELEMS // per_sample))
+
+    def _dense(
+        self, act: Tensor, delta: Tensor, dst: Tensor, ws: Workspace, b0: int, b1: int, *, full: bool
+    ) -> None:
+        """Per-sample weight gradients of samples [b0, b1) by unfold + bmm, then gather."""
+        channels = act.shape[1]
         groups, out_c, k = self.groups, self.out_channels, self.k
         out_hw = tuple(delta.shape[2:])
         length = out_hw[0] * out_hw[1]
-        kh, kw = self.kernel
-        per_sample = channels * kh * kw * length + out_c * k  # unfolded input + gradient
-        tile = max(1, min(batch, DENSE_TILE_ELEMS // per_sample))
-        scratch = ws.get("conv_dense", tile * out_c * k, act.dtype, act.device)
+        bt = b1 - b0
+        scratch = ws.get("conv_dense", self._tile(act, delta) * out_c * k, act.dtype, act.device)
         layout = self._layout(channels, full)
         index = {"weight": self.local, "nhwc": self.local_nhwc, "ko": self.local_ko}[layout]
         geometry = (self.kernel, self.dilation, self.padding, self.stride, out_hw)
         unfold_fn = unfold_nhwc if layout == "nhwc" else unfold
-        for b0 in range(0, batch, tile):
-            b1 = min(batch, b0 + tile)
-            bt = b1 - b0
-            cols = unfold_fn(act[b0:b1], *geometry)  # (bt, L, kh·kw·C) or (bt, K, L)
-            d = delta[b0:b1].reshape(bt, out_c, length)  # (bt, O, L)
-            grads = scratch[: bt * out_c * k]
-            if layout == "nhwc":  # cols (bt, L, kh·kw·C)
-                torch.bmm(d, cols, out=grads.view(bt, out_c, k))  # (bt, O, kh·kw·C)
-            elif layout == "ko":  # cols (bt, K, L)
-                torch.bmm(cols, d.transpose(1, 2), out=grads.view(bt, k, out_c))  # (bt, K, O)
-            else:
-                cols = cols.reshape(bt * groups, k, length)  # (bt·G, K, L)
-                d = d.view(bt * groups, out_c // groups, length)  # (bt·G, O/G, L)
-                torch.bmm(d, cols.transpose(1, 2), out=grads.view(bt * groups, out_c // groups, k))
-            flat = grads.view(bt, out_c * k)  # (bt, O·K) in the layout's order
-            _write(dst[b0:b1], flat if full else flat.index_select(1, index))
+        cols = unfold_fn(act[b0:b1], *geometry)  # (bt, L, kh·kw·C) or (bt, K, L)
+        # (bt, L, O): a view for a channels-last δ, and (bt, O, L) transposed is one for NCHW
+        d_lo = delta[b0:b1].permute(0, 2, 3, 1).reshape(bt, length, out_c)
+        grads = scratch[: bt * out_c * k]
+        if layout == "nhwc":  # cols (bt, L, kh·kw·C)
+            torch.bmm(d_lo.transpose(1, 2), cols, out=grads.view(bt, out_c, k))  # (bt, O, kh·kw·C)
+        elif layout == "ko":  # cols (bt, K, L)
+            torch.bmm(cols, d_lo, out=grads.view(bt, k, out_c))  # (bt, K, O)
+        else:
+            cols = cols.reshape(bt * groups, k, length)  # (bt·G, K, L)
+            d = delta[b0:b1].reshape(bt * groups, out_c // groups, length)  # (bt·G, O/G, L)
+            torch.bmm(d, cols.transpose(1, 2), out=grads.view(bt * groups, out_c // groups, k))
+        flat = grads.view(bt, out_c * k)  # (bt, O·K) in the layout's order
+        _write(dst[b0:b1], flat if full else flat.index_select(1, index))
 
 
 class NormPlan(LayerPlan):
@@ -366,7 +436,12 @@ class NormPlan(LayerPlan):
         rstd = torch.rsqrt(module.running_var.to(act.dtype) + module.eps)
         return mean.expand(batch, channels), rstd.expand(batch, channels)
 
-    def apply(self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace) -> None:
+    def tasks(
+        self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace, *, pieces: int
+    ) -> list[Task]:
+        return [lambda: self._apply(module, act, delta, out)]
+
+    def _apply(self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor) -> None:
         weight, bias = self.columns
         batch, channels = act.shape[:2]
         d3 = delta.reshape(batch, channels, -1)  # (B, C, L)
