@@ -114,11 +114,6 @@ class LayerPlan:
         together write its kept per-sample gradient coordinates into ``out`` (B, p)."""
         raise NotImplementedError
 
-    def apply(self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace) -> None:
-        """Write this layer's kept per-sample gradient coordinates into ``out`` (B, p), serially."""
-        for task in self.tasks(module, act, delta, out, ws, pieces=1):
-            task()
-
     def zero(self, out: Tensor) -> None:
         """Zero this layer's columns (the layer did not run, or its output does not reach the logit)."""
         for col in self.columns:
