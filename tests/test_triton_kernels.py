@@ -33,7 +33,7 @@ def _per_sample_conv_weight_grad(delta, x, weight_shape, stride, padding, dilati
     return torch.stack(grads)
 
 
-def _conv_case(dtype, groups=1, stride=(2, 1), padding=(1, 2), dilation=(1, 2), seed=0):
+def _conv_case(dtype, groups=1, stride=(2, 1), padding=(1, 2), dilation=(1, 2), seed=0, n=37):
     gen = torch.Generator().manual_seed(seed)
     batch, channels, out_channels, kh, kw = 3, 4, 6, 3, 2
     x = torch.randn(batch, channels, 7, 5, generator=gen, dtype=dtype)
@@ -42,7 +42,7 @@ def _conv_case(dtype, groups=1, stride=(2, 1), padding=(1, 2), dilation=(1, 2), 
     w_out = (5 + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     delta = torch.randn(batch, out_channels, h_out, w_out, generator=gen, dtype=dtype)
     numel = torch.Size(weight_shape).numel()
-    sel = _choose(numel, 37, seed)
+    sel = _choose(numel, n, seed)
     o, rem = sel // (numel // out_channels), sel % (numel // out_channels)
     c_local, rem = rem // (kh * kw), rem % (kh * kw)
     ky, kx = rem // kw, rem % kw
@@ -70,10 +70,22 @@ def test_linear_reference_equals_outer_product(dtype, rows, cols, n):
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-def test_conv_reference_equals_autograd(groups):
-    args, geometry, expected = _conv_case(torch.float64, groups=groups)
+@pytest.mark.parametrize("n", [37, 130], ids=["distinct-windows", "shared-windows"])
+@pytest.mark.parametrize("tile", [None, 7], ids=["one-chunk", "many-chunks"])
+def test_conv_reference_equals_autograd(groups, n, tile, monkeypatch):
+    """Few coordinates per input window gather each coordinate's window; many gather each window
+    once and pick its rows; a small tile walks the coordinates in several chunks."""
+    import triton_kernels.entk_conv as conv
+
+    if tile is not None:
+        monkeypatch.setattr(conv, "_TILE_ELEMS", tile)
+    args, geometry, expected = _conv_case(torch.float64, groups=groups, n=n)
     got = tk.conv2d_gather_reference(*args, **geometry)
     torch.testing.assert_close(got, expected, **TOL[torch.float64], msg="conv reference != autograd")
+    delta, x, *index = args
+    channels_last = [t.contiguous(memory_format=torch.channels_last) for t in (delta, x)]
+    got = tk.conv2d_gather_reference(*channels_last, *index, **geometry)
+    torch.testing.assert_close(got, expected, **TOL[torch.float64], msg="channels-last inputs")
 
 
 def test_norm_references_equal_formula():

@@ -41,15 +41,17 @@ and a fresh 75 MB buffer per batch would cost more in page faults (~25 ms) than 
 # (1 thread, MKL) over every conv layer of simplecnn, resnet8, resnet18 and vgg11 (p = 1e5 / 2e4):
 # the dense path costs ~0.03 ns per bmm MAC plus ~0.3 ns per element of unfolded input and
 # per-sample gradient streamed through cache, plus ~1 ns per gathered element; one term of the
-# sparse gather-and-reduce costs ~3 ns. Examples (ms, dense vs sparse): simplecnn conv3, 28% of
-# its weights kept, 256 samples: 18 vs 217; resnet18 layer1.0.conv1, 1% kept, 32 samples: 47 vs 32;
-# resnet8 layer3.0.conv2, 25% kept, 128 samples: 13 vs 164. Where the model's two estimates are
-# within ~20% the measured times were too (the shared cores make single timings noisy by ±30%).
+# sparse gather-and-reduce costs ~1 ns (0.7-1.4 ns measured on vgg11/resnet-shaped layers, 1 thread,
+# with its temporaries reused within a call; 2-3.4 ns before, when each chunk page-faulted in fresh
+# ones). Examples (ms, dense vs sparse): simplecnn conv3, 28% of its weights kept, 256 samples:
+# 18 vs 79; resnet8 layer3.0.conv2, 25% kept, 128 samples: 13 vs 53; a vgg11 512→512 conv at
+# 4×4, 1% kept, 32 samples: sparse 16 ms. Where the model's two estimates are within ~20% the
+# measured times were too.
 # CUDA constants are estimates (no GPU in the dev environment): the Triton gather reads its
 # operands from L2 at roughly memory speed, and a tensor-core bmm is far cheaper per MAC than a
 # gathered load.
 _COSTS = {
-    "cpu": {"mac": 0.03, "mem": 0.3, "gather": 1.0, "sparse": 3.0},
+    "cpu": {"mac": 0.03, "mem": 0.3, "gather": 1.0, "sparse": 1.0},
     "cuda": {"mac": 0.001, "mem": 0.01, "gather": 0.02, "sparse": 0.02},
 }
 
