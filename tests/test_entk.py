@@ -352,3 +352,17 @@ def test_run_tasks_runs_every_task_and_reraises_the_first_error():
             run_tasks([bad, *tasks], workers)
         assert sorted(done) == list(range(10)), "the other tasks still ran"
         assert torch.get_num_threads() == before
+
+
+def test_vmap_in_several_chunks_equals_the_loop(monkeypatch):
+    """A block bound smaller than one batch's per-sample gradients splits vmap into chunks."""
+    import hpcfl.entk.reference as reference
+
+    model = _model("mlp", (1, 6, 6))
+    x = torch.randn(7, 1, 6, 6, dtype=F64, generator=torch.Generator().manual_seed(3))
+    p = num_params(model) // 3
+    largest = max(t.numel() * t.element_size() for t in model.parameters())
+    monkeypatch.setattr(reference, "VMAP_BLOCK_BYTES", 3 * largest)  # chunks of 3, 3 and 1 samples
+    got = entk_features(model, x, p=p, seed=4, method="vmap")
+    ref = entk_features(model, x, p=p, seed=4, method="loop")
+    _assert_close(got, ref, "vmap in chunks vs loop")
