@@ -32,11 +32,14 @@ while speeding up vmap (189 → 521 samples/s).
 Allocator: ``--keep-freed-memory`` runs every timed process with glibc's ``MALLOC_MMAP_THRESHOLD_``
 and ``MALLOC_TRIM_THRESHOLD_`` raised (256 MiB / 1 GiB), so freed activations and per-sample
 gradients stay in the heap instead of going back to the kernel and being page-faulted in again on
-the next batch. It does not shift all methods alike: measured on the 2-core dev box (simplecnn,
-p = 1e5, batch 256, best of 3-5 rounds), it took vmap from 829 to 1,934 samples/s (its 350 MB
-of per-sample gradients per chunk are mostly page faults there), BackPACK from 505 to 1,025,
-Opacus from 620 to 859, and fused from 4,195 to 4,044 (no change beyond noise; plain 5,451 in
-both runs). Default: the environment's allocator settings (recorded in the JSON).
+the next batch. It does not shift all methods alike. Measured on the 2-core dev box (simplecnn,
+p = 1e5, batch 256, 2 threads, best of 3-5 rounds): in session 3 it took vmap from 829 to 1,934
+samples/s (its chunks then held 350 MB of per-sample gradients, mostly page faults), BackPACK
+from 505 to 1,025 and Opacus from 620 to 859, with fused unchanged within noise. Since vmap's
+chunks stay below glibc's reused-heap bound (``hpcfl.entk.reference.VMAP_BLOCK_BYTES``) it
+barely moves vmap (session 4: 2,217 → 2,246); BackPACK 667 → 1,725, Opacus 797 → 1,097, fused
+5,260 → 6,026, plain 9,308 → 11,125. Default: the environment's allocator settings (recorded in
+the JSON).
 
 Peak memory: CUDA ``torch.cuda.max_memory_allocated`` above the steady state; CPU the process's
 peak resident set (``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs``
