@@ -9,8 +9,9 @@ with ``δ`` (B, O, Ho, Wo) the gradient w.r.t. the layer's output, ``x`` (B, C, 
 ``x_pad`` that input zero-padded by ``padding``. Only the n selected coordinates are computed; the
 (B, O, C/G, kh, kw) per-sample gradient and the unfolded input are never materialised.
 
-- :func:`conv2d_gather_reference`: pure torch (gather rows of the padded input with precomputed
-  flat offsets, multiply, sum), the CPU path for sparse selections and the tests' ground truth.
+- :func:`conv2d_gather_reference`: pure torch (gather the input windows of the padded input by
+  precomputed flat offsets — each distinct window once when coordinates share it — and the δ
+  rows, multiply, sum), the CPU path for sparse selections and the tests' ground truth.
 - :func:`conv2d_gather_triton`: one program per (sample, BLOCK_N coordinates), looping over output
   positions in BLOCK_L steps; padding is handled by masks instead of a padded copy.
 - :func:`conv2d_gather`: Triton on CUDA tensors, the reference elsewhere.
