@@ -188,3 +188,13 @@ def test_package_imports_and_dispatches_without_triton():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("span", [40, 10_000], ids=["marker", "sort"])
+def test_distinct_windows_equal_torch_unique(span):
+    from triton_kernels.entk_conv import _distinct
+
+    keys = torch.randint(0, span, (50,), generator=torch.Generator().manual_seed(7))
+    values, inverse = _distinct(keys, span)
+    ref_values, ref_inverse = torch.unique(keys, return_inverse=True)
+    assert torch.equal(values, ref_values) and torch.equal(inverse, ref_inverse)

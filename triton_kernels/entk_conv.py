@@ -102,7 +102,7 @@ def conv2d_gather_reference(
     cols = torch.arange(w_out, device=dev) * sw  # (Wo,)
     pos = (rows[:, None] + cols[None, :]).reshape(-1)  # (L,) flat offset of each output position
     base = chan_index.long() * (hp * wp) + ky.long() * (dh * wp) + kx.long() * dw  # (n,) window start
-    windows, which = torch.unique(base, return_inverse=True)  # (u,), (n,)
+    windows, which = _distinct(base, channels * hp * wp)  # (u,), (n,)
     shared = n >= _SHARED_WINDOWS * windows.numel()
     if shared:  # every distinct window once: (B, u, L)
         source = xp.index_select(1, (windows[:, None] + pos[None, :]).reshape(-1))
@@ -127,6 +127,21 @@ def conv2d_gather_reference(
         else:
             out[:, j0:j1].copy_(prod.sum(dim=2))
     return out
+
+
+def _distinct(keys: Tensor, span: int) -> tuple[Tensor, Tensor]:
+    """(sorted distinct keys, index of each key among them) for keys in [0, span).
+
+    A marker over the key range (no sort) when the range is small against the keys; the fused
+    path calls this once per layer and sample tile on every batch (vgg11, 24k coordinates:
+    ~1 ms for ``torch.unique`` against ~0.1 ms here).
+    """
+    if span > 16 * keys.numel():
+        return torch.unique(keys, return_inverse=True)
+    seen = torch.zeros(span, dtype=torch.bool, device=keys.device)
+    seen[keys] = True
+    rank = torch.cumsum(seen, 0) - 1  # (span,) position of each key among the distinct ones
+    return seen.nonzero().squeeze(1), rank[keys]
 
 
 @jit
