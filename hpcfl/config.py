@@ -15,39 +15,9 @@ from typing import Any
 
 import yaml
 
-from hpcfl.algorithms.fedcka import FedCKAParams
-from hpcfl.algorithms.fedprox import FedProxParams
-from hpcfl.algorithms.moon import MoonParams
+from hpcfl.algorithms.base import HyperParams
+from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
 from hpcfl.errors import ConfigError, suggest
-
-
-@dataclass
-class Stage1Section:
-    """TCT stage 1 (FedAvg bootstrap): number of rounds T1 (0 = features at random init)."""
-
-    rounds: int = 10
-
-
-@dataclass
-class Stage2Section:
-    """TCT stage 2 (convexified problem); defaults from TCT Algorithm 2 except where noted."""
-
-    p: int = 100_000  # eNTK coordinates kept (paper: 100,000)
-    seed: int = 0  # seed of the last-layer re-initialisation and of the coordinate subset
-    logit: int = 0  # which logit's gradient gives the features (paper: the first)
-    params: str = "all"  # all | features
-    lr: float = 5e-5  # η2
-    auto_lr: bool = False  # use half the largest stable η2 (from λ_max of every client) instead of lr
-    local_steps: int = 500  # M
-    rounds: int = 100  # T2
-    solver: str = "closed_form"  # closed_form | primal
-    variant: str = "scaffold"  # scaffold | fedavg | gd
-    loss: str = "mse"  # mse | ce (ce: primal only)
-    features: str = "entk"  # entk | last_layer
-    normalize: bool = True
-    dtype: str = "float32"  # storage dtype of the features
-    batch_size: int = 256  # eNTK extraction batch
-    method: str = "auto"  # eNTK method: auto | fused | vmap | loop
 
 
 @dataclass
@@ -81,19 +51,64 @@ class Config:
     comm: str = "auto"  # auto | local | mpi
     progress: bool = True
     cka_metrics: bool = False  # per-layer CKA of each client's model vs the global model in metrics rows
-    fedprox: FedProxParams = field(default_factory=FedProxParams)
-    moon: MoonParams = field(default_factory=MoonParams)
-    fedcka: FedCKAParams = field(default_factory=FedCKAParams)
-    stage1: Stage1Section = field(default_factory=Stage1Section)
-    stage2: Stage2Section = field(default_factory=Stage2Section)
+    clients_per_round: int | None = None  # partial participation: N clients sampled per round
+    participation: float | None = None  # or a fraction of the clients per round (rounded, >= 1)
+    participation_weighting: str = "uniform"  # uniform | size (probability proportional to n_k)
+    reduction: str = "float64"  # float64: the round's sum is placement-independent | float32: half the bytes
+    client_state_memory: str = "auto"  # auto | memory | disk | a byte budget, e.g. 2GB
+    params: Any = None  # the algorithm's hyper-parameters (its frozen Params dataclass)
+
+    def __post_init__(self) -> None:
+        if self.params is None:
+            from hpcfl.algorithms import ALGORITHMS
+
+            cls = ALGORITHMS.get(self.algorithm)
+            self.params = cls.Params() if cls is not None else HyperParams()
+
+    @property
+    def stage1(self) -> Stage1Section:
+        """TCT's stage-1 section (defaults for other algorithms)."""
+        return getattr(self.params, "stage1", Stage1Section())
+
+    @property
+    def stage2(self) -> Stage2Section:
+        """TCT's stage-2 section (defaults for other algorithms)."""
+        return getattr(self.params, "stage2", Stage2Section())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+# Sections of configs written before ``params:`` existed; each becomes ``params`` of its algorithm.
+LEGACY_SECTIONS = {"fedprox": ("fedprox",), "moon": ("moon",), "fedcka": ("fedcka",), "stage1": ("tct",), "stage2": ("tct",)}
+
+
+def migrate(data: dict[str, Any], algorithm: str | None = None) -> dict[str, Any]:
+    """Move the legacy per-algorithm sections into ``params`` (those of other algorithms are
+    dropped: older run directories saved every section, used or not)."""
+    data = dict(data)
+    algorithm = algorithm or str(data.get("algorithm", Config.algorithm))
+    params = dict(data.get("params") or {})
+    for key, owners in LEGACY_SECTIONS.items():
+        if key not in data:
+            continue
+        value = data.pop(key)
+        if algorithm not in owners:
+            continue
+        if algorithm == "tct":
+            params[key] = merge(value or {}, params.get(key) or {}) if isinstance(value, dict) else value
+        elif isinstance(value, dict):
+            params = merge(value, params)
+        else:
+            raise ConfigError(f"config key {key!r} must be a mapping of {algorithm} options")
+    if params or "params" in data:
+        data["params"] = params
+    return data
+
+
 # Keys that may differ when resuming (they change speed or output, not the result).
 RESUMABLE_KEYS = frozenset(
-    {"rounds", "eval_every", "checkpoint_every", "device", "threads", "comm", "progress"}
+    {"rounds", "eval_every", "checkpoint_every", "device", "threads", "comm", "progress", "client_state_memory"}
 )
 
 
@@ -157,6 +172,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
                 f"unknown config key {full!r}{suggest(full, valid)}; valid keys: {', '.join(valid)}"
             )
         tp = hints[key]
+        if cls is Config and key == "params":
+            continue  # built by config_from_dict once the algorithm is known
         if _is_section(tp):
             if value is None:
                 value = {}
@@ -221,8 +238,23 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
-    """Build and validate a :class:`Config` from a (possibly partial) dict."""
+    """Build and validate a :class:`Config` from a (possibly partial) dict.
+
+    ``params`` is validated against the algorithm's frozen Params dataclass (unknown key: the
+    closest valid one; wrong type: one line); legacy sections are migrated first.
+    """
+    from hpcfl.algorithms import ALGORITHMS
+
+    data = migrate(data)
     cfg = _build(Config, data)
+    if cfg.algorithm not in ALGORITHMS:
+        from hpcfl.errors import unknown
+
+        raise unknown("algorithm", cfg.algorithm, ALGORITHMS)
+    raw = data.get("params") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config key 'params' must be a mapping of {cfg.algorithm} hyper-parameters")
+    cfg.params = _build(ALGORITHMS[cfg.algorithm].Params, raw, prefix="params.")
     validate(cfg)
     return cfg
 
@@ -232,7 +264,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data = read_yaml(path) if path is not None else {}
     if path is not None and "name" not in data:
         data["name"] = Path(path).stem
-    return config_from_dict(merge(data, parse_overrides(overrides)))
+    extra = parse_overrides(overrides)
+    algorithm = str(extra.get("algorithm", data.get("algorithm", Config.algorithm)))
+    return config_from_dict(merge(migrate(data, algorithm), migrate(extra, algorithm)))
 
 
 def _check_positive(cfg: Any, keys: tuple[str, ...], prefix: str = "") -> None:
@@ -263,6 +297,21 @@ def validate(cfg: Config) -> None:
 
         raise unknown("algorithm", cfg.algorithm, ALGORITHMS)
     _validate_names(cfg)
+    if cfg.clients_per_round is not None and cfg.participation is not None:
+        raise ConfigError("set only one of 'clients_per_round' and 'participation'")
+    if cfg.clients_per_round is not None and not 1 <= cfg.clients_per_round:
+        raise ConfigError(f"config key 'clients_per_round' must be >= 1, got {cfg.clients_per_round}")
+    if cfg.participation is not None and not 0 < cfg.participation <= 1:
+        raise ConfigError(f"config key 'participation' must be in (0, 1], got {cfg.participation}")
+    for key, value, choices in (
+        ("participation_weighting", cfg.participation_weighting, ("uniform", "size")),
+        ("reduction", cfg.reduction, ("float64", "float32")),
+    ):
+        if value not in choices:
+            raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
+    parse_memory_budget(cfg.client_state_memory)
+    if cfg.algorithm != "tct":
+        return
     s2 = cfg.stage2
     _check_positive(s2, ("p", "lr", "local_steps", "batch_size"), prefix="stage2.")
     if cfg.stage1.rounds < 0 or s2.rounds < 0:
@@ -280,6 +329,27 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
     if s2.loss == "ce" and s2.solver == "closed_form":
         raise ConfigError("stage2.loss=ce has no closed form; set stage2.solver=primal")
+
+
+def parse_memory_budget(value: str) -> int | str:
+    """``auto`` | ``memory`` | ``disk`` | a byte count such as ``512MB`` or ``2GiB``."""
+    text = str(value).strip().lower()
+    if text in ("auto", "memory", "disk"):
+        return text
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    num = text.rstrip("kmgib")
+    unit = text[len(num) :]
+    try:
+        if unit not in units:
+            raise ValueError
+        out = int(float(num) * units[unit])
+        if out < 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(
+            f"config key 'client_state_memory' must be auto, memory, disk or a size such as 2GB, got {value!r}"
+        ) from None
+    return out
 
 
 def _validate_names(cfg: Config) -> None:
@@ -304,6 +374,8 @@ def dump_config(cfg: Config, path: Path) -> None:
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
     """Keys whose values differ between two config dicts (resumable keys ignored)."""
+    if not prefix:
+        saved, current = migrate(saved), migrate(current)
     diffs: list[str] = []
     for key in sorted(set(saved) | set(current)):
         full = f"{prefix}{key}"

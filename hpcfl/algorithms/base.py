@@ -1,20 +1,33 @@
-"""The algorithm contract: small objects with pure steps over flat state vectors.
+"""The algorithm contract: an algorithm declares its round, the runner carries it out.
 
-A round is: every client turns the server state into a weighted upload (``client_update``), the
-uploads are summed across clients and ranks (one allreduce, done by the runner), and every rank
-applies the same ``server_update`` to the sum. Algorithms never see the communicator, the rank or
-the file system; their state lives in dataclasses that the runner checkpoints as they are.
+An algorithm is a small typed object, ``Algorithm[Params, ServerState, ClientState]``, with pure
+steps over flat state vectors:
+
+- :meth:`Algorithm.exchange` names what each participant contributes to a SUM (one allreduce for all
+  of them, packed with the runner's own channels) and what is GATHERED (sizes may differ);
+- :meth:`Algorithm.participants` says who trains this round (a pure function of the round's
+  generator, so it is the same on any number of ranks and after a resume);
+- :meth:`Algorithm.client_update` turns the server state into one participant's :class:`Upload`;
+- :meth:`Algorithm.server_update` turns the :class:`Aggregate` into the next server state, on every
+  rank identically, and may do "local product + one allreduce" work through ``ctx.reduce``;
+- :meth:`Algorithm.stages` lists the stages of a run (one by default; TCT declares two).
+
+Algorithms never see the communicator, the rank or the file system; their states are dataclasses
+that the runner checkpoints as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from hpcfl.algorithms.layout import StateLayout
+from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import Correction, LocalResult, LocalSchedule, LossFn, cross_entropy_loss, local_sgd
 
@@ -49,18 +62,59 @@ class ClientData:
         return int(self.y.shape[0])
 
 
-@dataclass
-class Upload:
-    """A client's contribution to the round: ``weight * payload`` is what gets summed."""
-
-    payload: torch.Tensor
-    weight: float
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
 @dataclass(frozen=True)
 class HyperParams:
     """Base class of the per-algorithm hyper-parameter dataclasses (frozen, documented fields)."""
+
+
+@dataclass(frozen=True)
+class SumSpec:
+    """A vector every participant adds into the round's sum.
+
+    ``weighted``: the runner adds ``upload.weight * vector`` (a weighted average after dividing by
+    the total weight); otherwise the plain vector (e.g. SCAFFOLD's Δc, averaged over |S|).
+    """
+
+    name: str
+    length: int
+    dtype: torch.dtype = torch.float32
+    weighted: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What one participant sends in a round: summed vectors and gathered objects (by name)."""
+
+    sums: tuple[SumSpec, ...]
+    gathers: tuple[str, ...] = ()
+
+    def spec(self, name: str) -> SumSpec:
+        return next(s for s in self.sums if s.name == name)
+
+
+@dataclass
+class Upload:
+    """One participant's contribution: the declared sums, gathered objects, weight and metrics."""
+
+    sums: dict[str, torch.Tensor]
+    weight: float
+    gathered: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Aggregate:
+    """What the server step sees: each declared sum over the participants, the total weight, how
+    many participants contributed, and the gathered objects in participant order."""
+
+    sums: dict[str, torch.Tensor]
+    weight: float
+    count: int
+    gathered: dict[str, list[Any]] = field(default_factory=dict)
 
 
 class Trainer:
@@ -98,41 +152,105 @@ class Trainer:
         return self.flat.vector.clone(), result
 
 
-class Algorithm(ABC):
-    """Base class: subclasses set ``name`` and ``Params`` and implement the four steps."""
+@dataclass(frozen=True)
+class ClientContext:
+    """What a participant's local step may use besides the states and its data."""
+
+    round: int  # 0-based round of the current stage
+    participants: tuple[int, ...]
+    population: Population
+    trainer: Trainer | None
+    generator: torch.Generator  # this client's, a pure function of (seed, round, client)
+
+
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What the server step may use: the round, who took part, and a sum-only reducer over ranks
+    (``reduce(t)`` returns the sum of ``t`` over every rank; it is the only collective allowed)."""
+
+    round: int
+    participants: tuple[int, ...]
+    population: Population
+    reduce: Reducer
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a run: ``rounds`` rounds of the algorithm ``enter`` builds.
+
+    ``enter`` is None for the stage that trains the configured model with this algorithm; otherwise
+    the runner calls it with a :class:`hpcfl.runner.stages.StageInput` (the previous stage's server
+    state and the run's federation) and runs the plan it returns. Only the runner calls it, so
+    algorithms stay free of I/O.
+    """
+
+    name: str
+    rounds: int
+    enter: Callable[[Any], Any] | None = None
+
+
+P = TypeVar("P", bound=HyperParams)
+S = TypeVar("S", bound=ServerState)
+C = TypeVar("C", bound=ClientState)
+
+
+class Algorithm(ABC, Generic[P, S, C]):
+    """Base class: subclasses set ``name`` and ``Params`` and implement :meth:`client_update`.
+
+    Defaults: the exchange is the model state (weighted by n_k), everyone participates (or the
+    run's ``clients_per_round`` sample), the server takes the weighted average, one stage.
+    """
 
     name: ClassVar[str]
     Params: ClassVar[type[HyperParams]] = HyperParams
 
-    def __init__(self, params: HyperParams, *, num_params: int, state_size: int) -> None:
-        self.params = params
-        self.num_params = num_params  # trainable entries at the front of the state vector
-        self.state_size = state_size  # parameters + float buffers
+    def __init__(
+        self, params: P, *, layout: StateLayout, participation: Participation | None = None
+    ) -> None:
+        self.params: P = params
+        self.layout = layout
+        self.num_params = layout.num_params  # trainable entries at the front of the state vector
+        self.state_size = layout.size  # parameters + float buffers
+        self.participation = participation or Participation()
 
-    def payload_size(self) -> int:
-        """Length of a client's payload vector (the allreduced buffer adds the weight)."""
-        return self.state_size
+    # -- the round's declaration -------------------------------------------------------------
+    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        """The model state, weighted by the client's sample count."""
+        return Exchange(sums=(SumSpec("x", self.state_size, dtype),))
 
-    def init_server(self, x0: torch.Tensor) -> ServerState:
-        return ServerState(x=x0.clone())
+    def participants(self, rnd: int, population: Population, generator: torch.Generator) -> list[int]:
+        """Who trains in round ``rnd`` (sorted ids): the run's participation rule."""
+        return self.participation.sample(population, generator)
 
-    def init_client(self, k: int, server: ServerState) -> ClientState:
-        return ClientState()
+    def stages(self) -> Sequence[Stage]:
+        """The run's stages; ``rounds`` of the single default stage is set by the runner."""
+        return (Stage("train", -1),)
 
+    # -- states ------------------------------------------------------------------------------
+    def init_server(self, x0: torch.Tensor) -> S:
+        return ServerState(x=x0.clone())  # type: ignore[return-value]
+
+    def init_client(self, k: int, server: S) -> C:
+        return ClientState()  # type: ignore[return-value]
+
+    # -- the steps ---------------------------------------------------------------------------
     @abstractmethod
-    def client_update(
-        self,
-        server: ServerState,
-        client: ClientState,
-        data: ClientData,
-        trainer: Trainer,
-        generator: torch.Generator,
-    ) -> tuple[Upload, ClientState]:
-        """Local work of one client in one round."""
+    def client_update(self, server: S, client: C, data: ClientData, ctx: ClientContext) -> tuple[Upload, C]:
+        """Local work of one participant in one round."""
 
-    def server_update(self, server: ServerState, summed: torch.Tensor, total_weight: float) -> ServerState:
-        """Default server step: the weighted average of the payloads is the new state."""
-        return dataclasses.replace(server, x=summed / total_weight)
+    def server_update(self, server: S, aggregate: Aggregate, ctx: ServerContext) -> tuple[S, dict[str, float]]:
+        """Default server step: the weighted average of the uploaded states is the new state."""
+        return dataclasses.replace(server, x=aggregate.sums["x"] / aggregate.weight), {}
+
+
+def model_upload(x: torch.Tensor, data: ClientData, result: LocalResult | None = None, **metrics: float) -> Upload:
+    """The default upload: the local model ``x`` weighted by n_k, with the local loss as a metric."""
+    row = {"loss": result.loss} if result is not None else {}
+    row.update(metrics)
+    return Upload(sums={"x": x}, weight=float(data.n), metrics=row)
 
 
 def state_to_dict(state: Any) -> dict[str, Any]:

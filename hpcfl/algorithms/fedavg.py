@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from hpcfl.algorithms.base import (
     Algorithm,
+    ClientContext,
     ClientData,
     ClientState,
     HyperParams,
     ServerState,
-    Trainer,
     Upload,
+    model_upload,
 )
 
 
@@ -22,17 +21,18 @@ class FedAvgParams(HyperParams):
     """FedAvg has no hyper-parameters beyond the local schedule."""
 
 
-class FedAvg(Algorithm):
+def local_training(server: ServerState, data: ClientData, ctx: ClientContext) -> Upload:
+    """FedAvg's client step: plain local SGD from the server model, the model uploaded."""
+    assert ctx.trainer is not None
+    x, result = ctx.trainer.train(server.x, data, ctx.generator)
+    return model_upload(x, data, result)
+
+
+class FedAvg(Algorithm[FedAvgParams, ServerState, ClientState]):
     name = "fedavg"
     Params = FedAvgParams
 
     def client_update(
-        self,
-        server: ServerState,
-        client: ClientState,
-        data: ClientData,
-        trainer: Trainer,
-        generator: torch.Generator,
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
     ) -> tuple[Upload, ClientState]:
-        x, result = trainer.train(server.x, data, generator)
-        return Upload(payload=x, weight=float(data.n), metrics={"loss": result.loss}), client
+        return local_training(server, data, ctx), client

@@ -36,12 +36,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from hpcfl.algorithms.base import (
     Algorithm,
+    ClientContext,
     ClientData,
     ClientState,
     HyperParams,
@@ -131,12 +133,12 @@ def cka_regulariser(
     return fedcka_loss_gram(local_acts, global_grams, prev_grams)
 
 
-class FedCKA(Algorithm):
+class FedCKA(Algorithm[FedCKAParams, ServerState, FedCKAClientState]):
     name = "fedcka"
     Params = FedCKAParams
 
-    def __init__(self, params: HyperParams, *, num_params: int, state_size: int) -> None:
-        super().__init__(params, num_params=num_params, state_size=state_size)
+    def __init__(self, params: HyperParams, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
         self._model: nn.Module | None = None  # the working model the references were built from
         self._refs: References | None = None
         self._layers: list[str] = []
@@ -147,7 +149,7 @@ class FedCKA(Algorithm):
 
     def layer_names(self, model: nn.Module) -> list[str]:
         """The regularised layers of ``model`` (``params.layers`` or the first ``num_layers``)."""
-        p: FedCKAParams = self.params  # type: ignore[assignment]
+        p = self.params
         return list(p.layers) if p.layers is not None else first_layers(model, p.num_layers)
 
     def _layers_of(self, model: nn.Module) -> list[str]:
@@ -162,7 +164,7 @@ class FedCKA(Algorithm):
         """Build the two frozen copies once per working model (not per client, never per batch)."""
         model = trainer.flat.model
         if self._refs is None or self._model is not model:
-            p: FedCKAParams = self.params  # type: ignore[assignment]
+            p = self.params
             layers = self._layers_of(model)
 
             def represent(frozen: nn.Module) -> Represent:
@@ -174,15 +176,12 @@ class FedCKA(Algorithm):
         return self._refs
 
     def client_update(
-        self,
-        server: ServerState,
-        client: ClientState,
-        data: ClientData,
-        trainer: Trainer,
-        generator: torch.Generator,
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
     ) -> tuple[Upload, FedCKAClientState]:
+        trainer, generator = ctx.trainer, ctx.generator
+        assert trainer is not None
         assert isinstance(client, FedCKAClientState)
-        p: FedCKAParams = self.params  # type: ignore[assignment]
+        p = self.params
         self._layers_of(trainer.flat.model)
         if p.mu == 0 or client.prev is None:
             x, result = trainer.train(server.x, data, generator)
@@ -190,12 +189,12 @@ class FedCKA(Algorithm):
         else:
             x, result = self._train_regularised(server.x, client.prev, data, trainer, generator)
             loss = result.loss
-        return Upload(payload=x, weight=float(data.n), metrics={"loss": loss}), FedCKAClientState(prev=x)
+        return Upload(sums={"x": x}, weight=float(data.n), metrics={"loss": loss}), FedCKAClientState(prev=x)
 
     def _train_regularised(
         self, x0: Tensor, prev: Tensor, data: ClientData, trainer: Trainer, generator: torch.Generator
     ) -> tuple[Tensor, LocalResult]:
-        p: FedCKAParams = self.params  # type: ignore[assignment]
+        p = self.params
         refs = self._setup(trainer)
         sched = trainer.schedule
         visits = sample_visits(sched.steps, sched.epochs, sched.batch_size, data.n)

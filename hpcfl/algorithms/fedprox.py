@@ -8,12 +8,13 @@ import torch
 
 from hpcfl.algorithms.base import (
     Algorithm,
+    ClientContext,
     ClientData,
     ClientState,
     HyperParams,
     ServerState,
-    Trainer,
     Upload,
+    model_upload,
 )
 
 
@@ -24,23 +25,19 @@ class FedProxParams(HyperParams):
     mu: float = 0.01
 
 
-class FedProx(Algorithm):
+class FedProx(Algorithm[FedProxParams, ServerState, ClientState]):
     name = "fedprox"
     Params = FedProxParams
 
     def client_update(
-        self,
-        server: ServerState,
-        client: ClientState,
-        data: ClientData,
-        trainer: Trainer,
-        generator: torch.Generator,
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
     ) -> tuple[Upload, ClientState]:
+        assert ctx.trainer is not None
         anchor = server.x[: self.num_params]
-        mu = self.params.mu  # type: ignore[attr-defined]
+        mu = self.params.mu
 
         def proximal(w: torch.Tensor, d: torch.Tensor) -> None:
             d.add_(w - anchor, alpha=mu)
 
-        x, result = trainer.train(server.x, data, generator, correction=proximal)
-        return Upload(payload=x, weight=float(data.n), metrics={"loss": result.loss}), client
+        x, result = ctx.trainer.train(server.x, data, ctx.generator, correction=proximal)
+        return model_upload(x, data, result), client

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from hpcfl.algorithms.base import (
     Algorithm,
+    ClientContext,
     ClientData,
     ClientState,
     HyperParams,
@@ -137,12 +138,12 @@ def _features(frozen: nn.Module) -> Represent:
     return lambda x: [frozen.features(x)]  # (B, d): the representation only, no classifier
 
 
-class Moon(Algorithm):
+class Moon(Algorithm[MoonParams, ServerState, MoonClientState]):
     name = "moon"
     Params = MoonParams
 
-    def __init__(self, params: HyperParams, *, num_params: int, state_size: int) -> None:
-        super().__init__(params, num_params=num_params, state_size=state_size)
+    def __init__(self, params: HyperParams, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
         self._model: nn.Module | None = None
         self._refs: References | None = None
 
@@ -153,34 +154,31 @@ class Moon(Algorithm):
         """Build the two frozen copies once per working model (not per client, never per batch)."""
         model = trainer.flat.model
         if self._refs is None or self._model is not model:
-            p: MoonParams = self.params  # type: ignore[assignment]
+            p = self.params
             _classifier(model)  # fail early on an unsuitable model
             self._refs = References(model, self.state_size, _features, cache_bytes=p.cache_mb * 2**20)
             self._model = model
         return self._refs
 
     def client_update(
-        self,
-        server: ServerState,
-        client: ClientState,
-        data: ClientData,
-        trainer: Trainer,
-        generator: torch.Generator,
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
     ) -> tuple[Upload, MoonClientState]:
+        trainer, generator = ctx.trainer, ctx.generator
+        assert trainer is not None
         assert isinstance(client, MoonClientState)
-        p: MoonParams = self.params  # type: ignore[assignment]
+        p = self.params
         if p.mu == 0 or client.prev is None:
             x, result = trainer.train(server.x, data, generator)
             loss = result.loss + p.mu * math.log(2.0)  # ℓ_con = log 2 when z_prev = z_glob
         else:
             x, result = self._train_regularised(server.x, client.prev, data, trainer, generator)
             loss = result.loss
-        return Upload(payload=x, weight=float(data.n), metrics={"loss": loss}), MoonClientState(prev=x)
+        return Upload(sums={"x": x}, weight=float(data.n), metrics={"loss": loss}), MoonClientState(prev=x)
 
     def _train_regularised(
         self, x0: Tensor, prev: Tensor, data: ClientData, trainer: Trainer, generator: torch.Generator
     ) -> tuple[Tensor, LocalResult]:
-        p: MoonParams = self.params  # type: ignore[assignment]
+        p = self.params
         refs = self._setup(trainer)
         sched = trainer.schedule
         visits = sample_visits(sched.steps, sched.epochs, sched.batch_size, data.n)

@@ -1,67 +1,136 @@
-"""SCAFFOLD (Karimireddy et al., 2020) in the one-model-per-round form of TCT, Appendix A.1.
+"""SCAFFOLD (Karimireddy et al., 2020), in two equivalent forms.
 
-Each client keeps a correction h_k and its last local model θ̂_k. At round t it sets
-h_k ← h_k + (θ^t − θ̂_k)/(Mη), runs M local steps of SGD on ∇L_k − h_k from θ^t, and uploads only
-θ̂_k: the same traffic as FedAvg, equivalent to Option II of the original paper. The server takes
-the n_k-weighted average (TCT footnote 5).
+``one_model`` (TCT, Appendix A.1; used when every client takes part in every round): each client
+keeps a correction h_k and its last local model θ̂_k. At round t it sets
+h_k ← h_k + (θ^t − θ̂_k)/(Mη), runs M local steps of SGD on ∇L_k − h_k from θ^t and uploads only
+its model: FedAvg's traffic, equivalent to Option II of the original paper.
+
+``control_variates`` (Karimireddy et al., Algorithm 1, Option II; needed with partial
+participation, where θ̂_k is stale): the server holds c, client k holds c_k; local steps follow
+∇L_k − c_k + c; c_k⁺ = c_k − c + (x − y_k)/(Mη); the participants upload y_k (weighted by n_k)
+and Δc_k = c_k⁺ − c_k (summed, unweighted); the server sets x ← Σ n_k y_k / Σ n_k and
+c ← c + (|S|/N)·mean_S Δc_k = c + Σ_S Δc_k / N. Twice FedAvg's upload.
+
+The server averages models n_k-weighted (TCT footnote 5).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from hpcfl.algorithms.base import (
+    Aggregate,
     Algorithm,
+    ClientContext,
     ClientData,
     ClientState,
+    Exchange,
     HyperParams,
+    ServerContext,
     ServerState,
-    Trainer,
+    SumSpec,
     Upload,
+    model_upload,
 )
+from hpcfl.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class ScaffoldParams(HyperParams):
-    """SCAFFOLD needs no hyper-parameters beyond the local schedule (η and M)."""
+    """form: ``auto`` (one_model under full participation, control_variates otherwise),
+    ``one_model`` (TCT Appendix A.1) or ``control_variates`` (Karimireddy et al., Algorithm 1)."""
+
+    form: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.form not in ("auto", "one_model", "control_variates"):
+            raise ConfigError(f"config key 'params.form' must be auto, one_model or control_variates, got {self.form!r}")
+
+
+@dataclass
+class ScaffoldServerState(ServerState):
+    """x and, in the control-variate form, the server control variate c (None otherwise)."""
+
+    c: torch.Tensor | None = None
 
 
 @dataclass
 class ScaffoldClientState(ClientState):
-    """h: correction over the trainable parameters; last_local: θ̂_k (None until first trained)."""
+    """h: the client's correction (one_model) or control variate c_k; last_local: θ̂_k (one_model)."""
 
     h: torch.Tensor | None = None
     last_local: torch.Tensor | None = None
 
 
-class Scaffold(Algorithm):
+def correction_update(h: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor | None, steps: int, lr: float) -> torch.Tensor:
+    """h + (x − y)/(Mη): SCAFFOLD's control-variate step (shared with TCT's stage 2)."""
+    h = h if h is not None else torch.zeros_like(x)
+    return h if y is None else h + (x - y) / (steps * lr)
+
+
+class Scaffold(Algorithm[ScaffoldParams, ScaffoldServerState, ScaffoldClientState]):
     name = "scaffold"
     Params = ScaffoldParams
 
-    def init_client(self, k: int, server: ServerState) -> ScaffoldClientState:
+    @property
+    def control_variates(self) -> bool:
+        form = self.params.form
+        if form == "auto":
+            return self.participation.count is not None
+        return form == "control_variates"
+
+    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        sums = (SumSpec("x", self.state_size, dtype),)
+        if self.control_variates:
+            sums += (SumSpec("dc", self.num_params, dtype, weighted=False),)
+        return Exchange(sums=sums)
+
+    def init_server(self, x0: torch.Tensor) -> ScaffoldServerState:
+        c = torch.zeros_like(x0[: self.num_params]) if self.control_variates else None
+        return ScaffoldServerState(x=x0.clone(), c=c)
+
+    def init_client(self, k: int, server: ScaffoldServerState) -> ScaffoldClientState:
         return ScaffoldClientState()
 
     def client_update(
-        self,
-        server: ServerState,
-        client: ClientState,
-        data: ClientData,
-        trainer: Trainer,
-        generator: torch.Generator,
+        self, server: ScaffoldServerState, client: ScaffoldClientState, data: ClientData, ctx: ClientContext
     ) -> tuple[Upload, ScaffoldClientState]:
-        assert isinstance(client, ScaffoldClientState)
+        trainer = ctx.trainer
+        assert trainer is not None
         P = self.num_params
         steps = trainer.schedule.num_steps(data.n)
         lr = trainer.schedule.lr
-        h = client.h if client.h is not None else torch.zeros_like(server.x[:P])
-        if client.last_local is not None:
-            h = h + (server.x[:P] - client.last_local[:P]) / (steps * lr)
+        if self.control_variates:
+            assert server.c is not None
+            c_k = client.h if client.h is not None else torch.zeros_like(server.c)
+            shift = c_k - server.c
+
+            def cv(w: torch.Tensor, d: torch.Tensor) -> None:
+                d.sub_(shift)
+
+            y, result = trainer.train(server.x, data, ctx.generator, correction=cv)
+            c_new = c_k - server.c + (server.x[:P] - y[:P]) / (steps * lr)
+            upload = model_upload(y, data, result)
+            upload.sums["dc"] = c_new - c_k
+            return upload, ScaffoldClientState(h=c_new)
+        last = client.last_local[:P] if client.last_local is not None else None
+        h = correction_update(client.h if client.h is not None else torch.zeros_like(server.x[:P]), server.x[:P], last, steps, lr)
 
         def corrected(w: torch.Tensor, d: torch.Tensor) -> None:
             d.sub_(h)
 
-        x, result = trainer.train(server.x, data, generator, correction=corrected)
-        state = ScaffoldClientState(h=h, last_local=x)
-        return Upload(payload=x, weight=float(data.n), metrics={"loss": result.loss}), state
+        x, result = trainer.train(server.x, data, ctx.generator, correction=corrected)
+        return model_upload(x, data, result), ScaffoldClientState(h=h, last_local=x)
+
+    def server_update(
+        self, server: ScaffoldServerState, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[ScaffoldServerState, dict[str, float]]:
+        x = aggregate.sums["x"] / aggregate.weight
+        if not self.control_variates:
+            return dataclasses.replace(server, x=x), {}
+        assert server.c is not None
+        c = server.c + aggregate.sums["dc"] / ctx.population.size
+        return ScaffoldServerState(x=x, c=c), {}

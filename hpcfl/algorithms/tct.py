@@ -1,17 +1,43 @@
 """TCT (Yu et al., NeurIPS 2022): Train, Convexify, Train — Algorithm 2 of the paper.
 
-Stage 1 is FedAvg for ``stage1.rounds`` rounds (this class); the runner then convexifies the
-bootstrapped model and solves stage 2 with :mod:`hpcfl.tct` (eNTK features, federated
-standardisation, SCAFFOLD on the linear regression). Stage-2 hyper-parameters live in the config's
-``stage2`` section; defaults follow the paper (p = 100,000, η2 = 5e-5, M = 500, T2 = 100).
+The algorithm declares its two stages: stage 1 is FedAvg for ``stage1.rounds`` rounds (this
+class's own steps); stage 2 convexifies the bootstrapped model and solves the linear problem on its
+eNTK features (:func:`hpcfl.tct.pipeline.enter_stage2`: features, federated standardisation,
+SCAFFOLD on the regression). Defaults follow the paper (p = 100,000, η2 = 5e-5, M = 500, T2 = 100).
 """
 
 from __future__ import annotations
 
-from hpcfl.algorithms.fedavg import FedAvg
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hpcfl.algorithms.base import Algorithm, ClientContext, ClientData, ClientState, HyperParams, ServerState, Stage, Upload
+from hpcfl.algorithms.fedavg import local_training
+from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
 
 
-class TCT(FedAvg):
-    """Stage 1 of TCT: plain FedAvg (Algorithm 2's stage 1 with no correction)."""
+@dataclass(frozen=True)
+class TCTParams(HyperParams):
+    """stage1: the FedAvg bootstrap (rounds T1); stage2: the convexified problem (TCT Algorithm 2)."""
+
+    stage1: Stage1Section = field(default_factory=Stage1Section)
+    stage2: Stage2Section = field(default_factory=Stage2Section)
+
+
+class TCT(Algorithm[TCTParams, ServerState, ClientState]):
+    """Stage 1 of TCT is plain FedAvg (Algorithm 2's stage 1 with no correction)."""
 
     name = "tct"
+    Params = TCTParams
+
+    def client_update(
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
+    ) -> tuple[Upload, ClientState]:
+        return local_training(server, data, ctx), client
+
+    def stages(self) -> Sequence[Stage]:
+        from hpcfl.tct.pipeline import enter_stage2
+
+        p = self.params
+        return (Stage("stage1", p.stage1.rounds), Stage("stage2", p.stage2.rounds, enter=enter_stage2))
+

@@ -10,7 +10,7 @@ import os
 
 from hpcfl.comm.base import Communicator
 from hpcfl.comm.local import LocalComm
-from hpcfl.comm.placement import place_clients
+from hpcfl.comm.placement import place_clients, place_round
 
 # Environment variables set by common launchers, holding the world size.
 _WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
@@ -43,4 +43,4 @@ def get_comm(kind: str = "auto") -> Communicator:
     return MPIComm()
 
 
-__all__ = ["Communicator", "LocalComm", "get_comm", "launched_world_size", "launcher_rank", "place_clients"]
+__all__ = ["Communicator", "LocalComm", "get_comm", "launched_world_size", "launcher_rank", "place_clients", "place_round"]

@@ -26,3 +26,18 @@ def place_clients(sizes: Sequence[int], num_ranks: int) -> list[list[int]]:
         owned[r].append(k)
         load[r] += sizes[k]
     return [sorted(ks) for ks in owned]
+
+
+def place_round(ids: Sequence[int], sizes: Sequence[int], num_ranks: int) -> list[list[int]]:
+    """Place one round's participants ``ids`` (with sample counts ``sizes``) on ranks.
+
+    The same greedy as :func:`place_clients`, but a rank may stay idle when there are fewer
+    participants than ranks. Every rank computes the same answer without talking.
+    """
+    load = [0] * num_ranks
+    owned: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in sorted(range(len(ids)), key=lambda i: (-sizes[i], ids[i])):
+        r = min(range(num_ranks), key=lambda r: (load[r], len(owned[r]), r))
+        owned[r].append(ids[i])
+        load[r] += sizes[i]
+    return [sorted(ks) for ks in owned]

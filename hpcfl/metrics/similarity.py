@@ -67,7 +67,8 @@ class LayerSimilarity:
     @classmethod
     def for_federation(cls, fed: Any) -> LayerSimilarity:
         """The probe of a run (``fed`` is a :class:`hpcfl.runner.federation.Federation`)."""
-        if fed.algorithm.payload_size() != fed.flat.size:
+        sums = fed.algorithm.exchange().sums
+        if not sums or sums[0].name != "x" or sums[0].length != fed.flat.size:
             raise ConfigError(
                 f"cka_metrics needs an algorithm whose upload is the local model; {fed.cfg.algorithm!r} "
                 "uploads something else: set cka_metrics: false"

@@ -84,7 +84,8 @@ def load_checkpoint(root: Path, client_ids: list[int]) -> Checkpoint | None:
     d = _round_dir(root, rnd)
     head = torch.load(d / "server.pt", weights_only=True)
     clients = {}
-    for k in client_ids:
+    saved = head["extra"].get("clients")  # ids whose state was saved (clients never trained have none)
+    for k in client_ids if saved is None else sorted(set(client_ids) & set(saved)):
         path = d / "clients" / f"client_{k}.pt"
         if not path.exists():
             raise RunDirError(f"checkpoint {d} has no state for client {k}; it belongs to another run")

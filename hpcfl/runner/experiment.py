@@ -1,9 +1,10 @@
 """One federated run from config to finished run directory, on any number of ranks.
 
 Rank 0 owns the shared files (config, metrics, partition, progress bar); every rank writes the
-checkpoints of the clients it owns. Resuming loads the latest checkpoint and replays nothing:
-client RNGs depend only on (seed, round, client), so the resumed run ends bit-identical. TCT runs
-its two stages here in sequence; round numbers and checkpoints continue across them.
+checkpoints of the client states it holds. Resuming loads the latest checkpoint and replays
+nothing: participants depend only on (seed, stage, round) and client RNGs on (seed, round, client),
+so the resumed run ends bit-identical. The algorithm declares its stages (TCT: two); the driver
+runs them in sequence, continuing round numbers and checkpoints across them.
 """
 
 from __future__ import annotations
@@ -11,25 +12,27 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hpcfl.algorithms import ClientState, ServerState
-from hpcfl.algorithms.base import state_from_dict, state_to_dict
+from hpcfl.algorithms import ServerState
+from hpcfl.algorithms.base import Stage, state_from_dict, state_to_dict
 from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config
-from hpcfl.errors import HpcflError, RunDirError
+from hpcfl.errors import ConfigError, HpcflError, RunDirError
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from hpcfl.runner.federation import Federation, build_federation, model_plan
-from hpcfl.runner.files import append_jsonl, atomic_torch_save, atomic_write_text, read_jsonl, write_jsonl
+from hpcfl.runner.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.runner.progress import Progress
-from hpcfl.runner.rounds import RoundHook, run_rounds
+from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
 from hpcfl.runner.rundir import DONE, prepare_run_dir
+from hpcfl.runner.stages import StageInput, StagePlan
+from hpcfl.tct.pipeline import STAGE1_MODEL as STAGE1_MODEL
 
-STAGE1_MODEL = "stage1_model.pt"  # TCT: θ_T1, the bootstrapped model stage 2 is built from
 
 
 @dataclass
@@ -107,11 +110,19 @@ def set_threads(cfg: Config, comm: Communicator) -> None:
         torch.set_num_threads(max(1, cores // comm.local_size))
 
 
+def run_stages(cfg: Config) -> list[Stage]:
+    """The run's stages with their round counts (the single default stage runs ``cfg.rounds``)."""
+    from hpcfl.algorithms import ALGORITHMS
+
+    algo_cls = ALGORITHMS[cfg.algorithm]
+    stages = list(algo_cls.stages(algo_cls(cfg.params, layout=_NO_LAYOUT)))
+    return [Stage(s.name, cfg.rounds if s.rounds < 0 else s.rounds, s.enter) for s in stages]
+
+
 def stage_rounds(cfg: Config) -> tuple[int, int]:
-    """(rounds of the model-training stage, total rounds): TCT adds its stage-2 rounds."""
-    if cfg.algorithm == "tct":
-        return cfg.stage1.rounds, cfg.stage1.rounds + cfg.stage2.rounds
-    return cfg.rounds, cfg.rounds
+    """(rounds of the first stage, total rounds over every stage)."""
+    stages = run_stages(cfg)
+    return stages[0].rounds, sum(s.rounds for s in stages)
 
 
 class _Bookkeeper:
@@ -131,9 +142,7 @@ class _Bookkeeper:
         self.progress = Progress(total=total, initial=start, enabled=cfg.progress and comm.rank == 0)
 
     def hook(self, stage: str, offset: int, last: int) -> RoundHook:
-        def after_round(
-            done: int, srv: ServerState, cls: dict[int, ClientState], row: dict[str, Any] | None
-        ) -> bool:
+        def after_round(done: int, srv: ServerState, states: Any, row: dict[str, Any] | None) -> bool:
             done += offset
             if row is not None and self.comm.rank == 0:
                 append_jsonl(self.metrics_path, row)
@@ -143,13 +152,15 @@ class _Bookkeeper:
             flag = torch.tensor([float(self.stop.requested)], dtype=torch.float64)
             halt = bool(self.comm.allreduce(flag).item())
             if done % self.cfg.checkpoint_every == 0 or done in (last, self.total) or halt:
+                held = {k: state_to_dict(c) for k, c in states.states.items()}
+                saved = sorted(k for part in self.comm.allgather(sorted(held)) for k in part)
                 save_checkpoint(
                     self.run_dir / "checkpoints",
                     done,
                     state_to_dict(srv),
-                    {k: state_to_dict(c) for k, c in cls.items()},
+                    held,
                     self.comm,
-                    extra={"stage": stage},
+                    extra={"stage": stage, "clients": saved},
                 )
             return halt
 
@@ -173,33 +184,17 @@ def run_experiment(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)
     )
     fed = build_federation(cfg, comm)
-    ckpt = load_checkpoint(run_dir / "checkpoints", fed.owned) if has_state else None
+    stages = run_stages(cfg)
+    held = fed.owned if comm.size > 1 else list(range(len(fed.parts)))  # states this rank may train
+    ckpt = load_checkpoint(run_dir / "checkpoints", held) if has_state else None
     start = ckpt.round if ckpt is not None else 0
     if comm.rank == 0:
         dump_config(cfg, run_dir / "config.yaml")
         _write_partition(fed, run_dir)
-    first, total = stage_rounds(cfg)
+    total = sum(s.rounds for s in stages)
     book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total)
     t0 = time.perf_counter()
-
-    # 1. the model-training stage (every algorithm; TCT's stage 1)
-    algo = fed.algorithm
-    server = algo.init_server(fed.flat.vector)
-    clients: dict[int, ClientState] = {k: algo.init_client(k, server) for k in fed.owned}
-    in_stage2 = ckpt is not None and ckpt.extra.get("stage") == "stage2"
-    if ckpt is not None and not in_stage2:
-        server, clients = _restore(ckpt, server, clients)
-    done = start
-    stage = "stage1" if cfg.algorithm == "tct" else "train"
-    if start < first:
-        server, clients, done = run_rounds(
-            model_plan(fed), server, clients, start, first, stage=stage, hook=book.hook(stage, 0, first)
-        )
-
-    # 2. TCT's stage 2 on the convexified problem
-    if cfg.algorithm == "tct" and done >= first and done < total:
-        server, done = _run_tct_stage2(fed, run_dir, server, ckpt if in_stage2 else None, done, book)
-
+    server, done = drive_stages(fed, stages, run_dir, ckpt, book)
     book.progress.close()
     finished = done >= total
     if comm.rank == 0 and finished:
@@ -208,48 +203,74 @@ def run_experiment(
     return RunResult(run_dir=run_dir, rounds_done=done, server=server, metrics=book.rows, finished=finished)
 
 
-def _restore(
-    ckpt: Checkpoint, server: ServerState, clients: dict[int, ClientState]
-) -> tuple[ServerState, dict[int, ClientState]]:
-    server = state_from_dict(type(server), ckpt.server)
-    clients = {k: state_from_dict(type(c), ckpt.clients[k]) for k, c in clients.items()}
-    return server, clients
-
-
-def _run_tct_stage2(
-    fed: Federation, run_dir: Path, server: ServerState, ckpt: Checkpoint | None, done: int, book: _Bookkeeper
+def drive_stages(
+    fed: Federation, stages: Sequence[Stage], run_dir: Path, ckpt: Checkpoint | None, book: _Bookkeeper
 ) -> tuple[ServerState, int]:
-    from hpcfl.tct.pipeline import prepare_stage2
+    """Run every stage from the checkpoint on; returns the final server state and rounds done."""
+    names = [s.name for s in stages]
+    resume_at = names.index(ckpt.extra.get("stage", names[0])) if ckpt is not None else 0
+    done = ckpt.round if ckpt is not None else 0
+    server: ServerState | None = None
+    offset = 0
+    for si, stage in enumerate(stages):
+        lo, hi = offset, offset + stage.rounds
+        offset = hi
+        if si < resume_at:
+            continue
+        if si > resume_at and stage.rounds == 0:
+            continue
+        resumed_here = ckpt is not None and si == resume_at
+        entry = enter_stage(fed, stage, si, run_dir, None if resumed_here and si > 0 else server)
+        srv, states = entry.server, MemoryStates(entry.init_client)
+        if resumed_here:
+            assert ckpt is not None
+            srv, states = _restore(ckpt, srv, entry)
+        check_state_placement(fed, entry)
+        srv, stage_done = run_rounds(
+            entry.plan,
+            srv,
+            states,
+            done - lo,
+            stage.rounds,
+            stage=stage.name,
+            round_offset=lo,
+            hook=book.hook(stage.name, lo, hi),
+        )
+        server, done = srv, lo + stage_done
+        if done < hi:  # stopped by a signal
+            break
+    assert server is not None
+    return server, done
 
-    cfg, comm = fed.cfg, fed.comm
-    first, total = stage_rounds(cfg)
-    theta_path = run_dir / STAGE1_MODEL
-    if ckpt is None:  # stage 1 just finished (or T1 = 0): θ_T1 is the current server model
-        theta = server.x
-        if comm.rank == 0:
-            atomic_torch_save(theta_path, theta)
-        comm.barrier()
-    else:
-        if not theta_path.exists():
-            raise RunDirError(f"{theta_path} is missing, so stage 2 cannot resume; rerun with --overwrite")
-        theta = torch.load(theta_path, weights_only=True)
-    setup = prepare_stage2(fed, theta, run_dir, cfg.stage2)
-    server2 = setup.initial_server()
-    clients2: dict[int, ClientState] = {k: setup.plan.algorithm.init_client(k, server2) for k in fed.owned}
-    if ckpt is not None:
-        server2, clients2 = _restore(ckpt, server2, clients2)
-    start2 = done - first
-    server2, clients2, done2 = run_rounds(
-        setup.plan,
-        server2,
-        clients2,
-        start2,
-        cfg.stage2.rounds,
-        stage="stage2",
-        round_offset=first,
-        hook=book.hook("stage2", first, total),
-    )
-    return server2, first + done2
+
+def enter_stage(fed: Federation, stage: Stage, index: int, run_dir: Path, previous: ServerState | None) -> StagePlan:
+    """The plan of ``stage``: the configured model's rounds, or what the stage's ``enter`` builds."""
+    if stage.enter is None:
+        plan = model_plan(fed)
+        plan.stage_index = index
+        algo = plan.algorithm
+        server = algo.init_server(fed.flat.vector) if previous is None else previous
+        return StagePlan(plan=plan, server=server, init_client=lambda k: algo.init_client(k, server))
+    return stage.enter(StageInput(fed=fed, run_dir=run_dir, previous=previous, stage_index=index))
+
+
+def check_state_placement(fed: Federation, entry: StagePlan) -> None:
+    """Client states in memory need each client trained on the same rank every round: true on one
+    rank or under full participation. Otherwise refuse (the on-disk client-state store lifts this)."""
+    algo = entry.plan.algorithm
+    stateful = bool(fields(entry.init_client(0)))
+    if stateful and fed.comm.size > 1 and not algo.participation.full(entry.plan.population):
+        raise ConfigError(
+            f"{algo.name} keeps client state, which with partial participation on {fed.comm.size} ranks "
+            "needs client_state_memory: disk; run on one rank or set it"
+        )
+
+
+def _restore(ckpt: Checkpoint, server: ServerState, entry: StagePlan) -> tuple[ServerState, MemoryStates]:
+    server = state_from_dict(type(server), ckpt.server)
+    probe = entry.init_client(0)
+    states = {k: state_from_dict(type(probe), d) for k, d in ckpt.clients.items()}
+    return server, MemoryStates(entry.init_client, states)
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -257,3 +278,13 @@ def default_run_dir(cfg: Config) -> Path:
     if not cfg.name or "/" in cfg.name:
         raise RunDirError(f"config name {cfg.name!r} cannot name a run directory; pass --run-dir")
     return Path("runs") / cfg.name
+
+
+class _NoLayout:
+    """Stands in for a model layout when only an algorithm's declared stages are read."""
+
+    num_params = 0
+    size = 0
+
+
+_NO_LAYOUT: Any = _NoLayout()

@@ -1,17 +1,21 @@
-"""Everything one rank needs before the first round: data, partition, placement, model, algorithm.
+"""Everything one rank needs before the first round: data, partition, model, algorithm.
 
-Every rank computes the same partition and placement from the seed (no communication), then
-keeps only the data of the clients it owns.
+Every rank computes the same partition from the seed (no communication). Participants are placed
+on ranks afresh every round, so any rank can train any client: each rank keeps the whole training
+set in memory (it is loaded whole anyway; the cost per rank is the dataset, e.g. 188 MB for
+Fashion-MNIST in float32) and slices a client's samples onto the device when it trains it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Trainer
+from hpcfl.algorithms.layout import StateLayout
+from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.comm import Communicator, place_clients
 from hpcfl.config import Config
 from hpcfl.data import Dataset, load_dataset, partition
@@ -33,11 +37,34 @@ class Federation:
     device: torch.device
     dataset: Dataset
     parts: list[torch.Tensor]  # train indices of every client (all ranks know all of them)
-    owned: list[int]  # the clients this rank trains
+    owned: list[int]  # the clients this rank trains under full participation (static placement)
     flat: FlatModel
     algorithm: Algorithm
     trainer: Trainer
-    clients: dict[int, ClientData]
+    _cache: dict[int, ClientData] = field(default_factory=dict, repr=False)
+
+    @property
+    def population(self) -> Population:
+        return Population(tuple(int(p.numel()) for p in self.parts))
+
+    def client_data(self, k: int) -> ClientData:
+        """Client ``k``'s training samples on the device (sliced from the resident training set).
+
+        The clients of the static placement are kept after their first use (under full
+        participation they are the ones this rank trains every round); others are sliced anew.
+        """
+        if k in self._cache:
+            return self._cache[k]
+        idx = self.parts[k]
+        data = ClientData(k=k, x=self.dataset.train.x[idx].to(self.device), y=self.dataset.train.y[idx].to(self.device))
+        if k in self.owned:
+            self._cache[k] = data
+        return data
+
+    @property
+    def clients(self) -> dict[int, ClientData]:
+        """The data of the clients this rank owns under the static placement (feature extraction)."""
+        return {k: self.client_data(k) for k in self.owned}
 
 
 def resolve_device(cfg: Config, comm: Communicator) -> torch.device:
@@ -90,24 +117,34 @@ def model_plan(fed: Federation) -> RoundPlan:
     return RoundPlan(
         algorithm=fed.algorithm,
         comm=fed.comm,
-        data=fed.clients,
+        data=fed.client_data,
         trainer=fed.trainer,
-        num_clients=len(fed.parts),
+        population=fed.population,
         generator=lambda rnd, k: client_generator(fed.cfg.seed, rnd, k),
         evaluate=model_evaluator(fed),
+        seed=fed.cfg.seed,
+        reduction=fed.cfg.reduction,
         eval_every=fed.cfg.eval_every,
         lr_hint=f" (lr is {fed.cfg.lr})",
         similarity=LayerSimilarity.for_federation(fed) if fed.cfg.cka_metrics else None,
     )
 
 
-def make_algorithm(cfg: Config, flat: FlatModel) -> Algorithm:
-    """Instantiate the configured algorithm with its hyper-parameter section."""
+def participation_of(cfg: Config) -> Participation:
+    """The run's participation rule: ``clients_per_round``, or ``participation`` as a fraction."""
+    count = cfg.clients_per_round
+    if cfg.participation is not None:
+        count = max(1, round(cfg.participation * cfg.num_clients))
+    if count is not None and count >= cfg.num_clients:
+        count = None
+    return Participation(count=count, weighting=cfg.participation_weighting)
+
+
+def make_algorithm(cfg: Config, model: torch.nn.Module) -> Algorithm:
+    """Instantiate the configured algorithm with its validated ``params``."""
     cls = ALGORITHMS[cfg.algorithm]
-    params = getattr(cfg, cfg.algorithm, None)
-    if not isinstance(params, cls.Params):
-        params = cls.Params()
-    return cls(params, num_params=flat.num_params, state_size=flat.size)
+    params = cfg.params if isinstance(cfg.params, cls.Params) else cls.Params()
+    return cls(params, layout=StateLayout.of_model(model), participation=participation_of(cfg))
 
 
 def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = None) -> Federation:
@@ -128,11 +165,7 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, dataset.input_shape, dataset.num_classes, **cfg.model_options).to(device)
     flat = FlatModel(model)
-    clients = {
-        k: ClientData(k=k, x=dataset.train.x[parts[k]].to(device), y=dataset.train.y[parts[k]].to(device))
-        for k in owned
-    }
-    algorithm = make_algorithm(cfg, flat)
+    algorithm = make_algorithm(cfg, model)
     return Federation(
         cfg=cfg,
         comm=comm,
@@ -143,5 +176,4 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         flat=flat,
         algorithm=algorithm,
         trainer=Trainer(flat, schedule_of(cfg)),
-        clients=clients,
     )

@@ -1,119 +1,269 @@
-"""The round loop: local work, one allreduce, the server step, evaluation, bookkeeping."""
+"""The round loop: who trains, local work, one allreduce, the server step, evaluation, bookkeeping.
+
+The algorithm declares its round (:meth:`~hpcfl.algorithms.Algorithm.exchange`,
+:meth:`~hpcfl.algorithms.Algorithm.participants`); this loop carries it out the same way for every
+algorithm:
+
+1. the participants are drawn from a generator that depends only on (seed, stage, round) and placed
+   on ranks balanced by sample count (any rank can train any client);
+2. each rank runs its participants' local updates and adds their uploads into one buffer
+   (:class:`~hpcfl.runner.buffer.BufferLayout`); with ``reduction: float64`` it accumulates in
+   float64 and rounds once after the allreduce, so the result does not depend on how participants
+   are placed on ranks (bit-identical on 1, 2 or 3 ranks);
+3. ONE allreduce (plus an allgather only when the algorithm gathers);
+4. the same server update on every rank; evaluation sharded over ranks;
+5. bookkeeping (metrics, checkpoints, progress, stop requests) in the hook.
+"""
 
 from __future__ import annotations
 
+import pickle
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from hpcfl.algorithms import Algorithm, ClientData, ClientState, NonFiniteLoss, ServerState, Trainer
+from hpcfl.algorithms.base import Aggregate, ClientContext, ServerContext, Upload
+from hpcfl.algorithms.participation import Population
 from hpcfl.comm.base import Communicator
+from hpcfl.comm.placement import place_round
 from hpcfl.errors import DivergenceError
 from hpcfl.metrics.similarity import LayerSimilarity
+from hpcfl.runner.buffer import BufferLayout
 
-# Called after every round with (round_done, server, clients, metrics_row or None); returns True to stop.
-RoundHook = Callable[[int, ServerState, dict[int, ClientState], dict[str, Any] | None], bool]
+# Called after every round with (round_done, server, states, metrics_row or None); returns True to stop.
+RoundHook = Callable[[int, ServerState, "ClientStore", dict[str, Any] | None], bool]
 # Evaluates the server state; returns metric columns (test_accuracy, test_loss, ...).
 Evaluator = Callable[[ServerState], dict[str, float]]
 # The RNG of client k in round r (a pure function of seed, round and client).
 GeneratorFn = Callable[[int, int], torch.Generator]
 
 
+class ClientStore(Protocol):
+    """Where client states live between rounds (memory or the on-disk client-state store)."""
+
+    def get(self, k: int) -> ClientState: ...
+
+    def put(self, k: int, state: ClientState) -> None: ...
+
+
+class MemoryStates:
+    """Client states in a dict; a client never trained reads as ``init(k)``."""
+
+    def __init__(self, init: Callable[[int], ClientState], states: dict[int, ClientState] | None = None) -> None:
+        self.init = init
+        self.states: dict[int, ClientState] = dict(states or {})
+
+    def get(self, k: int) -> ClientState:
+        return self.states[k] if k in self.states else self.init(k)
+
+    def put(self, k: int, state: ClientState) -> None:
+        if fields(state):  # stateless algorithms keep nothing
+            self.states[k] = state
+
+
+def round_generator(seed: int, stage: int, rnd: int) -> torch.Generator:
+    """The generator the participants of round ``rnd`` are drawn from: a pure function of (seed,
+    stage, round), independent of ranks and resumes."""
+    state = np.random.SeedSequence([seed, 0x9A7, stage, rnd]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
 @dataclass
 class RoundPlan:
-    """What the loop needs besides the states: who trains, on what, and how results are judged."""
+    """What the loop needs besides the states: who may train, on what, and how results are judged."""
 
     algorithm: Algorithm
     comm: Communicator
-    data: Mapping[int, ClientData]  # this rank's clients
+    data: Callable[[int], ClientData]  # any client's data, on the training device
     trainer: Trainer | None
-    num_clients: int
+    population: Population
     generator: GeneratorFn
     evaluate: Evaluator
+    seed: int = 0
+    stage_index: int = 0
     eval_every: int = 1
+    reduction: str = "float64"  # float64 (placement-independent) | float32
     lr_hint: str = ""  # how to name the learning rate in a divergence message
     similarity: LayerSimilarity | None = None  # per-layer CKA of each client vs global (cka_metrics)
+    client_metrics: tuple[str, ...] = ("loss",)
+
+
+def round_layout(plan: RoundPlan, num_participants: int, dtype: torch.dtype) -> BufferLayout:
+    """The round's buffer: every declared sum, then the runner's channels."""
+    ex = plan.algorithm.exchange(dtype)
+    S = plan.similarity.size if plan.similarity is not None else 0
+    return BufferLayout.of(
+        [(f"sum:{s.name}", s.length) for s in ex.sums]
+        + [
+            ("weight", 1),
+            ("count", 1),
+            ("nonfinite", num_participants),
+            ("metrics", num_participants * len(plan.client_metrics)),
+            ("cka", S),
+        ]
+    )
+
+
+def buffer_dtype(plan: RoundPlan, dtype: torch.dtype) -> torch.dtype:
+    """float64 for a placement-independent sum (or when a declared sum is float64), else float32."""
+    ex = plan.algorithm.exchange(dtype)
+    if plan.reduction == "float64" or any(s.dtype == torch.float64 for s in ex.sums):
+        return torch.float64
+    return ex.sums[0].dtype if ex.sums else dtype
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes a gathered object costs on the wire: tensors by their encoding, others pickled."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_sparse:
+            obj = obj.coalesce()
+            return obj.values().nbytes + obj.indices().nbytes
+        return obj.nbytes
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(o) for o in obj.values())
+    return len(pickle.dumps(obj))
+
+
+def _state_nbytes(server: ServerState) -> int:
+    """Bytes a participant downloads: every tensor of the server state."""
+    return sum(
+        v.nbytes for f in fields(server) if isinstance(v := getattr(server, f.name), torch.Tensor)
+    )
 
 
 def run_rounds(
     plan: RoundPlan,
     server: ServerState,
-    clients: dict[int, ClientState],
+    states: ClientStore,
     start: int,
     stop: int,
     *,
     stage: str = "train",
     round_offset: int = 0,
     hook: RoundHook | None = None,
-) -> tuple[ServerState, dict[int, ClientState], int]:
-    """Run rounds ``start`` .. ``stop - 1``; returns the final states and the rounds completed.
+) -> tuple[ServerState, int]:
+    """Run rounds ``start`` .. ``stop - 1``; returns the final server state and the rounds completed.
 
     ``round_offset`` shifts the round numbers written to metrics (TCT's stage 2 continues stage 1's
     count).
     """
     algo, comm = plan.algorithm, plan.comm
-    L = algo.payload_size()
-    K = plan.num_clients
-    S = plan.similarity.size if plan.similarity is not None else 0
-    # [ sum_k w_k * payload_k | sum_k w_k | per-client non-finite flags | per-client CKA | local loss sum ]
-    buf = torch.zeros(L + 1 + K + S + 1, dtype=server.x.dtype, device=server.x.device)
-    sims = buf[L + 1 + K : L + 1 + K + S]
-    bytes_per_model = L * server.x.element_size()
+    dtype = server.x.dtype
+    ex = algo.exchange(dtype)
+    bdtype = buffer_dtype(plan, dtype)
+    upload_bytes = sum(s.nbytes for s in ex.sums)
     done = start
     for rnd in range(start, stop):
         t0 = time.perf_counter()
-        # 1. local updates of this rank's clients, summed into one flat buffer
-        buf.zero_()
-        probe = plan.similarity if (rnd + 1) % plan.eval_every == 0 or rnd + 1 == stop else None
+        # 1. who trains, and where
+        who = algo.participants(rnd, plan.population, round_generator(plan.seed, plan.stage_index, rnd))
+        position = {k: i for i, k in enumerate(who)}
+        sizes = [plan.population.sizes[k] for k in who]
+        mine = place_round(who, sizes, comm.size)[comm.rank]
+        layout = round_layout(plan, len(who), dtype)
+        buf = layout.allocate(bdtype, server.x.device)
+        sums = {s.name: layout.view(buf, f"sum:{s.name}") for s in ex.sums}
+        flags, cmetrics = layout.view(buf, "nonfinite"), layout.view(buf, "metrics")
+        sims = layout.view(buf, "cka")
+        evaluate_now = (rnd + 1) % plan.eval_every == 0 or rnd + 1 == stop
+        probe = plan.similarity if evaluate_now else None
         if probe is not None:
             probe.set_reference(server.x)
-        for k, data in plan.data.items():
+        gathered: list[tuple[int, dict[str, Any]]] = []
+        # 2. local updates of this rank's participants, added into the one buffer
+        for k in mine:
+            i = position[k]
+            ctx = ClientContext(rnd, tuple(who), plan.population, plan.trainer, plan.generator(rnd, k))
             try:
-                upload, clients[k] = algo.client_update(
-                    server, clients[k], data, plan.trainer, plan.generator(rnd, k)
-                )
+                upload, new_state = algo.client_update(server, states.get(k), plan.data(k), ctx)
             except NonFiniteLoss:
-                buf[L + 1 + k] = 1.0
+                flags[i] = 1.0
                 continue
-            buf[:L].add_(upload.payload, alpha=upload.weight)
-            buf[L] += upload.weight
-            buf[-1] += upload.metrics.get("loss", 0.0)
+            states.put(k, new_state)
+            _accumulate(upload, sums, ex, bdtype)
+            layout.view(buf, "weight").add_(upload.weight)
+            layout.view(buf, "count").add_(1.0)
+            for j, name in enumerate(plan.client_metrics):
+                cmetrics[i * len(plan.client_metrics) + j] = float(upload.metrics.get(name, 0.0))
+            if ex.gathers:
+                gathered.append((i, {g: upload.gathered[g] for g in ex.gathers}))
             if probe is not None:
-                probe.record(k, upload.payload, sims)
+                probe.record(k, upload.sums["x"], sims)
         t1 = time.perf_counter()
-        # 2. one allreduce per round
+        # 3. one allreduce per round (and one allgather when the algorithm gathers)
         comm.allreduce(buf)
+        everything = sorted(p for part in comm.allgather(gathered) for p in part) if ex.gathers else []
         t2 = time.perf_counter()
-        bad = torch.nonzero(buf[L + 1 : L + 1 + K]).flatten().tolist()
+        bad = [who[i] for i in torch.nonzero(flags).flatten().tolist()]
         if bad:
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise DivergenceError(
                 f"loss became NaN/inf in round {round_offset + rnd + 1} on client {bad[0]}{more}; "
                 f"lower the learning rate{plan.lr_hint}"
             )
-        # 3. the same server update on every rank
-        server = algo.server_update(server, buf[:L].clone(), float(buf[L]))
+        # 4. the same server update on every rank
+        aggregate = Aggregate(
+            sums={s.name: sums[s.name].to(s.dtype) for s in ex.sums},
+            weight=float(layout.view(buf, "weight")),
+            count=int(layout.view(buf, "count")),
+            gathered={g: [obj[g] for _, obj in everything] for g in ex.gathers},
+        )
+        sctx = ServerContext(rnd, tuple(who), plan.population, comm.allreduce)
+        server, server_metrics = algo.server_update(server, aggregate, sctx)
         done = rnd + 1
-        # 4. evaluation, sharded over ranks
+        # 5. evaluation, sharded over ranks
         row = None
-        if done % plan.eval_every == 0 or done == stop:
+        if evaluate_now:
             row = {"round": round_offset + done, "stage": stage, **plan.evaluate(server)}
-            row["local_loss"] = float(buf[-1]) / K
+            row.update(_client_metrics(plan.client_metrics, cmetrics, len(who)))
+            row.update(server_metrics)
+            if len(who) < plan.population.size:
+                row["participants"] = list(who)
             if probe is not None:
                 row.update(probe.row(sims))
             t3 = time.perf_counter()
+            gathered_bytes = sum(_nbytes(obj) for _, obj in everything)
             row.update(
-                bytes_up=K * bytes_per_model,
-                bytes_down=K * bytes_per_model,
+                bytes_up=len(who) * upload_bytes + gathered_bytes,
+                bytes_down=len(who) * _state_nbytes(server),
+                allreduce_bytes=layout.nbytes(bdtype),
                 seconds=t3 - t0,
                 compute_s=t1 - t0,
                 allreduce_s=t2 - t1,
                 eval_s=t3 - t2,
             )
-        # 5. bookkeeping (metrics, checkpoint, progress) lives in the hook
-        if hook is not None and hook(done, server, clients, row):
-            return server, clients, done
-    return server, clients, done
+        # 6. bookkeeping (metrics, checkpoint, progress) lives in the hook
+        if hook is not None and hook(done, server, states, row):
+            return server, done
+    return server, done
+
+
+def _accumulate(upload: Upload, sums: dict[str, torch.Tensor], ex: Any, bdtype: torch.dtype) -> None:
+    for spec in ex.sums:
+        vec = upload.sums[spec.name]
+        if vec.dtype != bdtype:
+            vec = vec.to(bdtype)
+        if spec.weighted:
+            sums[spec.name].add_(vec, alpha=upload.weight)
+        else:
+            sums[spec.name].add_(vec)
+
+
+def _client_metrics(names: tuple[str, ...], values: torch.Tensor, count: int) -> dict[str, float]:
+    """Mean, min and max of each client metric over the round's participants."""
+    table = values.view(count, len(names)).to(torch.float64)
+    out: dict[str, float] = {}
+    for j, name in enumerate(names):
+        col = table[:, j]
+        key = "local_loss" if name == "loss" else f"client_{name}"
+        out[key] = float(col.mean())
+        out[f"{key}_min"] = float(col.min())
+        out[f"{key}_max"] = float(col.max())
+    return out

@@ -15,11 +15,14 @@ from pathlib import Path
 import torch
 
 from hpcfl.algorithms import ClientData, ServerState
-from hpcfl.config import Stage2Section
+from hpcfl.algorithms.participation import Population
+from hpcfl.algorithms.tct_params import Stage2Section
 from hpcfl.features import open_feature_store
 from hpcfl.models import reinit_last_layer
 from hpcfl.runner.federation import Federation
+from hpcfl.runner.files import atomic_torch_save
 from hpcfl.runner.rounds import RoundPlan
+from hpcfl.runner.stages import StageInput, StagePlan
 from hpcfl.tct.features import ensure_store, feature_meta, test_shards
 from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
 from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver
@@ -117,13 +120,16 @@ def prepare_stage2(
         log.info("stage2.auto_lr: η2 = %.4g (half the largest stable rate)", lr)
     shape = (meta.p + 1, C)
     algo = Stage2(Stage2Params(lr=lr, local_steps=cfg2.local_steps, variant=cfg2.variant), solvers, shape)
+    data = {k: ClientData(k, pr.z, pr.y) for k, pr in problems.items()}
     plan = RoundPlan(
         algorithm=algo,
         comm=comm,
-        data={k: ClientData(k, pr.z, pr.y) for k, pr in problems.items()},
+        data=data.__getitem__,  # stage 2's clients stay on the rank that extracted their features
         trainer=None,
-        num_clients=K,
+        population=Population(tuple(n for _, n in (every[k] for k in range(K)))),
         generator=lambda rnd, k: torch.Generator(),  # stage 2 is deterministic full-batch
+        seed=fed.cfg.seed,
+        reduction=fed.cfg.reduction,
         evaluate=_evaluator(problems, test_problems, shape, comm),
         eval_every=1,
         lr_hint=f" (stage-2 η is {lr:g})",
@@ -131,6 +137,32 @@ def prepare_stage2(
     return Stage2Setup(
         plan=plan, shape=shape, dtype=dtype, lr=lr, lambda_max={k: v[0] for k, v in every.items()}
     )
+
+
+STAGE1_MODEL = "stage1_model.pt"  # θ_T1, the bootstrapped model stage 2 is built from
+
+
+def enter_stage2(entry: StageInput) -> StagePlan:
+    """TCT's stage 2 as the runner enters it: keep θ_T1 in the run directory (or read it back when
+    resuming inside stage 2), then build the convexified problem."""
+    fed, run_dir = entry.fed, entry.run_dir
+    theta_path = run_dir / STAGE1_MODEL
+    if entry.previous is not None:  # stage 1 just finished (or T1 = 0): θ_T1 is its final model
+        theta = entry.previous.x
+        if fed.comm.rank == 0:
+            atomic_torch_save(theta_path, theta)
+        fed.comm.barrier()
+    else:
+        if not theta_path.exists():
+            from hpcfl.errors import RunDirError
+
+            raise RunDirError(f"{theta_path} is missing, so stage 2 cannot resume; rerun with --overwrite")
+        theta = torch.load(theta_path, weights_only=True)
+    setup = prepare_stage2(fed, theta, run_dir, fed.cfg.stage2)
+    setup.plan.stage_index = entry.stage_index
+    server = setup.initial_server()
+    algo = setup.plan.algorithm
+    return StagePlan(plan=setup.plan, server=server, init_client=lambda k: algo.init_client(k, server))
 
 
 def _evaluator(problems, test_problems, shape, comm):

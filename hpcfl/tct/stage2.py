@@ -13,13 +13,18 @@ import torch
 
 from hpcfl.algorithms.base import (
     Algorithm,
+    ClientContext,
     ClientData,
     ClientState,
+    Exchange,
     HyperParams,
+    NonFiniteLoss,
     ServerState,
-    Trainer,
+    SumSpec,
     Upload,
 )
+from hpcfl.algorithms.layout import StateLayout
+from hpcfl.algorithms.scaffold import correction_update
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import DivergenceError
 from hpcfl.tct.solvers import LocalSolver, max_stable_lr
@@ -42,49 +47,40 @@ class Stage2ClientState(ClientState):
     last_local: torch.Tensor | None = None
 
 
-class Stage2(Algorithm):
+class Stage2(Algorithm[Stage2Params, ServerState, Stage2ClientState]):
     """Federated linear regression on eNTK features with per-client local solvers."""
 
     name = "tct-stage2"
     Params = Stage2Params
 
     def __init__(self, params: Stage2Params, solvers: dict[int, LocalSolver], shape: tuple[int, int]) -> None:
-        size = shape[0] * shape[1]
-        super().__init__(params, num_params=size, state_size=size)
+        super().__init__(params, layout=StateLayout.vector(shape[0] * shape[1], "W"))
         self.solvers = solvers
         self.shape = shape
 
     @property
     def steps(self) -> int:
-        return 1 if self.params.variant == "gd" else self.params.local_steps  # type: ignore[attr-defined]
+        return 1 if self.params.variant == "gd" else self.params.local_steps
 
-    def init_server(self, x0: torch.Tensor) -> ServerState:
-        return ServerState(x=x0.clone())
+    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        return Exchange(sums=(SumSpec("x", self.state_size, dtype),))
 
     def init_client(self, k: int, server: ServerState) -> Stage2ClientState:
         return Stage2ClientState()
 
     def client_update(
-        self,
-        server: ServerState,
-        client: ClientState,
-        data: ClientData,
-        trainer: Trainer | None,
-        generator: torch.Generator,
+        self, server: ServerState, client: Stage2ClientState, data: ClientData, ctx: ClientContext
     ) -> tuple[Upload, Stage2ClientState]:
-        assert isinstance(client, Stage2ClientState)
-        lr = self.params.lr  # type: ignore[attr-defined]
+        lr = self.params.lr
         w0 = server.x.view(self.shape)
         h = client.h if client.h is not None else torch.zeros_like(w0)
-        if self.params.variant == "scaffold" and client.last_local is not None:  # type: ignore[attr-defined]
-            h = h + (w0 - client.last_local.view(self.shape)) / (self.steps * lr)
+        if self.params.variant == "scaffold" and client.last_local is not None:
+            h = correction_update(h, w0, client.last_local.view(self.shape), self.steps, lr)
         w = self.solvers[data.k].local_steps(w0, h, lr, self.steps)
         if not torch.isfinite(w).all():
-            from hpcfl.algorithms.base import NonFiniteLoss
-
             raise NonFiniteLoss(f"client {data.k}")
         state = Stage2ClientState(h=h, last_local=w.flatten())
-        return Upload(payload=w.flatten(), weight=float(data.n)), state
+        return Upload(sums={"x": w.flatten()}, weight=float(data.n)), state
 
 
 def spectrum(solvers: dict[int, LocalSolver], comm: Communicator) -> dict[int, tuple[float, int]]:
