@@ -30,8 +30,11 @@ from typing import Any
 import torch
 
 from hpcfl.algorithms import ALGORITHMS, ClientData, Trainer
+from hpcfl.algorithms.base import ClientContext
 from hpcfl.algorithms.fedcka import FedCKAParams
+from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.moon import MoonParams
+from hpcfl.algorithms.participation import Population
 from hpcfl.models import build_model
 from hpcfl.training import FlatModel, LocalSchedule
 
@@ -65,9 +68,7 @@ def _setup(args: argparse.Namespace) -> tuple[FlatModel, ClientData, dict[str, A
     )
     params = {"fedavg": None, "fedcka": FedCKAParams(mu=args.fedcka_mu), "moon": MoonParams(mu=args.moon_mu)}
     algos = {
-        name: ALGORITHMS[name](
-            p or ALGORITHMS[name].Params(), num_params=flat.num_params, state_size=flat.size
-        )
+        name: ALGORITHMS[name](p or ALGORITHMS[name].Params(), layout=StateLayout.of_model(flat.model))
         for name, p in params.items()
     }
     x0 = flat.vector.clone()
@@ -88,7 +89,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     names = list(algos)
     warm = Trainer(flat, LocalSchedule(lr=0.01, batch_size=args.batch, steps=2, momentum=0.9))
     for name in names:  # builds the frozen copies, learns the truncation point
-        algos[name].client_update(server, states[name], data, warm, torch.Generator().manual_seed(0))
+        algos[name].client_update(
+            server, states[name], data, client_context(warm, torch.Generator().manual_seed(0))
+        )
     rows = []
     for epochs in args.epochs:
         trainer = Trainer(flat, LocalSchedule(lr=0.01, batch_size=args.batch, epochs=epochs, momentum=0.9))
@@ -99,7 +102,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             for name in order:
                 gen = torch.Generator().manual_seed(rep)
                 t0, c0 = time.perf_counter(), time.thread_time()
-                algos[name].client_update(server, states[name], data, trainer, gen)
+                algos[name].client_update(server, states[name], data, client_context(trainer, gen))
                 wall[name].append((time.perf_counter() - t0) / epochs)
                 cpu[name].append((time.thread_time() - c0) / epochs)
                 print(
@@ -169,6 +172,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def client_context(trainer: Trainer, gen: torch.Generator) -> ClientContext:
+    """One client's context in round 0 (the benchmark times single client updates)."""
+    return ClientContext(0, (0,), Population((1,)), trainer, gen)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,8 +58,9 @@ from typing import Any
 import torch
 
 from hpcfl.algorithms import ClientData
+from hpcfl.algorithms.participation import Population
 from hpcfl.comm.local import LocalComm
-from hpcfl.runner.rounds import RoundPlan, run_rounds
+from hpcfl.runner.rounds import MemoryStates, RoundPlan, run_rounds
 from hpcfl.tct.problem import LinearProblem, centred_one_hot
 from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver, _geometric_sums
 from hpcfl.tct.stage2 import Stage2, Stage2Params, auto_lr, spectrum
@@ -232,14 +233,14 @@ def run_stage2(
     plan = RoundPlan(
         algorithm=algo,
         comm=LocalComm(),
-        data={k: ClientData(k, pr.z, pr.y) for k, pr in problems.items()},
+        data={k: ClientData(k, pr.z, pr.y) for k, pr in problems.items()}.__getitem__,
         trainer=None,
-        num_clients=len(problems),
+        population=Population(tuple(problems[k].n for k in sorted(problems))),
         generator=lambda rnd, k: torch.Generator(),
         evaluate=lambda server: {},
     )
     server = algo.init_server(torch.zeros(shape[0] * shape[1], dtype=dtype))
-    clients = {k: algo.init_client(k, server) for k in problems}
+    clients = MemoryStates(lambda k: algo.init_client(k, server))
     states: list[torch.Tensor] = []
 
     def hook(done, srv, cls, row) -> bool:

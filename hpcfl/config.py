@@ -80,7 +80,24 @@ class Config:
 
 
 # Sections of configs written before ``params:`` existed; each becomes ``params`` of its algorithm.
-LEGACY_SECTIONS = {"fedprox": ("fedprox",), "moon": ("moon",), "fedcka": ("fedcka",), "stage1": ("tct",), "stage2": ("tct",)}
+LEGACY_SECTIONS = {
+    "fedprox": ("fedprox",),
+    "moon": ("moon",),
+    "fedcka": ("fedcka",),
+    "stage1": ("tct",),
+    "stage2": ("tct",),
+}
+
+
+def _validate_legacy(key: str, value: Any) -> None:
+    from hpcfl.algorithms import ALGORITHMS
+
+    cls = {"stage1": Stage1Section, "stage2": Stage2Section}.get(key) or ALGORITHMS[key].Params
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ConfigError(f"config key {key!r} must be a mapping of {cls.__name__} options")
+    _build(cls, value, prefix=f"{key}.")
 
 
 def migrate(data: dict[str, Any], algorithm: str | None = None) -> dict[str, Any]:
@@ -94,6 +111,7 @@ def migrate(data: dict[str, Any], algorithm: str | None = None) -> dict[str, Any
             continue
         value = data.pop(key)
         if algorithm not in owners:
+            _validate_legacy(key, value)  # unused here, but a typo is still named
             continue
         if algorithm == "tct":
             params[key] = merge(value or {}, params.get(key) or {}) if isinstance(value, dict) else value
@@ -108,7 +126,16 @@ def migrate(data: dict[str, Any], algorithm: str | None = None) -> dict[str, Any
 
 # Keys that may differ when resuming (they change speed or output, not the result).
 RESUMABLE_KEYS = frozenset(
-    {"rounds", "eval_every", "checkpoint_every", "device", "threads", "comm", "progress", "client_state_memory"}
+    {
+        "rounds",
+        "eval_every",
+        "checkpoint_every",
+        "device",
+        "threads",
+        "comm",
+        "progress",
+        "client_state_memory",
+    }
 )
 
 

@@ -64,3 +64,62 @@ def final_state(run_dir: Path) -> torch.Tensor:
     ckpt = run_dir / "checkpoints"
     latest = (ckpt / "LATEST").read_text().strip()
     return torch.load(ckpt / latest / "server.pt", weights_only=True)["server"]["x"]
+
+
+def client_ctx(trainer, generator=None, *, rnd: int = 0):
+    """A :class:`ClientContext` for calling ``client_update`` directly in a unit test."""
+    from hpcfl.algorithms.base import ClientContext
+    from hpcfl.algorithms.participation import Population
+
+    return ClientContext(rnd, (0,), Population((1,)), trainer, generator or torch.Generator())
+
+
+def simulate(
+    algo,
+    clients,
+    trainer,
+    rounds: int,
+    *,
+    server=None,
+    states=None,
+    comm=None,
+    seed: int = 0,
+    reduction: str = "float32",
+    hook=None,
+):
+    """Run ``rounds`` rounds of ``algo`` over in-memory ``clients`` (a list of ClientData) through
+    the real round loop (:func:`hpcfl.runner.rounds.run_rounds`), on one process by default.
+
+    Returns ``(server, states)``; client k's generator is ``torch.Generator()`` (seed 0) unless the
+    algorithm's steps are deterministic anyway.
+    """
+    from hpcfl.algorithms.participation import Population
+    from hpcfl.comm import LocalComm
+    from hpcfl.runner.rounds import MemoryStates, RoundPlan, run_rounds
+
+    by_id = {c.k: c for c in clients}
+    server = server if server is not None else algo.init_server(trainer.flat.vector if trainer else None)
+    states = states if states is not None else MemoryStates(lambda k: algo.init_client(k, server))
+    plan = RoundPlan(
+        algorithm=algo,
+        comm=comm or LocalComm(),
+        data=by_id.__getitem__,
+        trainer=trainer,
+        population=Population(tuple(by_id[k].n for k in sorted(by_id))),
+        generator=lambda rnd, k: torch.Generator(),
+        evaluate=lambda s: {},
+        seed=seed,
+        reduction=reduction,
+        eval_every=10**9,
+    )
+    server, _ = run_rounds(plan, server, states, 0, rounds, hook=hook)
+    return server, states
+
+
+def server_step(algo, server, total, weight: float):
+    """``algo.server_update`` on a hand-summed model upload (unit tests of the server step)."""
+    from hpcfl.algorithms.base import Aggregate, ServerContext
+    from hpcfl.algorithms.participation import Population
+
+    ctx = ServerContext(0, (0,), Population((1,)), lambda t: t)
+    return algo.server_update(server, Aggregate({"x": total}, weight, 1), ctx)[0]

@@ -10,9 +10,12 @@ from torch import nn
 
 from hpcfl.algorithms import ClientData, FedAvg, FedProx, Scaffold, Trainer
 from hpcfl.algorithms.fedprox import FedProxParams
+from hpcfl.algorithms.layout import StateLayout
+from hpcfl.algorithms.participation import Participation
 from hpcfl.comm import place_clients
 from hpcfl.errors import CommError
 from hpcfl.training import FlatModel, LocalSchedule
+from tests.helpers import simulate
 
 
 def _tiny_cnn() -> nn.Module:
@@ -46,12 +49,8 @@ def test_fedavg_one_client_one_step_equals_centralised_sgd():
     ref = copy.deepcopy(model)
     flat = FlatModel(model)
     sched = LocalSchedule(lr=0.1, batch_size=16, steps=1, momentum=0.9, weight_decay=1e-4)
-    algo = FedAvg(FedAvg.Params(), num_params=flat.num_params, state_size=flat.size)
-    server = algo.init_server(flat.vector)
-    upload, _ = algo.client_update(
-        server, algo.init_client(0, server), ClientData(0, x, y), Trainer(flat, sched), torch.Generator()
-    )
-    new = algo.server_update(server, upload.payload * upload.weight, upload.weight)
+    algo = FedAvg(FedAvg.Params(), layout=StateLayout.of_model(model))
+    new, _ = simulate(algo, [ClientData(0, x, y)], Trainer(flat, sched), rounds=1)
 
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     ref.train()
@@ -83,24 +82,17 @@ def _mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 0.5 * ((model(x).squeeze(1) - y) ** 2).mean()
 
 
-def _run(algo_cls, params, clients, rounds: int, steps: int, lr: float) -> torch.Tensor:
+def _run(
+    algo_cls, params, clients, rounds: int, steps: int, lr: float, per_round: int | None = None
+) -> torch.Tensor:
     model = nn.Linear(clients[0].x.shape[1], 1, bias=False).double()
     nn.init.zeros_(model.weight)
     flat = FlatModel(model)
     trainer = Trainer(
         flat, LocalSchedule(lr=lr, batch_size=10_000, steps=steps, weight_decay=0.0), loss_fn=_mse
     )
-    algo = algo_cls(params, num_params=flat.num_params, state_size=flat.size)
-    server = algo.init_server(flat.vector)
-    states = {c.k: algo.init_client(c.k, server) for c in clients}
-    for _ in range(rounds):
-        total = torch.zeros_like(server.x)
-        weight = 0.0
-        for c in clients:
-            up, states[c.k] = algo.client_update(server, states[c.k], c, trainer, torch.Generator())
-            total += up.weight * up.payload
-            weight += up.weight
-        server = algo.server_update(server, total, weight)
+    algo = algo_cls(params, layout=StateLayout.of_model(model), participation=Participation(count=per_round))
+    server, _ = simulate(algo, clients, trainer, rounds, reduction="float64")
     return server.x
 
 
@@ -114,6 +106,24 @@ def test_scaffold_reaches_least_squares_optimum_fedavg_does_not():
     w_fedavg = _run(FedAvg, FedAvg.Params(), clients, rounds=400, steps=20, lr=lr)
     assert torch.linalg.norm(w_scaffold - w_star) / torch.linalg.norm(w_star) < 1e-6
     assert torch.linalg.norm(w_fedavg - w_star) / torch.linalg.norm(w_star) > 1e-3
+
+
+def test_scaffold_with_10_of_50_participants_reaches_the_optimum_fedavg_does_not():
+    """Partial participation: SCAFFOLD's control-variate form (c <- c + |S|/N mean dc) still
+    converges to the optimum of the heterogeneous least-squares problem; FedAvg does not.
+
+    The objective SCAFFOLD solves is Karimireddy et al.'s f = (1/N) sum_i f_i with f_i client i's
+    mean loss (c is the unweighted mean of the c_i), so w* solves sum_i A_i^T(A_i w - b_i)/n_i = 0.
+    """
+    clients = _least_squares_clients(K=50, d=4, seed=1)
+    hess = sum(c.x.T @ c.x / c.n for c in clients)
+    w_star = torch.linalg.solve(hess, sum(c.x.T @ c.y / c.n for c in clients))
+    lr = 0.1 / float(max(torch.linalg.eigvalsh(c.x.T @ c.x / c.n).max() for c in clients))
+    w_scaffold = _run(Scaffold, Scaffold.Params(), clients, rounds=200, steps=10, lr=lr, per_round=10)
+    w_fedavg = _run(FedAvg, FedAvg.Params(), clients, rounds=200, steps=10, lr=lr, per_round=10)
+    err = lambda w: float(torch.linalg.norm(w - w_star) / torch.linalg.norm(w_star))  # noqa: E731
+    assert err(w_scaffold) < 1e-6, err(w_scaffold)
+    assert err(w_fedavg) > 1e-2, err(w_fedavg)
 
 
 def test_fedprox_mu_zero_equals_fedavg_and_mu_pulls_towards_server():

@@ -15,6 +15,7 @@ from torch import nn
 
 from hpcfl.algorithms import ClientData, FedAvg, FedCKA, Moon, Trainer
 from hpcfl.algorithms.fedcka import FedCKAParams, cka_regulariser
+from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.moon import MoonParams
 from hpcfl.algorithms.reference import FrozenModel, References
 from hpcfl.config import load_config
@@ -25,7 +26,7 @@ from hpcfl.metrics.layers import LayerTap, block_outputs, first_layers
 from hpcfl.models import build_model
 from hpcfl.runner import run_experiment
 from hpcfl.training import FlatModel, LocalSchedule
-from tests.helpers import final_state, synthetic_config
+from tests.helpers import client_ctx, final_state, server_step, synthetic_config
 
 SHAPE = (3, 16, 16)  # the smallest input cnn-proj takes
 
@@ -58,7 +59,7 @@ def _federate(algo_cls, params, rounds: int) -> list[torch.Tensor]:
     """``rounds`` full rounds over three clients, as the runner does them; the server state after each."""
     flat = FlatModel(_model())
     trainer = Trainer(flat, LocalSchedule(lr=0.05, batch_size=16, momentum=0.9))
-    algo = algo_cls(params, num_params=flat.num_params, state_size=flat.size)
+    algo = algo_cls(params, layout=StateLayout.of_model(flat.model))
     server = algo.init_server(flat.vector)
     clients = _clients()
     states = {c.k: algo.init_client(c.k, server) for c in clients}
@@ -67,10 +68,10 @@ def _federate(algo_cls, params, rounds: int) -> list[torch.Tensor]:
         total, weight = torch.zeros_like(server.x), 0.0
         for c in clients:
             gen = torch.Generator().manual_seed(100 * rnd + c.k)
-            up, states[c.k] = algo.client_update(server, states[c.k], c, trainer, gen)
-            total += up.weight * up.payload
+            up, states[c.k] = algo.client_update(server, states[c.k], c, client_ctx(trainer, gen))
+            total += up.weight * up.sums["x"]
             weight += up.weight
-        server = algo.server_update(server, total, weight)
+        server = server_step(algo, server, total, weight)
         out.append(server.x)
     return out
 
@@ -107,12 +108,12 @@ def test_first_round_reports_loss_plus_mu_log2():
         (FedCKA, FedCKAParams(mu=3.0)),
         (Moon, MoonParams(mu=2.0)),
     ):
-        algo = cls(params, num_params=flat.num_params, state_size=flat.size)
+        algo = cls(params, layout=StateLayout.of_model(flat.model))
         server = algo.init_server(x0)
-        up, state = algo.client_update(server, algo.init_client(0, server), data, trainer, torch.Generator())
+        up, state = algo.client_update(server, algo.init_client(0, server), data, client_ctx(trainer))
         out[cls.name] = up.metrics["loss"]
         if cls is not FedAvg:
-            assert torch.equal(state.prev, up.payload)
+            assert torch.equal(state.prev, up.sums["x"])
     assert out["fedcka"] == pytest.approx(out["fedavg"] + 3.0 * math.log(2.0), rel=1e-12)
     assert out["moon"] == pytest.approx(out["fedavg"] + 2.0 * math.log(2.0), rel=1e-12)
 
@@ -163,13 +164,15 @@ def test_fedcka_step_matches_a_direct_implementation():
         return mu * fedcka_loss(acts(local), a_g, a_p)  # local forward runs twice: same values
 
     expected = _reference_step(flat, x_global, x_prev, data, sched, reg)
-    algo = FedCKA(FedCKAParams(mu=mu), num_params=flat.num_params, state_size=flat.size)
+    algo = FedCKA(FedCKAParams(mu=mu), layout=StateLayout.of_model(flat.model))
     server = algo.init_server(x_global)
     state = algo.init_client(0, server)
     state.prev = x_prev
-    up, new_state = algo.client_update(server, state, data, Trainer(flat, sched), torch.Generator())
-    torch.testing.assert_close(up.payload, expected, rtol=1e-5, atol=1e-6)
-    assert torch.equal(new_state.prev, up.payload)
+    up, new_state = algo.client_update(
+        server, state, data, client_ctx(Trainer(flat, sched), torch.Generator())
+    )
+    torch.testing.assert_close(up.sums["x"], expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(new_state.prev, up.sums["x"])
     assert algo.layer_names(flat.model) == ["pool1", "pool2"]
 
 
@@ -185,12 +188,12 @@ def test_moon_step_matches_a_direct_implementation():
         return mu * F.cross_entropy(logits, torch.zeros(x.shape[0], dtype=torch.long))
 
     expected = _reference_step(flat, x_global, x_prev, data, sched, reg)
-    algo = Moon(MoonParams(mu=mu, temperature=tau), num_params=flat.num_params, state_size=flat.size)
+    algo = Moon(MoonParams(mu=mu, temperature=tau), layout=StateLayout.of_model(flat.model))
     server = algo.init_server(x_global)
     state = algo.init_client(0, server)
     state.prev = x_prev
-    up, _ = algo.client_update(server, state, data, Trainer(flat, sched), torch.Generator())
-    torch.testing.assert_close(up.payload, expected, rtol=1e-5, atol=1e-6)
+    up, _ = algo.client_update(server, state, data, client_ctx(Trainer(flat, sched), torch.Generator()))
+    torch.testing.assert_close(up.sums["x"], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_fedcka_regulariser_has_first_layer_gradient_and_none_when_prev_is_global():
@@ -349,14 +352,14 @@ def test_cached_representations_equal_per_batch_ones():
 def test_unknown_layer_name_is_a_config_error_in_round_one():
     flat, x_global, _, data, sched = _one_step_setup()
     params = FedCKAParams(mu=1.0, layers=["pool1", "poo2"])
-    algo = FedCKA(params, num_params=flat.num_params, state_size=flat.size)
+    algo = FedCKA(params, layout=StateLayout.of_model(flat.model))
     server = algo.init_server(x_global)
     with pytest.raises(ConfigError, match="did you mean 'pool2'"):
-        algo.client_update(server, algo.init_client(0, server), data, Trainer(flat, sched), torch.Generator())
+        algo.client_update(server, algo.init_client(0, server), data, client_ctx(Trainer(flat, sched)))
     with pytest.raises(ConfigError, match="fedcka.layers"):
-        load_config(None, ["fedcka.layers=pool1"])
+        load_config(None, ["algorithm=fedcka", "fedcka.layers=pool1"])
     with pytest.raises(ConfigError, match="moon.temperature"):
-        load_config(None, ["moon.temperature=0"])
+        load_config(None, ["algorithm=moon", "params.temperature=0"])
 
 
 def test_gram_backward_and_tiny_debiased_batches():

@@ -12,6 +12,7 @@ from hpcfl.errors import DivergenceError
 from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
 from hpcfl.tct.solvers import ClosedFormSolver, PrimalSolver
 from hpcfl.tct.stage2 import Stage2, Stage2Params, check_stability, spectrum
+from tests.helpers import client_ctx, server_step
 
 
 def _heterogeneous_features(K=4, p=30, C=3, seed=0, dtype=torch.float64):
@@ -58,11 +59,11 @@ def test_closed_form_equals_primal_over_rounds(p, form):
             total, weight = torch.zeros_like(server.x), 0.0
             for k, pr in enumerate(problems):
                 up, states[k] = algo.client_update(
-                    server, states[k], ClientData(k, pr.z, pr.y), None, torch.Generator()
+                    server, states[k], ClientData(k, pr.z, pr.y), client_ctx(None)
                 )
-                total += up.weight * up.payload
+                total += up.weight * up.sums["x"]
                 weight += up.weight
-            server = algo.server_update(server, total, weight)
+            server = server_step(algo, server, total, weight)
         results[kind] = server.x
     rel = (results["closed"] - results["primal"]).abs().max() / results["primal"].abs().max()
     assert rel <= 1e-8, rel
@@ -90,12 +91,10 @@ def _solve(problems, variant, steps, rounds, lr):
     for _ in range(rounds):
         total, weight = torch.zeros_like(server.x), 0.0
         for k, pr in enumerate(problems):
-            up, states[k] = algo.client_update(
-                server, states[k], ClientData(k, pr.z, pr.y), None, torch.Generator()
-            )
-            total += up.weight * up.payload
+            up, states[k] = algo.client_update(server, states[k], ClientData(k, pr.z, pr.y), client_ctx(None))
+            total += up.weight * up.sums["x"]
             weight += up.weight
-        server = algo.server_update(server, total, weight)
+        server = server_step(algo, server, total, weight)
     return server.x.view(shape)
 
 

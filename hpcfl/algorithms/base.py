@@ -207,9 +207,7 @@ class Algorithm(ABC, Generic[P, S, C]):
     name: ClassVar[str]
     Params: ClassVar[type[HyperParams]] = HyperParams
 
-    def __init__(
-        self, params: P, *, layout: StateLayout, participation: Participation | None = None
-    ) -> None:
+    def __init__(self, params: P, *, layout: StateLayout, participation: Participation | None = None) -> None:
         self.params: P = params
         self.layout = layout
         self.num_params = layout.num_params  # trainable entries at the front of the state vector
@@ -241,12 +239,16 @@ class Algorithm(ABC, Generic[P, S, C]):
     def client_update(self, server: S, client: C, data: ClientData, ctx: ClientContext) -> tuple[Upload, C]:
         """Local work of one participant in one round."""
 
-    def server_update(self, server: S, aggregate: Aggregate, ctx: ServerContext) -> tuple[S, dict[str, float]]:
+    def server_update(
+        self, server: S, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[S, dict[str, float]]:
         """Default server step: the weighted average of the uploaded states is the new state."""
         return dataclasses.replace(server, x=aggregate.sums["x"] / aggregate.weight), {}
 
 
-def model_upload(x: torch.Tensor, data: ClientData, result: LocalResult | None = None, **metrics: float) -> Upload:
+def model_upload(
+    x: torch.Tensor, data: ClientData, result: LocalResult | None = None, **metrics: float
+) -> Upload:
     """The default upload: the local model ``x`` weighted by n_k, with the local loss as a metric."""
     row = {"loss": result.loss} if result is not None else {}
     row.update(metrics)

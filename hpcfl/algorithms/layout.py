@@ -46,7 +46,11 @@ class StateLayout:
     @classmethod
     def of_model(cls, model: nn.Module) -> StateLayout:
         """The layout :class:`~hpcfl.training.flat.FlatModel` gives ``model``."""
-        owner = {id(p): (m_name, type(m).__name__) for m_name, m in model.named_modules() for p in m.parameters(recurse=False)}
+        owner = {
+            id(p): (m_name, type(m).__name__)
+            for m_name, m in model.named_modules()
+            for p in m.parameters(recurse=False)
+        }
         entries: list[Entry] = []
         off = 0
         for name, p in model.named_parameters():
@@ -85,9 +89,13 @@ class StateLayout:
         known = self.modules
         for m in wanted:
             if not any(k == m or k.startswith(m + ".") for k in known):
-                raise ConfigError(f"unknown module {m!r}{_suggest(m, known)}; modules with parameters: {', '.join(known)}")
+                raise ConfigError(
+                    f"unknown module {m!r}{_suggest(m, known)}; modules with parameters: {', '.join(known)}"
+                )
         return [
-            e for e in self.entries if e.kind == "param" and any(e.module == m or e.module.startswith(m + ".") for m in wanted)
+            e
+            for e in self.entries
+            if e.kind == "param" and any(e.module == m or e.module.startswith(m + ".") for m in wanted)
         ]
 
     def last_modules(self, count: int, module_type: str | None = None) -> list[str]:

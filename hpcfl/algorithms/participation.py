@@ -38,7 +38,9 @@ class Participation:
         if self.count is not None and self.count < 1:
             raise ConfigError(f"config key 'clients_per_round' must be >= 1, got {self.count}")
         if self.weighting not in ("uniform", "size"):
-            raise ConfigError(f"config key 'participation_weighting' must be uniform or size, got {self.weighting!r}")
+            raise ConfigError(
+                f"config key 'participation_weighting' must be uniform or size, got {self.weighting!r}"
+            )
 
     def full(self, population: Population) -> bool:
         """True when every client takes part in every round."""

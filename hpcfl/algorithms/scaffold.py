@@ -47,7 +47,9 @@ class ScaffoldParams(HyperParams):
 
     def __post_init__(self) -> None:
         if self.form not in ("auto", "one_model", "control_variates"):
-            raise ConfigError(f"config key 'params.form' must be auto, one_model or control_variates, got {self.form!r}")
+            raise ConfigError(
+                f"config key 'params.form' must be auto, one_model or control_variates, got {self.form!r}"
+            )
 
 
 @dataclass
@@ -65,7 +67,9 @@ class ScaffoldClientState(ClientState):
     last_local: torch.Tensor | None = None
 
 
-def correction_update(h: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor | None, steps: int, lr: float) -> torch.Tensor:
+def correction_update(
+    h: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor | None, steps: int, lr: float
+) -> torch.Tensor:
     """h + (x − y)/(Mη): SCAFFOLD's control-variate step (shared with TCT's stage 2)."""
     h = h if h is not None else torch.zeros_like(x)
     return h if y is None else h + (x - y) / (steps * lr)
@@ -117,7 +121,13 @@ class Scaffold(Algorithm[ScaffoldParams, ScaffoldServerState, ScaffoldClientStat
             upload.sums["dc"] = c_new - c_k
             return upload, ScaffoldClientState(h=c_new)
         last = client.last_local[:P] if client.last_local is not None else None
-        h = correction_update(client.h if client.h is not None else torch.zeros_like(server.x[:P]), server.x[:P], last, steps, lr)
+        h = correction_update(
+            client.h if client.h is not None else torch.zeros_like(server.x[:P]),
+            server.x[:P],
+            last,
+            steps,
+            lr,
+        )
 
         def corrected(w: torch.Tensor, d: torch.Tensor) -> None:
             d.sub_(h)

@@ -11,7 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hpcfl.algorithms.base import Algorithm, ClientContext, ClientData, ClientState, HyperParams, ServerState, Stage, Upload
+from hpcfl.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    ClientData,
+    ClientState,
+    HyperParams,
+    ServerState,
+    Stage,
+    Upload,
+)
 from hpcfl.algorithms.fedavg import local_training
 from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
 
@@ -40,4 +49,3 @@ class TCT(Algorithm[TCTParams, ServerState, ClientState]):
 
         p = self.params
         return (Stage("stage1", p.stage1.rounds), Stage("stage2", p.stage2.rounds, enter=enter_stage2))
-

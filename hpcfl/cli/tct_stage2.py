@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from hpcfl.config import Config, config_from_dict, merge, parse_overrides, read_yaml
 from hpcfl.errors import ConfigError, RunDirError
 
@@ -66,12 +64,15 @@ def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
 
 def run(args: argparse.Namespace) -> int:
     from hpcfl.comm import get_comm
-    from hpcfl.runner.experiment import STAGE1_MODEL, set_threads
+    from hpcfl.runner.experiment import (
+        STAGE1_MODEL,
+        StopRequest,
+        _Bookkeeper,
+        drive_stages,
+        run_stages,
+        set_threads,
+    )
     from hpcfl.runner.federation import build_federation
-    from hpcfl.runner.files import append_jsonl, write_jsonl
-    from hpcfl.runner.progress import Progress
-    from hpcfl.runner.rounds import run_rounds
-    from hpcfl.tct.pipeline import prepare_stage2
 
     cfg, tag = _sweep_config(args.run_dir, args.set)
     theta_path = args.run_dir / STAGE1_MODEL
@@ -82,35 +83,24 @@ def run(args: argparse.Namespace) -> int:
     comm = get_comm(cfg.comm)
     set_threads(cfg, comm)
     fed = build_federation(cfg, comm)
-    setup = prepare_stage2(
-        fed, torch.load(theta_path, weights_only=True), args.run_dir, cfg.stage2, extract=False
-    )
+    stages = run_stages(cfg)
     out = args.run_dir / "stage2" / tag
-    metrics = out / "metrics.jsonl"
     if comm.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(metrics, [])
-    progress = Progress(total=cfg.stage2.rounds, enabled=cfg.progress and comm.rank == 0, desc="stage 2")
-    last: dict = {}
-
-    def hook(done, server, clients, row):
-        if row is not None and comm.rank == 0:
-            row["stage2_lr"] = setup.lr
-            append_jsonl(metrics, row)
-            last.update(row)
-        progress.update(done, row)
-        return False
-
-    first = cfg.stage1.rounds
-    server = setup.initial_server()
-    clients = {k: setup.plan.algorithm.init_client(k, server) for k in fed.owned}
-    run_rounds(
-        setup.plan, server, clients, 0, cfg.stage2.rounds, stage="stage2", round_offset=first, hook=hook
-    )
-    progress.close()
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    comm.barrier()
+    first = stages[0].rounds
+    stop = StopRequest()
+    stop.install()
+    # the run driver itself, on the later stages only: inputs from the run, outputs under stage2/<tag>
+    book = _Bookkeeper(cfg, comm, out, stop, first, first + sum(s.rounds for s in stages[1:]))
+    drive_stages(fed, stages[1:], args.run_dir, None, book, round_base=first, first_index=1)
+    book.progress.close()
+    last = book.rows[-1] if book.rows else {}
     if comm.rank == 0 and last:
         print(
             f"stage 2 [{tag}]: test accuracy {last['test_accuracy']:.4f}, train accuracy "
-            f"{last['train_accuracy']:.4f} after {cfg.stage2.rounds} rounds (η2 = {setup.lr:.4g}) -> {metrics}"
+            f"{last['train_accuracy']:.4f} after {cfg.stage2.rounds} rounds (η2 = {last['stage2_lr']:.4g}) -> "
+            f"{out / 'metrics.jsonl'}"
         )
     return 0

@@ -43,4 +43,12 @@ def get_comm(kind: str = "auto") -> Communicator:
     return MPIComm()
 
 
-__all__ = ["Communicator", "LocalComm", "get_comm", "launched_world_size", "launcher_rank", "place_clients", "place_round"]
+__all__ = [
+    "Communicator",
+    "LocalComm",
+    "get_comm",
+    "launched_world_size",
+    "launcher_rank",
+    "place_clients",
+    "place_round",
+]

@@ -34,7 +34,6 @@ from hpcfl.runner.stages import StageInput, StagePlan
 from hpcfl.tct.pipeline import STAGE1_MODEL as STAGE1_MODEL
 
 
-
 @dataclass
 class RunResult:
     """Final state of a run as seen by this rank."""
@@ -204,12 +203,24 @@ def run_experiment(
 
 
 def drive_stages(
-    fed: Federation, stages: Sequence[Stage], run_dir: Path, ckpt: Checkpoint | None, book: _Bookkeeper
+    fed: Federation,
+    stages: Sequence[Stage],
+    run_dir: Path,
+    ckpt: Checkpoint | None,
+    book: _Bookkeeper,
+    *,
+    round_base: int = 0,
+    first_index: int = 0,
 ) -> tuple[ServerState, int]:
-    """Run every stage from the checkpoint on; returns the final server state and rounds done."""
+    """Run every stage from the checkpoint on; returns the final server state and rounds done.
+
+    ``run_dir`` is where stages find their inputs (TCT: θ_T1 and the feature stores); metrics and
+    checkpoints go where ``book`` writes. ``round_base``/``first_index`` let a caller run only the
+    later stages of a run (``hpcfl tct-stage2``) with the run's own round numbers.
+    """
     names = [s.name for s in stages]
     resume_at = names.index(ckpt.extra.get("stage", names[0])) if ckpt is not None else 0
-    done = ckpt.round if ckpt is not None else 0
+    done = ckpt.round - round_base if ckpt is not None else 0
     server: ServerState | None = None
     offset = 0
     for si, stage in enumerate(stages):
@@ -220,7 +231,7 @@ def drive_stages(
         if si > resume_at and stage.rounds == 0:
             continue
         resumed_here = ckpt is not None and si == resume_at
-        entry = enter_stage(fed, stage, si, run_dir, None if resumed_here and si > 0 else server)
+        entry = enter_stage(fed, stage, first_index + si, run_dir, server)
         srv, states = entry.server, MemoryStates(entry.init_client)
         if resumed_here:
             assert ckpt is not None
@@ -233,17 +244,19 @@ def drive_stages(
             done - lo,
             stage.rounds,
             stage=stage.name,
-            round_offset=lo,
-            hook=book.hook(stage.name, lo, hi),
+            round_offset=round_base + lo,
+            hook=book.hook(stage.name, round_base + lo, round_base + hi),
         )
         server, done = srv, lo + stage_done
         if done < hi:  # stopped by a signal
             break
     assert server is not None
-    return server, done
+    return server, round_base + done
 
 
-def enter_stage(fed: Federation, stage: Stage, index: int, run_dir: Path, previous: ServerState | None) -> StagePlan:
+def enter_stage(
+    fed: Federation, stage: Stage, index: int, run_dir: Path, previous: ServerState | None
+) -> StagePlan:
     """The plan of ``stage``: the configured model's rounds, or what the stage's ``enter`` builds."""
     if stage.enter is None:
         plan = model_plan(fed)

@@ -56,7 +56,9 @@ class Federation:
         if k in self._cache:
             return self._cache[k]
         idx = self.parts[k]
-        data = ClientData(k=k, x=self.dataset.train.x[idx].to(self.device), y=self.dataset.train.y[idx].to(self.device))
+        data = ClientData(
+            k=k, x=self.dataset.train.x[idx].to(self.device), y=self.dataset.train.y[idx].to(self.device)
+        )
         if k in self.owned:
             self._cache[k] = data
         return data

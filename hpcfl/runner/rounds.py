@@ -54,7 +54,9 @@ class ClientStore(Protocol):
 class MemoryStates:
     """Client states in a dict; a client never trained reads as ``init(k)``."""
 
-    def __init__(self, init: Callable[[int], ClientState], states: dict[int, ClientState] | None = None) -> None:
+    def __init__(
+        self, init: Callable[[int], ClientState], states: dict[int, ClientState] | None = None
+    ) -> None:
         self.init = init
         self.states: dict[int, ClientState] = dict(states or {})
 
@@ -133,9 +135,7 @@ def _nbytes(obj: Any) -> int:
 
 def _state_nbytes(server: ServerState) -> int:
     """Bytes a participant downloads: every tensor of the server state."""
-    return sum(
-        v.nbytes for f in fields(server) if isinstance(v := getattr(server, f.name), torch.Tensor)
-    )
+    return sum(v.nbytes for f in fields(server) if isinstance(v := getattr(server, f.name), torch.Tensor))
 
 
 def run_rounds(

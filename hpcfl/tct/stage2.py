@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hpcfl.algorithms.base import (
+    Aggregate,
     Algorithm,
     ClientContext,
     ClientData,
@@ -19,6 +20,7 @@ from hpcfl.algorithms.base import (
     Exchange,
     HyperParams,
     NonFiniteLoss,
+    ServerContext,
     ServerState,
     SumSpec,
     Upload,
@@ -81,6 +83,12 @@ class Stage2(Algorithm[Stage2Params, ServerState, Stage2ClientState]):
             raise NonFiniteLoss(f"client {data.k}")
         state = Stage2ClientState(h=h, last_local=w.flatten())
         return Upload(sums={"x": w.flatten()}, weight=float(data.n)), state
+
+    def server_update(
+        self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[ServerState, dict[str, float]]:
+        x = aggregate.sums["x"] / aggregate.weight
+        return ServerState(x=x), {"stage2_lr": self.params.lr}
 
 
 def spectrum(solvers: dict[int, LocalSolver], comm: Communicator) -> dict[int, tuple[float, int]]:
