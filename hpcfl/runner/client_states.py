@@ -41,6 +41,8 @@ clients; a resume on another rank count restores the union of the saved per-clie
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -51,6 +53,7 @@ import numpy as np
 import torch
 import zarr
 from torch import Tensor
+from zarr.core.sync import sync as zarr_sync
 from zarr.errors import ContainsArrayError, ContainsGroupError
 
 from hpcfl.errors import ConfigError, StoreError
@@ -94,6 +97,19 @@ def _decode(a: np.ndarray, dtype: torch.dtype) -> Tensor:
     if dtype == torch.bfloat16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
+
+
+def _syncfs(path: Path) -> bool:
+    """``syncfs(2)`` on the file system holding ``path`` (Linux); False where it is unavailable."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return call(fd) == 0
+    finally:
+        os.close(fd)
 
 
 def _fsync(path: Path, *, directory: bool = False) -> None:
@@ -232,14 +248,26 @@ class ClientStateStore:
         """Client ``k``'s fields in ``slot`` as CPU tensors, bit for bit as written; absent → None."""
         k, slot = int(k), int(slot)
         self._check(k, slot)
-        present = self._present[slot, k]
+        known = [
+            (i, name, arr) for i, name in enumerate(self.names) if (arr := self._arrays.get(name)) is not None
+        ]
+
+        async def fetch() -> list[Any]:  # the flags and every opened field's chunk in one round trip
+            return await asyncio.gather(
+                self._present._async_array.getitem((slot, k)),
+                *(arr._async_array.getitem((slot, k)) for _, _, arr in known),
+            )
+
+        present, *chunks = zarr_sync(fetch())
+        got = {name: chunk for (_, name, _), chunk in zip(known, chunks, strict=True)}
         out: dict[str, Tensor | None] = {}
         for i, name in enumerate(self.names):
-            arr = self._array(name) if present[i] else None
+            arr = self._array(name) if present[i] else None  # opens a field another rank created
             if arr is None:
                 out[name] = None
                 continue
-            out[name] = _decode(arr[slot, k], _torch_dtype(str(arr.attrs["torch_dtype"])))
+            chunk = got[name] if name in got else arr[slot, k]
+            out[name] = _decode(chunk, _torch_dtype(str(arr.attrs["torch_dtype"])))
         return out
 
     def write(self, k: int, slot: int, state: Mapping[str, Tensor | None]) -> None:
@@ -258,37 +286,45 @@ class ClientStateStore:
         if unknown:
             raise KeyError(f"client-state store {self.path} has no fields {sorted(unknown)}")
         flags = np.zeros(len(self.names), dtype=np.uint8)
+        chunks = []
         for i, name in enumerate(self.names):
             value = state.get(name)
             if value is None:
                 continue
             if not isinstance(value, Tensor):
                 raise TypeError(f"client-state field {name!r} must be a tensor or None, got {type(value)}")
-            arr = self._array(name, (tuple(value.shape), value.dtype))
-            arr[slot, k] = _encode(value)
+            chunks.append((self._array(name, (tuple(value.shape), value.dtype)), _encode(value)))
             flags[i] = 1
-        self._present[slot, k] = flags
+
+        async def put() -> None:  # the field chunks concurrently, then the flags: one round trip
+            await asyncio.gather(*(arr._async_array.setitem((slot, k), data) for arr, data in chunks))
+            await self._present._async_array.setitem((slot, k), flags)
+
+        zarr_sync(put())
         self._dirty.add((slot, k))
 
     def flush(self) -> None:
-        """fsync the chunk files (and their directories) written since the last flush.
+        """Make the chunks written since the last flush durable (fsync) before a checkpoint names them.
 
-        A kill -9 needs no fsync (written files survive the process); a node failure does, so a
-        checkpoint that names these slots is taken only after they are on disk.
+        A kill -9 needs no fsync (written files survive the process); a node failure does. On Linux
+        one ``syncfs`` of the store's file system does it in one call whatever the number of
+        clients; elsewhere each written chunk file and its directory is fsynced.
         """
-        arrays = ["present", *(_field_name(n) for n in self.names)]
-        dirs: set[Path] = set()
-        for slot, k in sorted(self._dirty):
-            for name in arrays:
-                base = self.path / name / "c" / str(slot) / str(k)
-                if not base.exists():
-                    continue
-                files = [base] if base.is_file() else [p for p in base.rglob("*") if p.is_file()]
-                for f in files:
-                    _fsync(f)
-                    dirs.add(f.parent)
-        for d in dirs:
-            _fsync(d, directory=True)
+        if not self._dirty:
+            return
+        if not _syncfs(self.path):
+            dirs: set[Path] = set()
+            for slot, k in sorted(self._dirty):
+                for name, arr in [("present", self._present)] + [
+                    (_field_name(n), a) for n, a in self._arrays.items()
+                ]:
+                    chunk = self.path / name / "c" / str(slot) / str(k)
+                    for _ in arr.shape[2:]:
+                        chunk = chunk / "0"
+                    _fsync(chunk)
+                    dirs.add(chunk.parent)
+            for d in dirs:
+                _fsync(d, directory=True)
         self._dirty.clear()
 
 
