@@ -117,6 +117,26 @@ def test_store_round_trip_is_bitwise(tmp_path: Path) -> None:
     assert all(v is None for v in again.read(3, 0).values())  # never written: all absent
 
 
+def test_ranks_open_and_write_concurrently(tmp_path: Path) -> None:
+    """Ranks (threads here) each create the store and lazily its fields, writing their own clients."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, K = tmp_path / "s.zarr", 8
+
+    def rank(r: int) -> None:
+        store = ClientStateStore.open(path, num_clients=K, fields={"a": None, "b": None}, create=True)
+        for k in range(r, K, 4):
+            store.write(k, k % 2, {"a": torch.full((5,), float(k)), "b": torch.tensor(k) if k % 3 else None})
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(rank, range(4)))
+    store = ClientStateStore.open(path, num_clients=K, fields={"a": None, "b": None}, create=False)
+    for k in range(K):
+        got = store.read(k, k % 2)
+        assert torch.equal(got["a"], torch.full((5,), float(k)))
+        assert (got["b"] is None) if k % 3 == 0 else int(got["b"]) == k
+
+
 def test_store_refuses_mismatches(tmp_path: Path) -> None:
     path = tmp_path / "s.zarr"
     with pytest.raises(StoreError, match="no client-state store"):
@@ -189,8 +209,7 @@ def test_memory_mode_is_a_dict() -> None:
         ClientStates(init, num_clients=3, budget_bytes=10, path=None)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_disk_and_memory_give_identical_states(tmp_path: Path, seed: int) -> None:
+def test_disk_and_memory_give_identical_states(tmp_path: Path) -> None:
     K = 12
     per_state = 4 * 20 + 8 * 6 + 8 * 3
     facades = {
@@ -199,8 +218,8 @@ def test_disk_and_memory_give_identical_states(tmp_path: Path, seed: int) -> Non
         "spill": ClientStates(init, num_clients=K, budget_bytes=3 * per_state, path=tmp_path / "s.zarr"),
     }
     maps: dict[str, dict] = {}
-    rng = random.Random(seed)
-    for step in range(120):
+    rng = random.Random(0)
+    for step in range(150):
         op = rng.random()
         if op < 0.7:
             k = rng.randrange(K)
@@ -222,7 +241,7 @@ def test_disk_and_memory_give_identical_states(tmp_path: Path, seed: int) -> Non
 
 def test_crash_at_every_write_resumes_bit_identical(tmp_path: Path) -> None:
     """Crash after each write (with the next write torn), resume from the last checkpoint, finish."""
-    K, rounds, every = 4, 6, 2
+    K, rounds, every = 3, 5, 2
 
     def update(s: State, r: int, k: int) -> State:
         g = torch.Generator().manual_seed(10 * r + k)
@@ -332,12 +351,12 @@ def _held_bytes(obj: object, seen: set[int] | None = None) -> int:
 
 def test_disk_mode_never_holds_all_states(tmp_path: Path) -> None:
     K, P, window = 2000, 10_000, 200
-    cs = ClientStates(init, num_clients=K, budget_bytes=0, path=tmp_path / "cs.zarr")
+    cs = ClientStates(lambda k: State(), num_clients=K, budget_bytes=0, path=tmp_path / "cs.zarr")
     for k in range(K):
         if k == K - window:  # numpy / zarr allocations over the last clients: a few in flight, not all
             tracemalloc.start()
         s = cs.get(k)
-        cs.put(k, State(a=torch.full((P,), float(k)), b=None, c=s.c))
+        cs.put(k, State(a=torch.full((P,), float(k)), b=s.b, c=s.c))
         if k % 500 == 0:
             assert _held_bytes(cs) < 4 * K + 4 * P, k  # the slot maps and field names, no states
     _, peak = tracemalloc.get_traced_memory()

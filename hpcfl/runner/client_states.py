@@ -16,7 +16,10 @@ Layout (``client_states.zarr`` inside a run directory)::
 Every (slot, client) is one chunk file per array, no compression (states are incompressible
 floats), empty chunks written too (so the bytes on disk are the bytes written, -0.0 and NaN payloads
 included). Zarr's local store writes a chunk to a temporary file and renames it, so a chunk is never
-torn under its final name; two ranks creating the same array write identical metadata.
+torn under its final name; two ranks creating the same array write identical metadata. A read or a
+write of one client is one trip through zarr's event loop with its chunks gathered (zarr's
+``AsyncArray`` API): on the 2-core dev box ~1.5 ms per put and ~0.6 ms per get of a 10,000-float
+state, against ~1 ms per chunk with one synchronous call per array.
 
 Consistency protocol (two slots per client; ``slot_of[k]`` ∈ {-1, 0, 1}, -1 = never written):
 
@@ -162,18 +165,9 @@ class ClientStateStore:
         attrs = {"format": FORMAT, "version": VERSION, "num_clients": int(num_clients), "fields": names}
         if create and not (path / "zarr.json").is_file():
             try:
-                root = zarr.create_group(str(path), zarr_format=3, attributes=attrs)
-                root.create_array(
-                    "present",
-                    shape=(2, num_clients, len(names)),
-                    dtype="uint8",
-                    chunks=(1, 1, len(names)),
-                    compressors=None,
-                    fill_value=0,
-                    chunk_key_encoding=_KEYS,
-                )
-            except (ContainsGroupError, ContainsArrayError):
-                pass  # another rank created it first (with the same metadata)
+                zarr.create_group(str(path), zarr_format=3, attributes=attrs)
+            except ContainsGroupError:
+                pass  # another rank created it in between (with the same metadata)
         if not (path / "zarr.json").is_file():
             raise StoreError(f"no client-state store at {path}; create it first (create=True)")
         try:
@@ -187,6 +181,23 @@ class ClientStateStore:
             raise StoreError(
                 f"client-state store {path} holds {got.get('num_clients')} clients with fields "
                 f"{got.get('fields')}, not {num_clients} with {names}; it belongs to another run, delete it"
+            )
+        if create and not (path / "present" / "zarr.json").is_file():
+            try:  # after the group's check, so a foreign store is never written to
+                root.create_array(
+                    "present",
+                    shape=(2, num_clients, len(names)),
+                    dtype="uint8",
+                    chunks=(1, 1, len(names)),
+                    compressors=None,
+                    fill_value=0,
+                    chunk_key_encoding=_KEYS,
+                )
+            except ContainsArrayError:
+                pass  # another rank created it in between
+        if not (path / "present" / "zarr.json").is_file():
+            raise StoreError(
+                f"client-state store {path} is incomplete (no presence flags); delete it and rerun"
             )
         store = cls(path, root, int(num_clients), names)
         for name, spec in fields.items():
