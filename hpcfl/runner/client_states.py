@@ -34,7 +34,10 @@ Consistency protocol (two slots per client; ``slot_of[k]`` ∈ {-1, 0, 1}, -1 = 
    included) only touches slots no complete checkpoint names, and :meth:`ClientStates.restore`
    from the newest checkpoint reads exactly its states.
 5. Only the newest checkpoint is consistent with the store: an older kept one may name slots that
-   were rewritten since. Restore from the newest (``LATEST``) only.
+   were rewritten since. Restore from the newest (``LATEST``) only, and take the map only to write
+   a checkpoint, putting nothing until that checkpoint is complete (the commit happens on taking it).
+6. While states fit the budget a checkpoint holds the states themselves; the spill to the store
+   starts from ``slot_of = -1`` everywhere, so the memory-form checkpoint before it stays valid.
 
 Collective use: each rank reads and writes only the clients it trains; every rank may open the store
 with ``create=True`` (creation is idempotent and never deletes data), or one rank creates it and the
