@@ -29,3 +29,177 @@ def test_redesign_keeps_final_parameters_bit_identical(tmp_path: Path, algorithm
     cfg = config_from_dict({**entry["config"], "reduction": "float32"})
     result = run_experiment(cfg, tmp_path / "run")
     assert _sha(result.server.x) == entry["sha256"], algorithm
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _partial_config(tmp_path: Path, **extra):
+    from tests.helpers import synthetic_config
+
+    keys = dict(
+        num_clients=9,
+        clients_per_round=5,
+        algorithm="scaffold",
+        rounds=5,
+        local_steps=3,
+        dataset_options={"n_train": 900, "n_test": 100, "seed": 3},
+    )
+    keys.update(extra)
+    return synthetic_config(tmp_path, **keys)
+
+
+@pytest.mark.mpi
+def test_partial_participation_is_bit_identical_on_1_2_and_3_ranks_and_after_resume(tmp_path: Path) -> None:
+    """float64 reduction: the same participants and bit-identical parameters whatever the
+    placement; on 2 and 3 ranks the client states live in the on-disk store (any rank trains any
+    client); a 2-rank run stopped after 3 rounds and resumed on 3 ranks ends identical too."""
+    import subprocess
+
+    from hpcfl.config import load_config
+    from tests.helpers import final_state, mpiexec_cmd, run_cli
+
+    cfg = _partial_config(tmp_path)
+    one = run_experiment(load_config(cfg), tmp_path / "r1")
+    env = {"PYTHONPATH": str(REPO)}
+    import os
+
+    for n in (2, 3):
+        proc = subprocess.run(
+            mpiexec_cmd(n, "run", str(cfg), "--run-dir", str(tmp_path / f"r{n}")),
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert torch.equal(final_state(tmp_path / f"r{n}"), one.server.x), n
+        assert [r["participants"] for r in _rows(tmp_path / f"r{n}")] == [
+            r["participants"] for r in one.metrics
+        ]
+        assert (tmp_path / f"r{n}" / "client_states_train.zarr").is_dir()
+    # stopped after 3 rounds on 2 ranks, resumed to 5 on 3 ranks
+    short = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "rs"), "--set", "rounds=3")
+    assert short.returncode == 0, short.stderr
+    proc = subprocess.run(
+        mpiexec_cmd(
+            3,
+            "run",
+            str(cfg),
+            "--run-dir",
+            str(tmp_path / "rs"),
+            "--resume",
+            "--set",
+            "client_state_memory=disk",
+        ),
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "client_state_memory" in proc.stderr  # memory-form checkpoint, disk run
+    proc = subprocess.run(
+        mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(tmp_path / "rd"), "--set", "rounds=3"),
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run(
+        mpiexec_cmd(3, "run", str(cfg), "--run-dir", str(tmp_path / "rd"), "--resume"),
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert torch.equal(final_state(tmp_path / "rd"), one.server.x)
+
+
+def test_participants_are_a_pure_function_of_seed_and_round() -> None:
+    from hpcfl.algorithms.participation import Participation, Population
+    from hpcfl.runner.rounds import round_generator
+
+    pop = Population(tuple(range(10, 60)))
+    for weighting in ("uniform", "size"):
+        part = Participation(count=10, weighting=weighting)
+        a = [part.sample(pop, round_generator(0, 0, r)) for r in range(20)]
+        b = [part.sample(pop, round_generator(0, 0, r)) for r in range(20)]
+        assert a == b and all(len(s) == 10 == len(set(s)) for s in a)
+        assert len({tuple(s) for s in a}) > 15  # rounds differ
+    big = Participation(count=5, weighting="size")
+    counts = torch.zeros(50)
+    for r in range(400):
+        for k in big.sample(pop, round_generator(1, 0, r)):
+            counts[k] += 1
+    assert counts[40:].sum() > 2 * counts[:10].sum()  # larger clients are drawn more often
+
+
+def test_placement_per_round_is_balanced() -> None:
+    from hpcfl.comm import place_round
+
+    sizes = [int(s) for s in torch.randint(50, 500, (100,), generator=torch.Generator().manual_seed(0))]
+    for ranks in (2, 3, 4, 8, 25):
+        placed = place_round(list(range(100)), sizes, ranks)
+        assert sorted(k for ks in placed for k in ks) == list(range(100))
+        loads = [sum(sizes[k] for k in ks) for ks in placed]
+        assert max(loads) <= 1.15 * (sum(loads) / ranks), (ranks, loads)
+    assert place_round([3], [10], 2) == [[3], []]  # fewer participants than ranks: a rank idles
+
+
+def test_counted_bytes_equal_the_declared_exchange(tmp_path: Path) -> None:
+    """bytes_up is |S| x the declared sums (SCAFFOLD's control-variate form: model + dc), bytes_down
+    |S| x the server state; FedAvg uploads half of that."""
+    from hpcfl.config import load_config
+
+    cfg = load_config(_partial_config(tmp_path, rounds=2))
+    res = run_experiment(cfg, tmp_path / "s")
+    P = res.server.c.numel()
+    L = res.server.x.numel()
+    row = res.metrics[-1]
+    assert row["bytes_up"] == 5 * 4 * (L + P)
+    assert row["bytes_down"] == 5 * 4 * (L + P)
+    cfg = load_config(_partial_config(tmp_path, rounds=2, algorithm="fedavg"))
+    row = run_experiment(cfg, tmp_path / "f").metrics[-1]
+    assert row["bytes_up"] == row["bytes_down"] == 5 * 4 * L
+    assert row["local_loss_min"] <= row["local_loss"] <= row["local_loss_max"]
+
+
+def test_state_layout_names_module_slices() -> None:
+    from hpcfl.algorithms.layout import StateLayout
+    from hpcfl.models import build_model
+    from hpcfl.training import FlatModel
+
+    model = build_model("simplecnn", (1, 28, 28), 10)
+    layout = StateLayout.of_model(model)
+    flat = FlatModel(model)
+    assert layout.size == flat.size and layout.num_params == flat.num_params
+    last = layout.last_modules(2, "Linear")
+    entries = layout.params_of(last)
+    mask = layout.mask(entries)
+    expected = sum(p.numel() for name, p in model.named_parameters() if name.rsplit(".", 1)[0] in last)
+    assert int(mask.sum()) == expected
+    for e in entries:  # the slice is the parameter's own storage in the flat vector
+        assert torch.equal(
+            flat.vector[e.start : e.stop], dict(model.named_parameters())[e.name].detach().flatten()
+        )
+    from hpcfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="did you mean"):
+        layout.params_of(["fc22"])
+
+
+def test_params_are_validated_against_the_algorithm(tmp_path: Path) -> None:
+    from hpcfl.config import load_config
+    from hpcfl.errors import ConfigError
+
+    assert load_config(None, ["algorithm=fedprox", "params.mu=0.5"]).params.mu == 0.5
+    assert load_config(None, ["algorithm=fedprox", "fedprox.mu=0.25"]).params.mu == 0.25  # legacy section
+    with pytest.raises(ConfigError, match="did you mean 'params.mu'"):
+        load_config(None, ["algorithm=fedprox", "params.muu=0.5"])
+    with pytest.raises(ConfigError, match="params.mu"):
+        load_config(None, ["algorithm=fedprox", "params.mu=abc"])
+    tct = load_config(None, ["algorithm=tct", "stage2.lr=0.001", "params.stage1.rounds=3"])
+    assert tct.stage2.lr == 0.001 and tct.stage1.rounds == 3

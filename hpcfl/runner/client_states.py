@@ -539,6 +539,13 @@ class ClientStates:
         store.write(k, slot, data)
         self._live[k] = slot
 
+    def written_elsewhere(self, k: int) -> None:
+        """Client ``k`` was trained and written by another rank this round: read its new slot from
+        now on. Every rank knows every round's participants, so all ranks keep the same slot map
+        and any rank can train any client in the next round (disk mode only)."""
+        if self.mode == "disk":
+            self._live[k] = 0 if self._ckpt[k] < 0 else 1 - int(self._ckpt[k])
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     def checkpoint_map(self, clients: Iterable[int] | None = None) -> dict[str, Any]:

@@ -22,9 +22,10 @@ import torch
 from hpcfl.algorithms import ServerState
 from hpcfl.algorithms.base import Stage, state_from_dict, state_to_dict
 from hpcfl.comm import Communicator, get_comm
-from hpcfl.config import Config, dump_config
+from hpcfl.config import Config, dump_config, parse_memory_budget
 from hpcfl.errors import ConfigError, HpcflError, RunDirError
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from hpcfl.runner.client_states import ClientStates
 from hpcfl.runner.federation import Federation, build_federation, model_plan
 from hpcfl.runner.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.runner.progress import Progress
@@ -151,15 +152,15 @@ class _Bookkeeper:
             flag = torch.tensor([float(self.stop.requested)], dtype=torch.float64)
             halt = bool(self.comm.allreduce(flag).item())
             if done % self.cfg.checkpoint_every == 0 or done in (last, self.total) or halt:
-                held = {k: state_to_dict(c) for k, c in states.states.items()}
-                saved = sorted(k for part in self.comm.allgather(sorted(held)) for k in part)
+                extra: dict[str, Any] = {"stage": stage}
+                if isinstance(states, ClientStates):  # on disk: the slot map, the same on every rank
+                    held: dict[int, Any] = {}
+                    extra["client_map"] = states.checkpoint_map()
+                else:
+                    held = {k: state_to_dict(c) for k, c in states.states.items()}
+                extra["clients"] = sorted(k for part in self.comm.allgather(sorted(held)) for k in part)
                 save_checkpoint(
-                    self.run_dir / "checkpoints",
-                    done,
-                    state_to_dict(srv),
-                    held,
-                    self.comm,
-                    extra={"stage": stage, "clients": saved},
+                    self.run_dir / "checkpoints", done, state_to_dict(srv), held, self.comm, extra=extra
                 )
             return halt
 
@@ -232,11 +233,10 @@ def drive_stages(
             continue
         resumed_here = ckpt is not None and si == resume_at
         entry = enter_stage(fed, stage, first_index + si, run_dir, server)
-        srv, states = entry.server, MemoryStates(entry.init_client)
+        srv, states = entry.server, client_states(fed, entry, book.run_dir, stage.name)
         if resumed_here:
             assert ckpt is not None
-            srv, states = _restore(ckpt, srv, entry)
-        check_state_placement(fed, entry)
+            srv = _restore(ckpt, srv, entry, states)
         srv, stage_done = run_rounds(
             entry.plan,
             srv,
@@ -267,23 +267,60 @@ def enter_stage(
     return stage.enter(StageInput(fed=fed, run_dir=run_dir, previous=previous, stage_index=index))
 
 
-def check_state_placement(fed: Federation, entry: StagePlan) -> None:
-    """Client states in memory need each client trained on the same rank every round: true on one
-    rank or under full participation. Otherwise refuse (the on-disk client-state store lifts this)."""
+def client_states(
+    fed: Federation, entry: StagePlan, run_dir: Path, stage: str
+) -> MemoryStates | ClientStates:
+    """Where this stage's client states live.
+
+    In memory (the per-rank dict, checkpointed as one file per client) while a client is always
+    trained on the same rank (one rank, or full participation) and the states fit the budget;
+    otherwise in the client-state store ``client_states_<stage>.zarr`` of the run directory, one
+    chunk per client, which any rank reads and writes (``client_state_memory: disk`` forces it).
+    """
     algo = entry.plan.algorithm
-    stateful = bool(fields(entry.init_client(0)))
-    if stateful and fed.comm.size > 1 and not algo.participation.full(entry.plan.population):
-        raise ConfigError(
-            f"{algo.name} keeps client state, which with partial participation on {fed.comm.size} ranks "
-            "needs client_state_memory: disk; run on one rank or set it"
-        )
-
-
-def _restore(ckpt: Checkpoint, server: ServerState, entry: StagePlan) -> tuple[ServerState, MemoryStates]:
-    server = state_from_dict(type(server), ckpt.server)
     probe = entry.init_client(0)
-    states = {k: state_from_dict(type(probe), d) for k, d in ckpt.clients.items()}
-    return server, MemoryStates(entry.init_client, states)
+    if not fields(probe):
+        return MemoryStates(entry.init_client)
+    choice = parse_memory_budget(fed.cfg.client_state_memory)
+    sticky = fed.comm.size == 1 or algo.participation.full(entry.plan.population)
+    if choice == "memory" and not sticky:
+        raise ConfigError(
+            f"client_state_memory: memory cannot hold {algo.name}'s client states with partial participation "
+            f"on {fed.comm.size} ranks (a client may train on another rank each round); use auto or disk"
+        )
+    if choice == "memory" or (sticky and choice != "disk" and _fits(algo, fed, choice)):
+        return MemoryStates(entry.init_client)
+    return ClientStates(
+        entry.init_client,
+        num_clients=entry.plan.population.size,
+        budget_bytes=0,
+        path=run_dir / f"client_states_{stage}.zarr",
+    )
+
+
+def _fits(algo: Any, fed: Federation, choice: int | str) -> bool:
+    """Whether every client's state fits the budget (``auto``: a quarter of available memory)."""
+    from hpcfl.runner.client_states import resolve_budget
+
+    per_client = sum(s.nbytes for s in algo.exchange().sums if s.name == "x") * 2  # e.g. h and θ̂ (SCAFFOLD)
+    budget = resolve_budget(choice if isinstance(choice, int) else "auto")
+    return per_client * len(fed.parts) <= budget
+
+
+def _restore(
+    ckpt: Checkpoint, server: ServerState, entry: StagePlan, states: MemoryStates | ClientStates
+) -> ServerState:
+    server = state_from_dict(type(server), ckpt.server)
+    if isinstance(states, ClientStates):
+        if "client_map" not in ckpt.extra:
+            raise RunDirError(
+                "the checkpoint holds client states in memory form but this run keeps them on disk; resume with the client_state_memory it was started with"
+            )
+        states.restore(ckpt.extra["client_map"])
+    else:
+        probe = entry.init_client(0)
+        states.states.update({k: state_from_dict(type(probe), d) for k, d in ckpt.clients.items()})
+    return server
 
 
 def default_run_dir(cfg: Config) -> Path:

@@ -50,6 +50,9 @@ class ClientStore(Protocol):
 
     def put(self, k: int, state: ClientState) -> None: ...
 
+    def written_elsewhere(self, k: int) -> None:
+        """Another rank trained client ``k`` this round and stored its state."""
+
 
 class MemoryStates:
     """Client states in a dict; a client never trained reads as ``init(k)``."""
@@ -66,6 +69,9 @@ class MemoryStates:
     def put(self, k: int, state: ClientState) -> None:
         if fields(state):  # stateless algorithms keep nothing
             self.states[k] = state
+
+    def written_elsewhere(self, k: int) -> None:
+        """Nothing to do: in memory, a client is always trained on the same rank."""
 
 
 def round_generator(seed: int, stage: int, rnd: int) -> torch.Generator:
@@ -202,6 +208,8 @@ def run_rounds(
         everything = sorted(p for part in comm.allgather(gathered) for p in part) if ex.gathers else []
         t2 = time.perf_counter()
         bad = [who[i] for i in torch.nonzero(flags).flatten().tolist()]
+        for k in set(who) - set(mine):
+            states.written_elsewhere(k)
         if bad:
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise DivergenceError(
