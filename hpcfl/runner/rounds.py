@@ -74,6 +74,59 @@ class MemoryStates:
         """Nothing to do: in memory, a client is always trained on the same rank."""
 
 
+class StateIO:
+    """Client-state reads and writes of one round, overlapped with training.
+
+    One worker thread does every read and write in order: the next participant's state is read
+    while the current one trains, and a new state is written behind. ``get``/``finish`` return
+    only the time this rank actually WAITED for I/O (what the round pays for it). States in memory
+    take the direct path: nothing to overlap.
+    """
+
+    def __init__(self, states: ClientStore, order: list[int]) -> None:
+        self.states = states
+        self.order = order
+        self.waited = 0.0
+        self._pool: Any = None
+        self._next: dict[int, Any] = {}
+        if not isinstance(states, MemoryStates) and order:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcfl-state-io")
+            self._writes: list[Any] = []
+            self._prefetch(0)
+
+    def _prefetch(self, index: int) -> None:
+        if index < len(self.order):
+            k = self.order[index]
+            self._next[k] = self._pool.submit(self.states.get, k)
+
+    def get(self, k: int) -> ClientState:
+        if self._pool is None:
+            return self.states.get(k)
+        t = time.perf_counter()
+        state = self._next.pop(k).result()
+        self.waited += time.perf_counter() - t
+        self._prefetch(self.order.index(k) + 1)
+        return state
+
+    def put(self, k: int, state: ClientState) -> None:
+        if self._pool is None:
+            self.states.put(k, state)
+        else:
+            self._writes.append(self._pool.submit(self.states.put, k, state))
+
+    def finish(self) -> float:
+        """Wait for the writes (and drop unused reads); returns the seconds spent waiting."""
+        if self._pool is not None:
+            t = time.perf_counter()
+            for fut in [*self._writes, *self._next.values()]:
+                fut.result()
+            self._pool.shutdown()
+            self.waited += time.perf_counter() - t
+        return self.waited
+
+
 def round_generator(seed: int, stage: int, rnd: int) -> torch.Generator:
     """The generator the participants of round ``rnd`` are drawn from: a pure function of (seed,
     stage, round), independent of ranks and resumes."""
@@ -102,7 +155,9 @@ class RoundPlan:
 
 
 def round_layout(plan: RoundPlan, num_participants: int, dtype: torch.dtype) -> BufferLayout:
-    """The round's buffer: every declared sum, then the runner's channels."""
+    """The round's buffer: every declared sum, then the runner's channels (per-rank slots carry each
+    rank's compute time, client-state I/O time and peak memory, so load imbalance is measured
+    without another collective)."""
     ex = plan.algorithm.exchange(dtype)
     S = plan.similarity.size if plan.similarity is not None else 0
     return BufferLayout.of(
@@ -113,6 +168,9 @@ def round_layout(plan: RoundPlan, num_participants: int, dtype: torch.dtype) -> 
             ("nonfinite", num_participants),
             ("metrics", num_participants * len(plan.client_metrics)),
             ("cka", S),
+            ("rank_compute", plan.comm.size),
+            ("rank_state_io", plan.comm.size),
+            ("rank_rss", plan.comm.size),
         ]
     )
 
@@ -123,6 +181,13 @@ def buffer_dtype(plan: RoundPlan, dtype: torch.dtype) -> torch.dtype:
     if plan.reduction == "float64" or any(s.dtype == torch.float64 for s in ex.sums):
         return torch.float64
     return ex.sums[0].dtype if ex.sums else dtype
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _nbytes(obj: Any) -> int:
@@ -183,16 +248,18 @@ def run_rounds(
         if probe is not None:
             probe.set_reference(server.x)
         gathered: list[tuple[int, dict[str, Any]]] = []
+        io = StateIO(states, mine)  # reads the next participant's state while this one trains
         # 2. local updates of this rank's participants, added into the one buffer
         for k in mine:
             i = position[k]
             ctx = ClientContext(rnd, tuple(who), plan.population, plan.trainer, plan.generator(rnd, k))
+            state = io.get(k)
             try:
-                upload, new_state = algo.client_update(server, states.get(k), plan.data(k), ctx)
+                upload, new_state = algo.client_update(server, state, plan.data(k), ctx)
             except NonFiniteLoss:
                 flags[i] = 1.0
                 continue
-            states.put(k, new_state)
+            io.put(k, new_state)
             _accumulate(upload, sums, ex, bdtype)
             layout.view(buf, "weight").add_(upload.weight)
             layout.view(buf, "count").add_(1.0)
@@ -202,7 +269,11 @@ def run_rounds(
                 gathered.append((i, {g: upload.gathered[g] for g in ex.gathers}))
             if probe is not None:
                 probe.record(k, upload.sums["x"], sims)
+        state_io = io.finish()
         t1 = time.perf_counter()
+        layout.view(buf, "rank_compute")[comm.rank] = t1 - t0
+        layout.view(buf, "rank_state_io")[comm.rank] = state_io
+        layout.view(buf, "rank_rss")[comm.rank] = peak_rss_mb()
         # 3. one allreduce per round (and one allgather when the algorithm gathers)
         comm.allreduce(buf)
         everything = sorted(p for part in comm.allgather(gathered) for p in part) if ex.gathers else []
@@ -237,6 +308,12 @@ def run_rounds(
             if probe is not None:
                 row.update(probe.row(sims))
             t3 = time.perf_counter()
+            per_rank = layout.view(buf, "rank_compute").to(torch.float64)
+            row.update(
+                imbalance=float(per_rank.max() / per_rank.mean()) if float(per_rank.mean()) > 0 else 1.0,
+                state_io_s=float(layout.view(buf, "rank_state_io").max()),
+                peak_rss_mb=float(layout.view(buf, "rank_rss").max()),
+            )
             gathered_bytes = sum(_nbytes(obj) for _, obj in everything)
             row.update(
                 bytes_up=len(who) * upload_bytes + gathered_bytes,
