@@ -111,10 +111,23 @@ def scaling(out: Path, rounds: int) -> list[dict[str, Any]]:
                     cfg.update(dataset="femnist", partition="natural", num_clients=clients)
                 cfg["client_state_memory"] = "disk"
                 rows = _run(cfg, out / "runs" / cfg["name"], ranks)
-                results.append({"study": "scaling", "dataset": dataset, "clients": clients,
-                                "participants": m, "ranks": ranks, "states": "disk", **_summary(rows)})
+                results.append(
+                    {
+                        "study": "scaling",
+                        "dataset": dataset,
+                        "clients": clients,
+                        "participants": m,
+                        "ranks": ranks,
+                        "states": "disk",
+                        **_summary(rows),
+                    }
+                )
     for r in results:
-        base = next(b for b in results if b["dataset"] == r["dataset"] and b["participants"] == r["participants"] and b["ranks"] == 1)
+        base = next(
+            b
+            for b in results
+            if b["dataset"] == r["dataset"] and b["participants"] == r["participants"] and b["ranks"] == 1
+        )
         r["strong_scaling"] = base["round_s"] / r["round_s"]
     return results
 
@@ -136,8 +149,17 @@ def memory(out: Path, rounds: int) -> list[dict[str, Any]]:
                 eval_every=rounds,
             )
             rows = _run(cfg, out / "runs" / cfg["name"], 1)
-            results.append({"study": "memory", "dataset": "synthetic", "clients": clients,
-                            "participants": 100, "ranks": 1, "states": states, **_summary(rows)})
+            results.append(
+                {
+                    "study": "memory",
+                    "dataset": "synthetic",
+                    "clients": clients,
+                    "participants": 100,
+                    "ranks": 1,
+                    "states": states,
+                    **_summary(rows),
+                }
+            )
     return results
 
 
@@ -160,7 +182,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     a.legend()
     for states, style in (("memory", "o-"), ("disk", "s--")):
         mem = [r for r in results if r["study"] == "memory" and r["states"] == states]
-        b.plot([r["clients"] for r in mem], [r["peak_rss_mb"] for r in mem], style, label=f"states in {states}")
+        b.plot(
+            [r["clients"] for r in mem], [r["peak_rss_mb"] for r in mem], style, label=f"states in {states}"
+        )
     b.set_xscale("log")
     b.set_xlabel("clients K")
     b.set_ylabel("peak RSS per rank (MiB)")
@@ -184,20 +208,31 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_memory:
         print("memory:", flush=True)
         results += memory(args.out, args.memory_rounds)
-    meta = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "load_avg_start": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (args.out / "participation.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    meta = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_avg_start": os.getloadavg(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    (args.out / "participation.json").write_text(
+        json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
+    )
     with open(args.out / "participation.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=sorted({k for r in results for k in r}))
         writer.writeheader()
         writer.writerows(results)
     plot(results, args.out / "participation.png")
-    print(f"\n{'study':8} {'dataset':9} {'K':>6} {'m':>4} {'R':>2} {'states':6} {'round s':>8} {'scale':>6} "
-          f"{'imbal':>6} {'I/O %':>6} {'RSS MiB':>8}")
+    print(
+        f"\n{'study':8} {'dataset':9} {'K':>6} {'m':>4} {'R':>2} {'states':6} {'round s':>8} {'scale':>6} "
+        f"{'imbal':>6} {'I/O %':>6} {'RSS MiB':>8}"
+    )
     for r in results:
-        print(f"{r['study']:8} {r['dataset']:9} {r['clients']:>6} {r['participants']:>4} {r['ranks']:>2} "
-              f"{r['states']:6} {r['round_s']:8.3f} {r.get('strong_scaling', float('nan')):6.2f} "
-              f"{r['imbalance']:6.3f} {100 * r['state_io_share']:6.1f} {r['peak_rss_mb']:8.0f}")
+        print(
+            f"{r['study']:8} {r['dataset']:9} {r['clients']:>6} {r['participants']:>4} {r['ranks']:>2} "
+            f"{r['states']:6} {r['round_s']:8.3f} {r.get('strong_scaling', float('nan')):6.2f} "
+            f"{r['imbalance']:6.3f} {100 * r['state_io_share']:6.1f} {r['peak_rss_mb']:8.0f}"
+        )
     print(f"-> {args.out}")
     return 0
 

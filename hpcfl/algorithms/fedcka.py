@@ -34,35 +34,22 @@ Implementation:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from hpcfl.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    ClientData,
-    ClientState,
-    HyperParams,
-    ServerState,
-    Trainer,
-    Upload,
-)
-from hpcfl.algorithms.reference import (
-    References,
-    Represent,
-    sample_visits,
-    split_indices,
-    with_indices,
-)
+from hpcfl.algorithms.base import HyperParams
+from hpcfl.algorithms.previous_model import PreviousModelAlgorithm, PreviousModelState
+from hpcfl.algorithms.reference import References, Represent, split_indices
 from hpcfl.errors import ConfigError
 from hpcfl.metrics.cka import fedcka_loss
 from hpcfl.metrics.gram import CentredGram, fedcka_loss_gram
 from hpcfl.metrics.layers import LayerTap, check_layers, first_layers
-from hpcfl.training.sgd import LocalResult
+from hpcfl.training.sgd import LossFn
 
 __all__ = ["FedCKA", "FedCKAClientState", "FedCKAParams", "cka_regulariser"]
 
@@ -105,10 +92,8 @@ class FedCKAParams(HyperParams):
 
 
 @dataclass
-class FedCKAClientState(ClientState):
+class FedCKAClientState(PreviousModelState):
     """prev: the client's local model of the previous round (state vector); None before round 1."""
-
-    prev: Tensor | None = None
 
 
 def cka_regulariser(
@@ -133,85 +118,43 @@ def cka_regulariser(
     return fedcka_loss_gram(local_acts, global_grams, prev_grams)
 
 
-class FedCKA(Algorithm[FedCKAParams, ServerState, FedCKAClientState]):
+class FedCKA(PreviousModelAlgorithm[FedCKAParams, FedCKAClientState]):
     name = "fedcka"
     Params = FedCKAParams
+    State = FedCKAClientState
 
-    def __init__(self, params: HyperParams, **kwargs: Any) -> None:
+    def __init__(self, params: FedCKAParams, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
-        self._model: nn.Module | None = None  # the working model the references were built from
-        self._refs: References | None = None
         self._layers: list[str] = []
         self._layers_model: nn.Module | None = None  # the model ``_layers`` were checked against
-
-    def init_client(self, k: int, server: ServerState) -> FedCKAClientState:
-        return FedCKAClientState()
 
     def layer_names(self, model: nn.Module) -> list[str]:
         """The regularised layers of ``model`` (``params.layers`` or the first ``num_layers``)."""
         p = self.params
         return list(p.layers) if p.layers is not None else first_layers(model, p.num_layers)
 
-    def _layers_of(self, model: nn.Module) -> list[str]:
+    def check_model(self, model: nn.Module) -> None:
         """:meth:`layer_names`, checked against the model once (a bad name fails in round 1)."""
         if self._layers_model is not model:
             names = self.layer_names(model)
             check_layers(model, names)
             self._layers, self._layers_model = names, model
-        return self._layers
 
-    def _setup(self, trainer: Trainer) -> References:
-        """Build the two frozen copies once per working model (not per client, never per batch)."""
-        model = trainer.flat.model
-        if self._refs is None or self._model is not model:
-            p = self.params
-            layers = self._layers_of(model)
+    def represent(self, frozen: nn.Module) -> Represent:
+        tap = LayerTap(frozen, self._layers, truncate=True)
+        return lambda x: tap.forward(x)[1]
 
-            def represent(frozen: nn.Module) -> Represent:
-                tap = LayerTap(frozen, layers, truncate=True)
-                return lambda x: tap.forward(x)[1]
+    @contextmanager
+    def local_loss(self, model: nn.Module, task_loss: LossFn, refs: References) -> Iterator[LossFn]:
+        mu, debiased = self.params.mu, self.params.debiased
+        with LayerTap(model, self._layers) as tap:
 
-            self._refs = References(model, self.state_size, represent, cache_bytes=p.cache_mb * 2**20)
-            self._model = model
-        return self._refs
+            def loss_fn(model: nn.Module, xb: Tensor, target: Tensor) -> Tensor:
+                y, idx = split_indices(target)
+                tap.reset()
+                sup = task_loss(model, xb, y)  # its forward fills the tap
+                acts = tap.collect()
+                global_acts, prev_acts = refs.batch(xb, idx)
+                return sup + mu * cka_regulariser(acts, global_acts, prev_acts, debiased=debiased)
 
-    def client_update(
-        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
-    ) -> tuple[Upload, FedCKAClientState]:
-        trainer, generator = ctx.trainer, ctx.generator
-        assert trainer is not None
-        assert isinstance(client, FedCKAClientState)
-        p = self.params
-        self._layers_of(trainer.flat.model)
-        if p.mu == 0 or client.prev is None:
-            x, result = trainer.train(server.x, data, generator)
-            loss = result.loss + p.mu * math.log(2.0)  # ℓ_cka = log 2 when w_prev = w_g
-        else:
-            x, result = self._train_regularised(server.x, client.prev, data, trainer, generator)
-            loss = result.loss
-        return Upload(sums={"x": x}, weight=float(data.n), metrics={"loss": loss}), FedCKAClientState(prev=x)
-
-    def _train_regularised(
-        self, x0: Tensor, prev: Tensor, data: ClientData, trainer: Trainer, generator: torch.Generator
-    ) -> tuple[Tensor, LocalResult]:
-        p = self.params
-        refs = self._setup(trainer)
-        sched = trainer.schedule
-        visits = sample_visits(sched.steps, sched.epochs, sched.batch_size, data.n)
-        refs.begin(x0, prev, data.x, visits, chunk=sched.batch_size)
-        task_loss, mu = trainer.loss_fn, p.mu
-        try:
-            with LayerTap(trainer.flat.model, self._layers_of(trainer.flat.model)) as tap:
-
-                def loss_fn(model: nn.Module, xb: Tensor, target: Tensor) -> Tensor:
-                    y, idx = split_indices(target)
-                    tap.reset()
-                    sup = task_loss(model, xb, y)  # its forward fills the tap
-                    acts = tap.collect()
-                    global_acts, prev_acts = refs.batch(xb, idx)
-                    return sup + mu * cka_regulariser(acts, global_acts, prev_acts, debiased=p.debiased)
-
-                indexed = ClientData(k=data.k, x=data.x, y=with_indices(data.y))
-                return trainer.train(x0, indexed, generator, loss_fn=loss_fn)
-        finally:
-            refs.end()
+            yield loss_fn

@@ -27,7 +27,8 @@ zero gradient) and run the round as plain FedAvg, reporting the loss plus μ·lo
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -36,25 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hpcfl.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    ClientData,
-    ClientState,
-    HyperParams,
-    ServerState,
-    Trainer,
-    Upload,
-)
-from hpcfl.algorithms.reference import (
-    References,
-    Represent,
-    sample_visits,
-    split_indices,
-    with_indices,
-)
+from hpcfl.algorithms.base import HyperParams
+from hpcfl.algorithms.previous_model import PreviousModelAlgorithm, PreviousModelState
+from hpcfl.algorithms.reference import References, Represent, split_indices
 from hpcfl.errors import ConfigError
-from hpcfl.training.sgd import LocalResult
+from hpcfl.training.sgd import LossFn
 
 __all__ = ["Moon", "MoonClientState", "MoonParams", "moon_contrastive_loss"]
 
@@ -83,10 +70,8 @@ class MoonParams(HyperParams):
 
 
 @dataclass
-class MoonClientState(ClientState):
+class MoonClientState(PreviousModelState):
     """prev: the client's local model of the previous round (state vector); None before round 1."""
-
-    prev: Tensor | None = None
 
 
 def moon_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, temperature: float) -> Tensor:
@@ -138,63 +123,27 @@ def _features(frozen: nn.Module) -> Represent:
     return lambda x: [frozen.features(x)]  # (B, d): the representation only, no classifier
 
 
-class Moon(Algorithm[MoonParams, ServerState, MoonClientState]):
+class Moon(PreviousModelAlgorithm[MoonParams, MoonClientState]):
     name = "moon"
     Params = MoonParams
+    State = MoonClientState
 
-    def __init__(self, params: HyperParams, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
-        self._model: nn.Module | None = None
-        self._refs: References | None = None
+    def check_model(self, model: nn.Module) -> None:
+        _classifier(model)
 
-    def init_client(self, k: int, server: ServerState) -> MoonClientState:
-        return MoonClientState()
+    def represent(self, frozen: nn.Module) -> Represent:
+        return _features(frozen)
 
-    def _setup(self, trainer: Trainer) -> References:
-        """Build the two frozen copies once per working model (not per client, never per batch)."""
-        model = trainer.flat.model
-        if self._refs is None or self._model is not model:
-            p = self.params
-            _classifier(model)  # fail early on an unsuitable model
-            self._refs = References(model, self.state_size, _features, cache_bytes=p.cache_mb * 2**20)
-            self._model = model
-        return self._refs
+    @contextmanager
+    def local_loss(self, model: nn.Module, task_loss: LossFn, refs: References) -> Iterator[LossFn]:
+        mu, tau = self.params.mu, self.params.temperature
+        with _ClassifierInput(model) as rep:
 
-    def client_update(
-        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
-    ) -> tuple[Upload, MoonClientState]:
-        trainer, generator = ctx.trainer, ctx.generator
-        assert trainer is not None
-        assert isinstance(client, MoonClientState)
-        p = self.params
-        if p.mu == 0 or client.prev is None:
-            x, result = trainer.train(server.x, data, generator)
-            loss = result.loss + p.mu * math.log(2.0)  # ℓ_con = log 2 when z_prev = z_glob
-        else:
-            x, result = self._train_regularised(server.x, client.prev, data, trainer, generator)
-            loss = result.loss
-        return Upload(sums={"x": x}, weight=float(data.n), metrics={"loss": loss}), MoonClientState(prev=x)
+            def loss_fn(model: nn.Module, xb: Tensor, target: Tensor) -> Tensor:
+                y, idx = split_indices(target)
+                sup = task_loss(model, xb, y)  # its forward passes z to the classifier
+                z = rep.take()  # (B, d)
+                (z_glob,), (z_prev,) = refs.batch(xb, idx)
+                return sup + mu * moon_contrastive_loss(z, z_glob, z_prev, tau)
 
-    def _train_regularised(
-        self, x0: Tensor, prev: Tensor, data: ClientData, trainer: Trainer, generator: torch.Generator
-    ) -> tuple[Tensor, LocalResult]:
-        p = self.params
-        refs = self._setup(trainer)
-        sched = trainer.schedule
-        visits = sample_visits(sched.steps, sched.epochs, sched.batch_size, data.n)
-        refs.begin(x0, prev, data.x, visits, chunk=sched.batch_size)
-        task_loss, mu, tau = trainer.loss_fn, p.mu, p.temperature
-        try:
-            with _ClassifierInput(trainer.flat.model) as rep:
-
-                def loss_fn(model: nn.Module, xb: Tensor, target: Tensor) -> Tensor:
-                    y, idx = split_indices(target)
-                    sup = task_loss(model, xb, y)  # its forward passes z to the classifier
-                    z = rep.take()  # (B, d)
-                    (z_glob,), (z_prev,) = refs.batch(xb, idx)
-                    return sup + mu * moon_contrastive_loss(z, z_glob, z_prev, tau)
-
-                indexed = ClientData(k=data.k, x=data.x, y=with_indices(data.y))
-                return trainer.train(x0, indexed, generator, loss_fn=loss_fn)
-        finally:
-            refs.end()
+            yield loss_fn
