@@ -24,6 +24,7 @@ class RunSummary:
     best_accuracy: float
     seconds: float
     rows: list[dict]
+    participation: str = "all"  # "all", or "M of K (each client trained a..b times)"
 
 
 def summarise(run_dir: Path) -> RunSummary:
@@ -42,18 +43,34 @@ def summarise(run_dir: Path) -> RunSummary:
         best_accuracy=max(float(r["test_accuracy"]) for r in rows),
         seconds=sum(float(r.get("seconds", 0.0)) for r in rows),
         rows=rows,
+        participation=_participation(cfg, rows),
     )
+
+
+def _participation(cfg: dict, rows: list[dict]) -> str:
+    """Who trained: every client every round, or M of K per round with how often each trained
+    (counted over the rounds that wrote a metrics row; every round when eval_every is 1)."""
+    drawn = [r["participants"] for r in rows if "participants" in r]
+    if not drawn:
+        return "all"
+    K = int(cfg.get("num_clients", 0)) or 1 + max(k for who in drawn for k in who)
+    times = [0] * K
+    for who in drawn:
+        for k in who:
+            times[k] += 1
+    return f"{len(drawn[-1])} of {K} (each trained {min(times)}..{max(times)}× in {len(drawn)} logged rounds)"
 
 
 def markdown_table(runs: list[RunSummary]) -> str:
     """A markdown table with one line per run."""
     lines = [
-        "| run | algorithm | partition | rounds | final test acc. | best test acc. | time of all rounds (s) |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| run | algorithm | partition | participants per round | rounds | final test acc. | best test acc. "
+        "| time of all rounds (s) |",
+        "|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in runs:
         lines.append(
-            f"| {r.name} | {r.algorithm} | {r.partition} | {r.rounds} | {100 * r.final_accuracy:.2f}% "
+            f"| {r.name} | {r.algorithm} | {r.partition} | {r.participation} | {r.rounds} | {100 * r.final_accuracy:.2f}% "
             f"| {100 * r.best_accuracy:.2f}% | {r.seconds:.1f} |"
         )
     return "\n".join(lines) + "\n"

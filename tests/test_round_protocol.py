@@ -246,3 +246,38 @@ def test_kill_9_with_client_states_on_disk_resumes_bit_identically(
     assert resumed.returncode == 0, resumed.stderr
     assert torch.equal(final_state(run), reference.server.x)
     assert [r["test_accuracy"] for r in _rows(run)] == [r["test_accuracy"] for r in reference.metrics]
+
+
+def test_partition_and_report_show_who_participated(tmp_path: Path) -> None:
+    """`hpcfl partition --clients-per-round` prints the very draw `hpcfl run` makes; the report
+    says how many of how many clients trained per round."""
+    from hpcfl.config import load_config
+    from tests.helpers import run_cli
+
+    cfg = load_config(_partial_config(tmp_path, algorithm="fedavg", rounds=3, seed=7))
+    res = run_experiment(cfg, tmp_path / "run")
+    proc = run_cli(
+        "partition",
+        "--dataset",
+        "fashion-mnist",
+        "--partition",
+        "iid",
+        "--num-clients",
+        "9",
+        "--seed",
+        "7",
+        "--clients-per-round",
+        "5",
+        "--rounds",
+        "3",
+        "--out",
+        str(tmp_path / "p"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
+    assert printed == [
+        f"round {r['round']}: clients {' '.join(map(str, r['participants']))}" for r in res.metrics
+    ]
+    rep = run_cli("report", str(tmp_path / "run"), "--out", str(tmp_path / "rep"))
+    assert rep.returncode == 0, rep.stderr
+    assert "5 of 9 (each trained" in (tmp_path / "rep" / "report.md").read_text()

@@ -71,6 +71,22 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-download", action="store_true", help="fail instead of downloading missing dataset files"
     )
+    parser.add_argument(
+        "--clients-per-round",
+        type=int,
+        default=None,
+        metavar="M",
+        help="also show who participates: M clients drawn per round (as `hpcfl run` draws them)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=10, metavar="R", help="rounds of that schedule (default: 10)"
+    )
+    parser.add_argument(
+        "--participation-weighting",
+        choices=("uniform", "size"),
+        default="uniform",
+        help="how the M are drawn",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -123,5 +139,32 @@ def run(args: argparse.Namespace) -> int:
         f"{title}: client sizes {int(sizes.min())}..{int(sizes.max())} (mean {sizes.mean():.0f}), "
         f"classes per client {int(held.min())}..{int(held.max())}"
     )
+    if args.clients_per_round is not None:
+        print(participation_summary(sizes.tolist(), args))
     print(f"saved {json_path} and {png_path}")
     return 0
+
+
+def participation_summary(sizes: list[int], args: argparse.Namespace) -> str:
+    """Who trains in rounds 1..R under ``--clients-per-round``: the draw ``hpcfl run`` makes with
+    the same seed (participants depend only on seed and round)."""
+    from hpcfl.algorithms.participation import Participation, Population
+    from hpcfl.runner.rounds import round_generator
+
+    if args.clients_per_round < 1 or args.rounds < 1:
+        raise ConfigError("--clients-per-round and --rounds must be >= 1")
+    part = Participation(count=args.clients_per_round, weighting=args.participation_weighting)
+    pop = Population(tuple(int(s) for s in sizes))
+    trained = [0] * len(sizes)
+    lines = []
+    for rnd in range(args.rounds):
+        who = part.sample(pop, round_generator(args.seed, 0, rnd))
+        for k in who:
+            trained[k] += 1
+        lines.append(f"round {rnd + 1}: clients {' '.join(map(str, who))}")
+    never = sum(1 for t in trained if t == 0)
+    lines.append(
+        f"participation over {args.rounds} rounds: each client trains {min(trained)}..{max(trained)} times; "
+        f"{never} of {len(sizes)} clients never train"
+    )
+    return "\n".join(lines)
