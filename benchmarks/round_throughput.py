@@ -18,6 +18,7 @@ a warm-up and is dropped). Prints a table and writes CSV + JSON (+ PNG) to --out
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import json
 import os
@@ -76,10 +77,50 @@ def plain_loop(data_root: str, rounds: int, threads: int) -> float:
     return n_all / (sum(steady) / len(steady))
 
 
-def hpcfl_run(data_root: str, rounds: int, ranks: int, threads: int, workdir: Path) -> dict:
+ALLREDUCE_PROGRAM = """
+import sys, time, torch
+from hpcfl.comm import get_comm
+comm = get_comm("mpi")
+n, reps = int(sys.argv[1]), int(sys.argv[2])
+out = {}
+for dtype in (torch.float32, torch.float64):
+    buf = torch.ones(n, dtype=dtype)
+    for _ in range(10):
+        comm.allreduce(buf)
+    comm.barrier()
+    t = time.perf_counter()
+    for _ in range(reps):
+        comm.allreduce(buf)
+    out[str(dtype).split(".")[1]] = (time.perf_counter() - t) / reps
+if comm.rank == 0:
+    print(out)
+"""
+
+
+def allreduce_cost(floats: int, ranks: int = 2, reps: int = 300) -> dict:
+    """Seconds per allreduce of the round buffer in float32 and float64 (``reduction``) at 2 ranks."""
+    cmd = [
+        str(BIN / "mpiexec"),
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-c",
+        ALLREDUCE_PROGRAM,
+        str(floats),
+        str(reps),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    return ast.literal_eval(proc.stdout.strip().splitlines()[-1])  # {"float32": s, "float64": s}
+
+
+def hpcfl_run(
+    data_root: str, rounds: int, ranks: int, threads: int, workdir: Path, reduction: str = "float64"
+) -> dict:
     """Samples/s and the time split of ``mpiexec -n ranks hpcfl run`` (threads per rank)."""
     cfg = dict(
-        name=f"r{ranks}t{threads}",
+        name=f"r{ranks}t{threads}{reduction}",
+        reduction=reduction,
         dataset="fashion-mnist",
         data_root=data_root,
         partition="iid",
@@ -135,9 +176,23 @@ def main() -> None:
         plain = plain_loop(args.data_root, args.rounds, threads=1)
         rows.append({"config": "plain 1x1", "ranks": 1, "threads": 1, "samples_per_s": plain})
         print(f"plain loop 1 rank x 1 thread: {plain:,.0f} samples/s", flush=True)
-        for ranks, threads in ((1, 1), (2, 1), (1, 2)):
-            r = hpcfl_run(args.data_root, args.rounds, ranks, threads, work)
-            rows.append({"config": f"hpcfl {ranks}x{threads}", "ranks": ranks, "threads": threads, **r})
+        for ranks, threads, reduction in (
+            (1, 1, "float64"),
+            (2, 1, "float64"),
+            (1, 2, "float64"),
+            (2, 1, "float32"),
+        ):
+            r = hpcfl_run(args.data_root, args.rounds, ranks, threads, work, reduction)
+            tag = "" if reduction == "float64" else f" {reduction}"
+            rows.append(
+                {
+                    "config": f"hpcfl {ranks}x{threads}{tag}",
+                    "ranks": ranks,
+                    "threads": threads,
+                    "reduction": reduction,
+                    **r,
+                }
+            )
             print(
                 f"hpcfl {ranks} rank(s) x {threads} thread(s): {r['samples_per_s']:,.0f} samples/s, "
                 f"allreduce {100 * r['allreduce_share']:.3f}% of round",
@@ -150,6 +205,10 @@ def main() -> None:
         "speedup_1x2_vs_1x1": by["hpcfl 1x2"]["samples_per_s"] / by["hpcfl 1x1"]["samples_per_s"],
         "allreduce_share_2x1": by["hpcfl 2x1"]["allreduce_share"],
     }
+    cost = allreduce_cost(356_234 + 20)  # simplecnn's state + the runner's channels
+    summary["allreduce_float32_s"] = cost["float32"]
+    summary["allreduce_float64_s"] = cost["float64"]
+    summary["allreduce_float64_over_float32"] = cost["float64"] / cost["float32"]
     print("\n| configuration | samples/s | ratio to hpcfl 1x1 |\n|---|---:|---:|")
     for r in rows:
         print(
@@ -163,6 +222,11 @@ def main() -> None:
     )
     print(f"1 rank x 2 threads vs 1x1: {summary['speedup_1x2_vs_1x1']:.3f}x")
     print(f"allreduce share of the round at 2 ranks: {100 * summary['allreduce_share_2x1']:.3f}%")
+    print(
+        f"one allreduce of the round buffer at 2 ranks: float32 {1e3 * cost['float32']:.3f} ms, "
+        f"float64 {1e3 * cost['float64']:.3f} ms ({summary['allreduce_float64_over_float32']:.2f}x; "
+        f"reduction: float64 makes the sum placement-independent)"
+    )
     with open(args.out / "round_throughput.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()
