@@ -7,6 +7,7 @@ typo costs a second, not a queue slot. Unknown keys are refused with the closest
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -135,9 +136,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
         try:
-            return float(value)  # YAML 1.1 reads 1e-5 as a string
+            number = float(value)  # YAML 1.1 reads 1e-5 as a string
         except (TypeError, ValueError):
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}") from None
+        if not math.isfinite(number):  # .nan would pass every range check and fail rounds later
+            raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"config key {key!r} must be a string, got {value!r}")
@@ -246,6 +250,7 @@ def validate(cfg: Config) -> None:
     """Check every name and range that can be checked without touching data."""
     from hpcfl.algorithms import ALGORITHMS
 
+    _validate_run_name(cfg.name)
     _check_positive(cfg, ("num_clients", "batch_size", "eval_every", "checkpoint_every", "local_epochs"))
     _check_positive(cfg, ("local_steps", "threads", "lr"))
     if cfg.rounds < 0:
@@ -280,6 +285,16 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
     if s2.loss == "ce" and s2.solver == "closed_form":
         raise ConfigError("stage2.loss=ce has no closed form; set stage2.solver=primal")
+
+
+def _validate_run_name(name: str) -> None:
+    """A run name becomes a directory (``runs/<name>``) and a SLURM job name: one plain path part."""
+    bad = [c for c in name if c in "/\\" or ord(c) < 32 or ord(c) == 127]
+    if not name.strip() or name in (".", "..") or bad or name.startswith("-"):
+        raise ConfigError(
+            f"config key 'name' must be a plain file name (no '/', '\\', newline or control "
+            f"character, not '.', '..' or starting with '-'), got {name!r}"
+        )
 
 
 def _validate_names(cfg: Config) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -40,6 +41,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command that continues this run: the same config, ``--set`` overrides and data root."""
+    argv = ["hpcfl", "run"] + ([args.config] if args.config else [])
+    if args.set:
+        argv += ["--set", *args.set]
+    if args.data_root:
+        argv += ["--data-root", args.data_root]
+    return shlex.join([*argv, "--run-dir", str(run_dir), "--resume"])
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.set) + ([f"data_root={args.data_root}"] if args.data_root else [])
     cfg = load_config(args.config, overrides)
@@ -52,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_RESUMABLE
         print(
             f"hpcfl: stopped by signal after round {result.rounds_done} (checkpoint saved); "
-            f"continue with: hpcfl run {args.config or ''} --run-dir {run_dir} --resume",
+            f"continue with: {resume_command(args, run_dir)}",
             file=sys.stderr,
         )
         return EXIT_RESUMABLE

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from hpcfl.config import Config, config_from_dict, merge, parse_overrides, read_yaml
 from hpcfl.errors import ConfigError, RunDirError
 
@@ -68,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from hpcfl.comm import get_comm
     from hpcfl.runner.experiment import STAGE1_MODEL, set_threads
     from hpcfl.runner.federation import build_federation
-    from hpcfl.runner.files import append_jsonl, write_jsonl
+    from hpcfl.runner.files import append_jsonl, load_torch_file, write_jsonl
     from hpcfl.runner.progress import Progress
     from hpcfl.runner.rounds import run_rounds
     from hpcfl.tct.pipeline import prepare_stage2
@@ -83,7 +81,11 @@ def run(args: argparse.Namespace) -> int:
     set_threads(cfg, comm)
     fed = build_federation(cfg, comm)
     setup = prepare_stage2(
-        fed, torch.load(theta_path, weights_only=True), args.run_dir, cfg.stage2, extract=False
+        fed,
+        load_torch_file(theta_path, "resume the run with --resume to write it again"),
+        args.run_dir,
+        cfg.stage2,
+        extract=False,
     )
     out = args.run_dir / "stage2" / tag
     metrics = out / "metrics.jsonl"

@@ -24,10 +24,18 @@ from hpcfl.config import Config, dump_config
 from hpcfl.errors import HpcflError, RunDirError
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from hpcfl.runner.federation import Federation, build_federation, model_plan
-from hpcfl.runner.files import append_jsonl, atomic_torch_save, atomic_write_text, read_jsonl, write_jsonl
+from hpcfl.runner.files import (
+    append_jsonl,
+    atomic_torch_save,
+    atomic_write_text,
+    load_torch_file,
+    read_jsonl,
+    write_jsonl,
+)
+from hpcfl.runner.lock import RunLock
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import RoundHook, run_rounds
-from hpcfl.runner.rundir import DONE, prepare_run_dir
+from hpcfl.runner.rundir import DONE, prepare_run_dir, settle_done
 
 STAGE1_MODEL = "stage1_model.pt"  # TCT: θ_T1, the bootstrapped model stage 2 is built from
 
@@ -165,15 +173,38 @@ def run_experiment(
     comm: Communicator | None = None,
     stop: StopRequest | None = None,
 ) -> RunResult:
-    """Run (or continue) the configured federation; every rank returns the same server state."""
+    """Run (or continue) the configured federation; every rank returns the same server state.
+
+    Rank 0 holds the run directory's lock for the whole run (a second run on it is refused).
+    """
     comm = comm or get_comm(cfg.comm)
     run_dir = Path(run_dir)
+    lock = RunLock(run_dir) if comm.rank == 0 else None
+    _collective_check(comm, lambda: lock.acquire() if lock else None)
+    try:
+        return _run_locked(cfg, run_dir, resume=resume, overwrite=overwrite, comm=comm, stop=stop)
+    finally:
+        if lock is not None:
+            settle_done(run_dir)
+            lock.release()
+
+
+def _run_locked(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    resume: bool,
+    overwrite: bool,
+    comm: Communicator,
+    stop: StopRequest | None,
+) -> RunResult:
     set_threads(cfg, comm)
     has_state = _collective_check(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)
     )
     fed = build_federation(cfg, comm)
-    ckpt = load_checkpoint(run_dir / "checkpoints", fed.owned) if has_state else None
+    every = list(range(len(fed.parts)))  # every rank checks all client files, so all pick one round
+    ckpt = load_checkpoint(run_dir / "checkpoints", fed.owned, all_clients=every) if has_state else None
     start = ckpt.round if ckpt is not None else 0
     if comm.rank == 0:
         dump_config(cfg, run_dir / "config.yaml")
@@ -232,7 +263,7 @@ def _run_tct_stage2(
     else:
         if not theta_path.exists():
             raise RunDirError(f"{theta_path} is missing, so stage 2 cannot resume; rerun with --overwrite")
-        theta = torch.load(theta_path, weights_only=True)
+        theta = load_torch_file(theta_path, "stage 2 cannot resume; rerun with --overwrite")
     setup = prepare_stage2(fed, theta, run_dir, cfg.stage2)
     server2 = setup.initial_server()
     clients2: dict[int, ClientState] = {k: setup.plan.algorithm.init_client(k, server2) for k in fed.owned}
