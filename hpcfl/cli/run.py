@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hpcfl.comm import launcher_rank
 from hpcfl.config import load_config
+from hpcfl.errors import StoppedError
 from hpcfl.runner import StopRequest, default_run_dir, run_experiment
 
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped cleanly on SIGUSR1/SIGTERM, resume to continue
@@ -57,7 +58,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or default_run_dir(cfg)
     stop = StopRequest()
     stop.install()
-    result = run_experiment(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop=stop)
+    try:
+        result = run_experiment(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop=stop)
+    except StoppedError as err:
+        if launcher_rank() == 0:
+            print(f"hpcfl: {err}; continue with: {resume_command(args, run_dir)}", file=sys.stderr)
+        return EXIT_RESUMABLE
     if not result.finished:
         if launcher_rank() != 0:
             return EXIT_RESUMABLE

@@ -25,7 +25,7 @@ from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import DelayedSubmission
 
 from hpcfl.config import config_from_dict
-from hpcfl.errors import ConfigError
+from hpcfl.errors import ConfigError, StoppedError
 from hpcfl.runner import StopRequest, run_experiment
 from hpcfl.runner.checkpoint import latest_round
 
@@ -93,7 +93,11 @@ class HpcflJob(submitit.helpers.Checkpointable):
             )
         except (ValueError, RuntimeError):  # not the main thread, or an unknown SUBMITIT_PREEMPT_SIGNAL
             pass
-        result = run_experiment(cfg, run_dir, resume=True, stop=stop)
+        try:
+            result = run_experiment(cfg, run_dir, resume=True, stop=stop)
+        except StoppedError:  # stopped between rounds' checkpoints (feature extraction): work is kept
+            self._requeue_after_checkpoint(t_start, start)
+            raise
         last = result.metrics[-1] if result.metrics else {}
         summary = {
             "run_dir": str(run_dir),

@@ -72,6 +72,10 @@ class StopRequest:
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested = True
 
+    def stop_now(self) -> bool:
+        """Polled inside long steps between rounds (the eNTK extraction), every few seconds."""
+        return self.requested
+
 
 def _collective_check(comm: Communicator, fn: Any) -> Any:
     """Run ``fn`` on rank 0 and raise its user error on every rank (so no rank waits forever)."""
@@ -264,7 +268,7 @@ def _run_tct_stage2(
         if not theta_path.exists():
             raise RunDirError(f"{theta_path} is missing, so stage 2 cannot resume; rerun with --overwrite")
         theta = load_torch_file(theta_path, "stage 2 cannot resume; rerun with --overwrite")
-    setup = prepare_stage2(fed, theta, run_dir, cfg.stage2)
+    setup = prepare_stage2(fed, theta, run_dir, cfg.stage2, stop=book.stop.stop_now)
     server2 = setup.initial_server()
     clients2: dict[int, ClientState] = {k: setup.plan.algorithm.init_client(k, server2) for k in fed.owned}
     if ckpt is not None:

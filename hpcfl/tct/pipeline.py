@@ -9,6 +9,7 @@ over ψ = (φ, b) from zero with the round loop every algorithm uses.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,11 +17,12 @@ import torch
 
 from hpcfl.algorithms import ClientData, ServerState
 from hpcfl.config import Stage2Section
+from hpcfl.errors import StoreError
 from hpcfl.features import open_feature_store
 from hpcfl.models import reinit_last_layer
 from hpcfl.runner.federation import Federation
 from hpcfl.runner.rounds import RoundPlan
-from hpcfl.tct.features import ensure_store, feature_meta, test_shards
+from hpcfl.tct.features import check_store_space, ensure_store, feature_meta, test_shards
 from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
 from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver
 from hpcfl.tct.stage2 import Stage2, Stage2Params, auto_lr, check_stability, spectrum
@@ -50,11 +52,18 @@ def _dtype(cfg2: Stage2Section) -> torch.dtype:
 
 
 def prepare_stage2(
-    fed: Federation, theta: torch.Tensor, run_dir: Path, cfg2: Stage2Section, *, extract: bool = True
+    fed: Federation,
+    theta: torch.Tensor,
+    run_dir: Path,
+    cfg2: Stage2Section,
+    *,
+    extract: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> Stage2Setup:
     """Everything before stage 2's first round, collectively on every rank.
 
     With ``extract=False`` the feature stores must already be complete and match (tct-stage2).
+    ``stop()`` is polled during the extraction (see :func:`hpcfl.tct.features.ensure_store`).
     """
     comm, ds = fed.comm, fed.dataset
     # 1. convexify: the bootstrapped model with its last layer re-initialised from a fixed seed
@@ -69,6 +78,17 @@ def prepare_stage2(
     if not extract:
         for name in ("features.zarr", "features_test.zarr"):
             open_feature_store(run_dir / name, expect=meta)  # StoreError names what differs
+    else:  # the disk must hold the stores before the first row is written
+        rows = sum(len(part) for part in fed.parts) + int(ds.test.y.numel())
+        error = None
+        if comm.rank == 0:
+            try:
+                check_store_space(run_dir, meta, rows, requested_p=cfg2.p)
+            except StoreError as err:
+                error = str(err)
+        error = comm.bcast(error)
+        if error is not None:
+            raise StoreError(error)
     ensure_store(
         run_dir / "features.zarr",
         meta,
@@ -77,6 +97,7 @@ def prepare_stage2(
         model,
         cfg2,
         comm,
+        stop=stop,
     )
     ensure_store(
         run_dir / "features_test.zarr",
@@ -86,6 +107,7 @@ def prepare_stage2(
         model,
         cfg2,
         comm,
+        stop=stop,
     )
     train = open_feature_store(run_dir / "features.zarr", expect=meta)
     test = open_feature_store(run_dir / "features_test.zarr", expect=meta)
