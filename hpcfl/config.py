@@ -285,6 +285,43 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
     if s2.loss == "ce" and s2.solver == "closed_form":
         raise ConfigError("stage2.loss=ce has no closed form; set stage2.solver=primal")
+    _check_against_dataset(cfg)
+
+
+# (classes, training samples) of each dataset, known without reading it (femnist: natural clients).
+_DATASET_SIZES = {"mnist": (10, 60_000), "fashion-mnist": (10, 60_000), "cifar10": (10, 50_000)}
+_DATASET_SIZES["cifar100"] = (100, 50_000)
+
+
+def _check_against_dataset(cfg: Config) -> None:
+    """What the dataset's size and class count already rule out, checked before any data is read."""
+    from hpcfl.data import parse_partition_spec
+
+    if cfg.dataset == "synthetic":
+        opts = cfg.dataset_options
+        classes, n_train = opts.get("num_classes", 10), opts.get("n_train", 10_000)
+        if not isinstance(classes, int) or not isinstance(n_train, int):
+            return  # make_synthetic names the bad option
+    elif cfg.dataset in _DATASET_SIZES:
+        classes, n_train = _DATASET_SIZES[cfg.dataset]
+    else:
+        return
+    kind, param = parse_partition_spec(cfg.partition)
+    if kind == "classes" and isinstance(param, int) and param > classes:
+        raise ConfigError(
+            f"partition {cfg.partition!r} asks for {param} classes per client but {cfg.dataset} has "
+            f"{classes}; use classes:C with C <= {classes}"
+        )
+    if cfg.num_clients > n_train:
+        raise ConfigError(
+            f"num_clients={cfg.num_clients} is more than the {n_train} training samples of {cfg.dataset}; "
+            "use fewer clients"
+        )
+    if cfg.algorithm == "tct" and not 0 <= cfg.stage2.logit < classes:
+        raise ConfigError(
+            f"config key 'stage2.logit' must be a class index in [0, {classes}) for {cfg.dataset}, "
+            f"got {cfg.stage2.logit}"
+        )
 
 
 def _validate_run_name(name: str) -> None:

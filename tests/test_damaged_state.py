@@ -269,3 +269,31 @@ def test_resume_hint_keeps_the_set_overrides():
     assert resume_command(args, Path("runs/x")) == (
         "hpcfl run cfg.yaml --set lr=0.05 'name=a b' --run-dir runs/x --resume"
     )
+
+
+def test_config_only_checks_come_before_any_data_is_read(tmp_path, capsys, monkeypatch):
+    import hpcfl.runner.federation as federation
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("data was read before the config was checked")
+
+    monkeypatch.setattr(federation, "load_dataset", no_data)
+    cfg = synthetic_config(tmp_path, dataset="fashion-mnist", dataset_options={}, algorithm="tct")
+    run = str(tmp_path / "r")
+    for override, fragment in (
+        ("partition=classes:11", "asks for 11 classes per client but fashion-mnist has 10"),
+        ("num_clients=60001", "num_clients=60001 is more than the 60000 training samples"),
+        ("stage2.logit=10", "'stage2.logit' must be a class index in [0, 10)"),
+    ):
+        assert fragment in _one_line_error(capsys, ["run", str(cfg), "--run-dir", run, "--set", override])
+    monkeypatch.setenv("PMI_SIZE", "5")
+    monkeypatch.setenv("PMI_RANK", "0")
+    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", run, "--set", "num_clients=4"])
+    assert "5 ranks but only 4 clients" in err
+
+
+def test_tct_without_stage2_rounds_leaves_a_model_for_tct_stage2(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["run", str(_tct(tmp_path, rounds=0)), "--run-dir", str(run)]) == 0
+    assert (run / "stage1_model.pt").exists()
+    assert main(["tct-stage2", str(run), "--set", "stage2.rounds=1"]) == 0

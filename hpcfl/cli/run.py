@@ -7,9 +7,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from hpcfl.comm import launcher_rank
+from hpcfl.comm import launched_world_size, launcher_rank
 from hpcfl.config import load_config
-from hpcfl.errors import StoppedError
+from hpcfl.errors import CommError, StoppedError
 from hpcfl.runner import StopRequest, default_run_dir, run_experiment
 
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped cleanly on SIGUSR1/SIGTERM, resume to continue
@@ -55,6 +55,12 @@ def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.set) + ([f"data_root={args.data_root}"] if args.data_root else [])
     cfg = load_config(args.config, overrides)
+    ranks = launched_world_size() if cfg.comm != "local" else 1
+    if ranks > cfg.num_clients:  # before any data is read or any rank waits on another
+        raise CommError(
+            f"{ranks} ranks but only {cfg.num_clients} clients: every rank needs at least one client; "
+            f"launch with at most {cfg.num_clients} ranks or raise num_clients"
+        )
     run_dir = args.run_dir or default_run_dir(cfg)
     stop = StopRequest()
     stop.install()

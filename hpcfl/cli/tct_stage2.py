@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         load_torch_file(theta_path, "resume the run with --resume to write it again"),
         args.run_dir,
         cfg.stage2,
-        extract=False,
+        # a run with stage2.rounds=0 stopped before the features: compute them once here
+        extract=not (args.run_dir / "features.zarr").exists(),
     )
     out = args.run_dir / "stage2" / tag
     metrics = out / "metrics.jsonl"

@@ -231,6 +231,9 @@ def _run_locked(
             model_plan(fed), server, clients, start, first, stage=stage, hook=book.hook(stage, 0, first)
         )
 
+    if cfg.algorithm == "tct" and cfg.stage2.rounds == 0 and done >= first and comm.rank == 0:
+        atomic_torch_save(run_dir / STAGE1_MODEL, server.x)  # θ_T1 for `hpcfl tct-stage2` sweeps
+
     # 2. TCT's stage 2 on the convexified problem
     if cfg.algorithm == "tct" and done >= first and done < total:
         server, done = _run_tct_stage2(fed, run_dir, server, ckpt if in_stage2 else None, done, book)
