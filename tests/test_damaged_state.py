@@ -102,6 +102,11 @@ def test_truncated_chunk_and_torn_metadata_give_one_line(tct_run, tmp_path, caps
     meta.write_text(meta.read_text()[:40])
     err = _one_line_error(capsys, ["tct-stage2", str(run)])
     assert f"{meta} is damaged" in err
+    run = _copy(src, tmp_path / "c")
+    root = run / "features_test.zarr" / "zarr.json"
+    root.write_text(root.read_text()[:30])
+    err = _one_line_error(capsys, ["tct-stage2", str(run)])
+    assert f"cannot open feature store {root.parent}" in err and "delete it and recompute" in err
 
 
 class _StopInsideExtraction(StopRequest):

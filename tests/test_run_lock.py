@@ -121,3 +121,14 @@ def test_submit_to_a_run_directory_in_use_is_refused(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_tct_stage2_on_a_run_directory_in_use_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    holder = _hold(run)
+    try:
+        assert main(["tct-stage2", str(run)]) == 2
+        assert capsys.readouterr().err.strip() == _refusal(holder.pid, run)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -247,7 +247,13 @@ def read_job_records(run_dir: Path) -> list[JobRecord]:
     from hpcfl.runner.files import read_jsonl
 
     path = run_dir / SLURM_DIR / JOBS_FILE
-    return [JobRecord(**row) for row in read_jsonl(path)] if path.exists() else []
+    records = []
+    for row in read_jsonl(path) if path.exists() else []:
+        try:
+            records.append(JobRecord(**row))
+        except TypeError:  # a row of another version, or edited by hand: not a record
+            continue
+    return records
 
 
 def _sbatch_reason(stderr: str) -> str:
