@@ -35,7 +35,7 @@ from hpcfl.runner.files import (
 from hpcfl.runner.lock import RunLock
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import RoundHook, run_rounds
-from hpcfl.runner.rundir import DONE, prepare_run_dir, settle_done
+from hpcfl.runner.rundir import DONE, prepare_run_dir
 
 STAGE1_MODEL = "stage1_model.pt"  # TCT: θ_T1, the bootstrapped model stage 2 is built from
 
@@ -189,7 +189,6 @@ def run_experiment(
         return _run_locked(cfg, run_dir, resume=resume, overwrite=overwrite, comm=comm, stop=stop)
     finally:
         if lock is not None:
-            settle_done(run_dir)
             lock.release()
 
 
@@ -214,6 +213,8 @@ def _run_locked(
         dump_config(cfg, run_dir / "config.yaml")
         _write_partition(fed, run_dir)
     first, total = stage_rounds(cfg)
+    if comm.rank == 0 and start < total:  # only now that the checkpoint loaded: unfinished again
+        (run_dir / DONE).unlink(missing_ok=True)
     book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total)
     t0 = time.perf_counter()
 

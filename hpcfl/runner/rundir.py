@@ -62,34 +62,6 @@ def remove_run(run_dir: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def done_round(run_dir: Path) -> int | None:
-    """The round count a ``DONE`` file records (``rounds=N ...``), or None."""
-    try:
-        fields = dict(f.split("=", 1) for f in (run_dir / DONE).read_text().split() if "=" in f)
-        return int(fields["rounds"])
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def settle_done(run_dir: Path) -> None:
-    """Drop a ``DONE`` that the checkpoints have overtaken (a finished run continued for more rounds).
-
-    Called after a run however it ended, so that a resume that failed before any new round leaves
-    the finished run marked finished.
-    """
-    from hpcfl.runner.checkpoint import latest_round
-
-    done = done_round(run_dir)
-    if done is None:
-        return
-    try:
-        latest = latest_round(run_dir / "checkpoints")
-    except (RunDirError, OSError, ValueError):
-        return
-    if latest is not None and latest > done:
-        (run_dir / DONE).unlink(missing_ok=True)
-
-
 def prepare_run_dir(run_dir: Path, cfg: Config, *, resume: bool, overwrite: bool) -> bool:
     """Check and prepare ``run_dir`` (rank 0 only); returns True when a resume should load state."""
     if resume and overwrite:
