@@ -40,7 +40,7 @@ def test_oversized_feature_store_is_refused_before_any_row_is_written(tmp_path, 
     assert lines[0].startswith("hpcfl: note: stage2.p=1000000000 exceeds the ") and "using p=" in lines[0]
     assert lines[-1].startswith("hpcfl: error: the eNTK features need ")
     assert f"but {run} has 0.0 GB free; lower stage2.p, store stage2.dtype=float16 or bfloat16" in lines[-1]
-    assert not (run / "features.zarr").exists() and not (run / "features_test.zarr").exists()
+    assert sorted(p.name for p in run.iterdir()) == [".hpcfl-run", ".lock"]  # nothing of the run yet
 
 
 def test_os_error_while_writing_gives_one_line(tmp_path, capsys, monkeypatch):

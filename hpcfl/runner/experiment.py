@@ -206,6 +206,10 @@ def _run_locked(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)
     )
     fed = build_federation(cfg, comm)
+    if cfg.algorithm == "tct" and cfg.stage2.rounds > 0:  # a feature store that cannot fit: before stage 1
+        from hpcfl.tct.features import check_features_fit
+
+        _collective_check(comm, lambda: check_features_fit(fed, run_dir))
     every = list(range(len(fed.parts)))  # every rank checks all client files, so all pick one round
     ckpt = load_checkpoint(run_dir / "checkpoints", fed.owned, all_clients=every) if has_state else None
     start = ckpt.round if ckpt is not None else 0

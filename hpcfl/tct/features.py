@@ -13,6 +13,7 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -164,23 +165,31 @@ def ensure_store(
     comm.barrier()
 
 
-def check_store_space(
-    run_dir: Path, meta: FeatureMeta, rows: int, *, requested_p: int | None = None, free: int | None = None
-) -> None:
-    """Refuse, before any row is written, feature stores that the run directory's disk cannot hold.
+def check_features_fit(fed: Any, run_dir: Path, *, note: bool = True, free: int | None = None) -> None:
+    """Refuse (rank 0), before any row is written, feature stores the run directory's disk cannot hold.
 
-    ``rows`` is every sample the stores will hold (training clients plus test shards); bytes
-    already in the stores (an interrupted extraction) count as written. Also says when
-    ``stage2.p`` was larger than the parameter count and clamped to it.
+    Needs only the built federation (model, partition, test set), so a run checks it before stage 1
+    is trained and again before the extraction. The stores hold every training client's and test
+    shard's rows; bytes already in them (an interrupted extraction) count as written. With ``note``
+    it also says when ``stage2.p`` exceeds the parameter count and is clamped to it.
     """
-    if requested_p is not None and requested_p > meta.p and meta.params != "last_layer":
-        print(
-            f"hpcfl: note: stage2.p={requested_p} exceeds the {meta.num_params} parameters of the model; "
-            f"using p={meta.p} (every parameter)",
-            file=sys.stderr,
-        )
-    itemsize = torch.empty((), dtype=meta.torch_dtype).element_size()
-    need = rows * meta.p * itemsize
+    from hpcfl.entk import num_params
+
+    cfg2, model = fed.cfg.stage2, fed.flat.model
+    if cfg2.features == "last_layer":
+        p = int(model.classifier.in_features)
+    else:
+        total = num_params(model, cfg2.params)
+        p = min(cfg2.p, total)
+        if note and cfg2.p > total:
+            print(
+                f"hpcfl: note: stage2.p={cfg2.p} exceeds the {total} parameters of the model; "
+                f"using p={p} (every parameter)",
+                file=sys.stderr,
+            )
+    rows = sum(int(part.numel()) for part in fed.parts) + int(fed.dataset.test.y.numel())
+    itemsize = torch.empty((), dtype=getattr(torch, cfg2.dtype)).element_size()
+    need = rows * p * itemsize
     for name in ("features.zarr", "features_test.zarr"):
         store = run_dir / name
         if store.is_dir():
@@ -188,7 +197,7 @@ def check_store_space(
     free = shutil.disk_usage(run_dir).free if free is None else free
     if need > free:
         raise StoreError(
-            f"the eNTK features need {_gb(need)} ({rows} samples x p={meta.p} in {meta.dtype}) but "
+            f"the eNTK features need {_gb(need)} ({rows} samples x p={p} in {cfg2.dtype}) but "
             f"{run_dir} has {_gb(free)} free; lower stage2.p, store stage2.dtype=float16 or bfloat16 "
             "(half the size), or use a --run-dir on a larger file system"
         )

@@ -22,7 +22,7 @@ from hpcfl.features import open_feature_store
 from hpcfl.models import reinit_last_layer
 from hpcfl.runner.federation import Federation
 from hpcfl.runner.rounds import RoundPlan
-from hpcfl.tct.features import check_store_space, ensure_store, feature_meta, test_shards
+from hpcfl.tct.features import check_features_fit, ensure_store, feature_meta, test_shards
 from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
 from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver
 from hpcfl.tct.stage2 import Stage2, Stage2Params, auto_lr, check_stability, spectrum
@@ -79,11 +79,10 @@ def prepare_stage2(
         for name in ("features.zarr", "features_test.zarr"):
             open_feature_store(run_dir / name, expect=meta)  # StoreError names what differs
     else:  # the disk must hold the stores before the first row is written
-        rows = sum(len(part) for part in fed.parts) + int(ds.test.y.numel())
         error = None
         if comm.rank == 0:
             try:
-                check_store_space(run_dir, meta, rows, requested_p=cfg2.p)
+                check_features_fit(fed, run_dir, note=False)  # the run said it before stage 1
             except StoreError as err:
                 error = str(err)
         error = comm.bcast(error)
