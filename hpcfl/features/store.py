@@ -254,10 +254,9 @@ def _array(root: zarr.Group, name: str, path: Path) -> Any:
         ) from None
 
 
-def _client_done(root: zarr.Group, k: int, path: Path | None = None) -> bool:
-    where = path if path is not None else Path(str(root.store))
+def _client_done(root: zarr.Group, k: int, path: Path) -> bool:
     try:
-        feats, labels = _array(root, _features_name(k), where), _array(root, _labels_name(k), where)
+        feats, labels = _array(root, _features_name(k), path), _array(root, _labels_name(k), path)
     except KeyError:
         return False
     return bool(feats.attrs.get("done")) and labels.shape == (feats.shape[0],)
