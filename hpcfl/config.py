@@ -7,6 +7,7 @@ typo costs a second, not a queue slot. Unknown keys are refused with the closest
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -177,9 +178,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
         try:
-            return float(value)  # YAML 1.1 reads 1e-5 as a string
+            number = float(value)  # YAML 1.1 reads 1e-5 as a string
         except (TypeError, ValueError):
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}") from None
+        if not math.isfinite(number):  # .nan would pass every range check and fail rounds later
+            raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"config key {key!r} must be a string, got {value!r}")
@@ -307,6 +311,7 @@ def validate(cfg: Config) -> None:
     """Check every name and range that can be checked without touching data."""
     from hpcfl.algorithms import ALGORITHMS
 
+    _validate_run_name(cfg.name)
     _check_positive(cfg, ("num_clients", "batch_size", "eval_every", "checkpoint_every", "local_epochs"))
     _check_positive(cfg, ("local_steps", "threads", "lr"))
     if cfg.rounds < 0:
@@ -356,6 +361,53 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
     if s2.loss == "ce" and s2.solver == "closed_form":
         raise ConfigError("stage2.loss=ce has no closed form; set stage2.solver=primal")
+    _check_against_dataset(cfg)
+
+
+# (classes, training samples) of each dataset, known without reading it (femnist: natural clients).
+_DATASET_SIZES = {"mnist": (10, 60_000), "fashion-mnist": (10, 60_000), "cifar10": (10, 50_000)}
+_DATASET_SIZES["cifar100"] = (100, 50_000)
+
+
+def _check_against_dataset(cfg: Config) -> None:
+    """What the dataset's size and class count already rule out, checked before any data is read."""
+    from hpcfl.data import parse_partition_spec
+
+    if cfg.dataset == "synthetic":
+        opts = cfg.dataset_options
+        classes, n_train = opts.get("num_classes", 10), opts.get("n_train", 10_000)
+        if not isinstance(classes, int) or not isinstance(n_train, int):
+            return  # make_synthetic names the bad option
+    elif cfg.dataset in _DATASET_SIZES:
+        classes, n_train = _DATASET_SIZES[cfg.dataset]
+    else:
+        return
+    kind, param = parse_partition_spec(cfg.partition)
+    if kind == "classes" and isinstance(param, int) and param > classes:
+        raise ConfigError(
+            f"partition {cfg.partition!r} asks for {param} classes per client but {cfg.dataset} has "
+            f"{classes}; use classes:C with C <= {classes}"
+        )
+    if cfg.num_clients > n_train:
+        raise ConfigError(
+            f"num_clients={cfg.num_clients} is more than the {n_train} training samples of {cfg.dataset}; "
+            "use fewer clients"
+        )
+    if cfg.algorithm == "tct" and not 0 <= cfg.stage2.logit < classes:
+        raise ConfigError(
+            f"config key 'stage2.logit' must be a class index in [0, {classes}) for {cfg.dataset}, "
+            f"got {cfg.stage2.logit}"
+        )
+
+
+def _validate_run_name(name: str) -> None:
+    """A run name becomes a directory (``runs/<name>``) and a SLURM job name: one plain path part."""
+    bad = [c for c in name if c in "/\\" or ord(c) < 32 or ord(c) == 127]
+    if not name.strip() or name in (".", "..") or bad or name.startswith("-"):
+        raise ConfigError(
+            f"config key 'name' must be a plain file name (no '/', '\\', newline or control "
+            f"character, not '.', '..' or starting with '-'), got {name!r}"
+        )
 
 
 def parse_memory_budget(value: str) -> int | str:

@@ -41,6 +41,14 @@ class StoreError(HpcflError):
     """A feature store is missing, incomplete, or does not match the request."""
 
 
+class StoppedError(HpcflError):
+    """A stop signal (SIGTERM/SIGUSR1, SLURM's preemption) ended the run where no round
+    checkpoint applies (e.g. during the eNTK extraction); the work done is kept and a resume
+    continues. Exit code 75 (EX_TEMPFAIL), as for a stop after a round."""
+
+    exit_code = 75
+
+
 def suggest(name: str, choices: Iterable[str]) -> str:
     """Return ' (did you mean X?)' for the closest valid choice, or '' when nothing is close."""
     close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)

@@ -26,6 +26,9 @@ class StopAfter(StopRequest):
         self.calls += 1
         return self.calls >= self.n
 
+    def stop_now(self) -> bool:  # counts rounds only: never stops inside the extraction
+        return False
+
 
 def _tct_config(tmp_path, **overrides):
     keys = dict(

@@ -183,13 +183,17 @@ class Stage:
 
     ``enter`` is None for the stage that trains the configured model with this algorithm; otherwise
     the runner calls it with a :class:`hpcfl.runner.stages.StageInput` (the previous stage's server
-    state and the run's federation) and runs the plan it returns. Only the runner calls it, so
-    algorithms stay free of I/O.
+    state and the run's federation) and runs the plan it returns. ``check`` runs before the first
+    round of the run (a refusal that needs only the config and the data, e.g. disk space);
+    ``finish`` runs when the stage's rounds are done (TCT keeps θ_T1). Only the runner calls them,
+    so algorithms stay free of I/O.
     """
 
     name: str
     rounds: int
     enter: Callable[[Any], Any] | None = None
+    check: Callable[[Any, Any], None] | None = None  # (federation, run_dir): refuse before any round
+    finish: Callable[[Any], None] | None = None  # called with a StageInput when the stage's rounds are done
 
 
 P = TypeVar("P", bound=HyperParams)

@@ -45,7 +45,11 @@ class TCT(Algorithm[TCTParams, ServerState, ClientState]):
         return local_training(server, data, ctx), client
 
     def stages(self) -> Sequence[Stage]:
-        from hpcfl.tct.pipeline import enter_stage2
+        from hpcfl.tct.features import check_features_fit
+        from hpcfl.tct.pipeline import enter_stage2, keep_stage1_model
 
         p = self.params
-        return (Stage("stage1", p.stage1.rounds), Stage("stage2", p.stage2.rounds, enter=enter_stage2))
+        return (
+            Stage("stage1", p.stage1.rounds, finish=keep_stage1_model),
+            Stage("stage2", p.stage2.rounds, enter=enter_stage2, check=check_features_fit),
+        )

@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from hpcfl.config import load_config
+from hpcfl.errors import StoppedError
 from hpcfl.report import markdown_table, write_report
 from hpcfl.runner import StopRequest, run_experiment
 from hpcfl.runner.rundir import DONE
@@ -67,7 +68,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{cfg.name}: already finished in {run_dir}, reusing it")
             continue
         print(f"{cfg.name}: running ({cfg.algorithm}, {cfg.partition}) -> {run_dir}")
-        result = run_experiment(cfg, run_dir, resume=True, stop=stop)
+        try:
+            result = run_experiment(cfg, run_dir, resume=True, stop=stop)
+        except StoppedError as err:
+            print(f"{err}; run the same command again to continue ({run_dir})")
+            return 75
         if not result.finished:
             print(f"stopped by signal; run the same command again to continue ({run_dir})")
             return 75

@@ -2,17 +2,23 @@
 
 Each sub-command lives in its own module of this package exposing ``register(subparsers)`` (adds
 its parser and sets ``func``). User errors (:class:`hpcfl.errors.HpcflError`) print one line on
-stderr and exit with their code; nothing else is caught, so a bug still shows its traceback.
+stderr and exit with their code, and so do the OS errors of writing files (disk full, quota,
+permissions, read-only file system); nothing else is caught, so a bug still shows its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
 from hpcfl.comm import launcher_rank
 from hpcfl.errors import HpcflError
+
+# OS errors a user or the machine causes while hpcfl writes files: one line naming the path and
+# the cause instead of a traceback (disk full, quota, permissions, read-only file system).
+_USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG})
 
 # Sub-command modules, in the order --help lists them.
 _COMMANDS = (
@@ -58,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         if launcher_rank() == 0:  # every rank hits the same error; say it once
             print(f"hpcfl: error: {err}", file=sys.stderr)
         return err.exit_code
+    except OSError as err:
+        if err.errno not in _USER_ERRNOS:
+            raise
+        if launcher_rank() == 0:
+            where = f" {err.filename}" if err.filename else ""
+            print(f"hpcfl: error: cannot write{where}: {err.strerror or err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("hpcfl: interrupted", file=sys.stderr)
         return 130

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
-from hpcfl.comm import launcher_rank
+from hpcfl.comm import launched_world_size, launcher_rank
 from hpcfl.config import load_config
+from hpcfl.errors import CommError, StoppedError
 from hpcfl.runner import StopRequest, default_run_dir, run_experiment
 
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped cleanly on SIGUSR1/SIGTERM, resume to continue
@@ -40,19 +42,40 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command that continues this run: the same config, ``--set`` overrides and data root."""
+    argv = ["hpcfl", "run"] + ([args.config] if args.config else [])
+    if args.set:
+        argv += ["--set", *args.set]
+    if args.data_root:
+        argv += ["--data-root", args.data_root]
+    return shlex.join([*argv, "--run-dir", str(run_dir), "--resume"])
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.set) + ([f"data_root={args.data_root}"] if args.data_root else [])
     cfg = load_config(args.config, overrides)
+    ranks = launched_world_size() if cfg.comm != "local" else 1
+    if ranks > cfg.num_clients:  # before any data is read or any rank waits on another
+        raise CommError(
+            f"{ranks} ranks but only {cfg.num_clients} clients: every rank needs at least one client; "
+            f"launch with at most {cfg.num_clients} ranks or raise num_clients"
+        )
     run_dir = args.run_dir or default_run_dir(cfg)
     stop = StopRequest()
     stop.install()
-    result = run_experiment(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop=stop)
+    try:
+        result = run_experiment(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop=stop)
+    except StoppedError as err:
+        if launcher_rank() == 0:
+            print(f"hpcfl: {err}; continue with: {resume_command(args, run_dir)}", file=sys.stderr)
+        return EXIT_RESUMABLE
     if not result.finished:
         if launcher_rank() != 0:
             return EXIT_RESUMABLE
         print(
             f"hpcfl: stopped by signal after round {result.rounds_done} (checkpoint saved); "
-            f"continue with: hpcfl run {args.config or ''} --run-dir {run_dir} --resume",
+            f"continue with: {resume_command(args, run_dir)}",
             file=sys.stderr,
         )
         return EXIT_RESUMABLE

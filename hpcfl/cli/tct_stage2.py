@@ -63,6 +63,19 @@ def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Hold the run directory's lock (rank 0) for the sweep: it may write features beside a run."""
+    from hpcfl.comm import launcher_rank
+    from hpcfl.runner.lock import RunLock
+
+    if not args.run_dir.is_dir():
+        raise RunDirError(f"{args.run_dir} holds no run (no such directory); pass the directory of a TCT run")
+    if launcher_rank() != 0:
+        return _sweep(args)
+    with RunLock(args.run_dir):
+        return _sweep(args)
+
+
+def _sweep(args: argparse.Namespace) -> int:
     from hpcfl.comm import get_comm
     from hpcfl.runner.experiment import (
         STAGE1_MODEL,

@@ -19,8 +19,10 @@ the same object. The protocol, communicator-agnostic:
    every marker and only then sets the store-level ``complete``.
 
 :func:`open_feature_store` refuses (``StoreError``) a missing store, one computed with different
-settings (naming the fields), one without ``complete``, and :meth:`FeatureStoreReader.read_client`
-refuses a client without its marker — so an interrupted write is never read as complete.
+settings (naming the fields), one without ``complete``, or one whose chunk files are missing or
+short (a stat per chunk), and :meth:`FeatureStoreReader.read_client` refuses a client without its
+marker or whose chunks fail the CRC-32s recorded at write time — so an interrupted write or a
+damaged file is never read as data (zarr would read a missing chunk as zeros).
 
 Storage: float32 and float16 as themselves; bfloat16 as its raw uint16 bits (zarr has no bf16;
 the root ``meta.dtype`` says how to view them back, exactly). Chunks are whole rows, a power of two
@@ -35,6 +37,7 @@ chunks are already large, so sharding does not pay here.
 from __future__ import annotations
 
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,9 +155,14 @@ class ClientWriter:
             fill_value=0,
             overwrite=True,
             attributes={"rows": self.rows, "done": False},
+            config={"write_empty_chunks": True},  # every chunk has a file: a missing one is damage
         )
         self.root = root
         self.written = 0
+        self._step = int(self.array.chunks[0])
+        n_chunks = -(-self.rows // self._step) if self.rows else 0
+        self._crc: list[int] | None = [0] * n_chunks  # CRC-32 of each chunk's rows, in row order
+        self._next = 0  # rows are usually streamed in order; otherwise finish() reads them back
 
     def write(self, start: int, block: Tensor) -> None:
         """Write rows ``start : start + len(block)`` (any dtype/device; cast to the store's dtype)."""
@@ -163,8 +171,14 @@ class ClientWriter:
         stop = start + block.shape[0]
         if not 0 <= start <= stop <= self.rows:
             raise ValueError(f"rows {start}:{stop} outside 0:{self.rows}")
-        self.array[start:stop] = _encode(block, self.meta)
+        encoded = _encode(block, self.meta)
+        self.array[start:stop] = encoded
         self.written += block.shape[0]
+        if self._crc is not None and start == self._next:
+            _update_crcs(self._crc, encoded, start, self._step)
+            self._next = stop
+        else:
+            self._crc = None
 
     def finish(self, labels: Tensor | np.ndarray) -> None:
         """Write the labels, then set this client's completion marker."""
@@ -181,7 +195,8 @@ class ClientWriter:
             overwrite=True,
         )
         arr[:] = lab
-        self.array.attrs.update({"rows": self.rows, "done": True})
+        crcs = self._crc if self._crc is not None and self._next == self.rows else _read_crcs(self.array)
+        self.array.attrs.update({"rows": self.rows, "done": True, "chunk_crc32": crcs})
 
 
 def open_client_writer(path: str | Path, k: int, *, rows: int, meta: FeatureMeta) -> ClientWriter:
@@ -207,12 +222,89 @@ def write_client(
     writer.finish(labels)
 
 
-def _client_done(root: zarr.Group, k: int) -> bool:
+def _update_crcs(crcs: list[int], encoded: np.ndarray, start: int, step: int) -> None:
+    """Fold rows ``start : start + len(encoded)`` into the running CRC-32 of their chunks."""
+    row = 0
+    while row < encoded.shape[0]:
+        chunk = (start + row) // step
+        end = min(encoded.shape[0], (chunk + 1) * step - start)
+        crcs[chunk] = zlib.crc32(np.ascontiguousarray(encoded[row:end]).tobytes(), crcs[chunk])
+        row = end
+
+
+def _read_crcs(array: Any) -> list[int]:
+    """CRC-32 of each chunk's rows, read back from the array."""
+    step = int(array.chunks[0])
+    return [
+        zlib.crc32(np.ascontiguousarray(array[a : a + step]).tobytes())
+        for a in range(0, array.shape[0], step)
+    ]
+
+
+def _array(root: zarr.Group, name: str, path: Path) -> Any:
+    """``root[name]``; a damaged array description is a StoreError naming the file (KeyError: absent)."""
     try:
-        feats, labels = root[_features_name(k)], root[_labels_name(k)]
+        return root[name]
+    except KeyError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a torn zarr.json reaches us as any of several errors
+        raise StoreError(
+            f"feature store {path}: {path / name / 'zarr.json'} is damaged ({err.__class__.__name__}); "
+            f"delete {path} and resume with --resume to recompute the features"
+        ) from None
+
+
+def _client_done(root: zarr.Group, k: int, path: Path) -> bool:
+    try:
+        feats, labels = _array(root, _features_name(k), path), _array(root, _labels_name(k), path)
     except KeyError:
         return False
     return bool(feats.attrs.get("done")) and labels.shape == (feats.shape[0],)
+
+
+def _damaged(path: Path, k: int, hint: str) -> StoreError:
+    return StoreError(
+        f"feature store {path}: client {k} is damaged ({hint}); delete {path / _features_name(k)} "
+        "and resume with --resume to recompute it"
+    )
+
+
+def check_chunk_files(path: Path, root: zarr.Group, k: int) -> None:
+    """Every chunk file of client ``k`` present at its full size (stat only: fast).
+
+    A missing chunk would read as zarr's fill value (zeros) and a short one fails deep inside zarr;
+    both are refused here with the file named. Stores written without chunk checksums (older
+    versions) are not checked.
+    """
+    feats = _array(root, _features_name(k), path)
+    crcs = feats.attrs.get("chunk_crc32")
+    if not isinstance(crcs, list):
+        return
+    step, p = int(feats.chunks[0]), int(feats.shape[1])
+    size = step * p * feats.dtype.itemsize
+    for i in range(len(crcs)):
+        chunk = path / _features_name(k) / "c" / str(i) / "0"
+        try:
+            actual = chunk.stat().st_size
+        except FileNotFoundError:
+            raise _damaged(path, k, f"chunk file {chunk} is missing") from None
+        if actual != size:
+            raise _damaged(path, k, f"chunk file {chunk} has {actual} bytes, not {size}")
+
+
+def verify_client(path: str | Path, k: int) -> bool:
+    """True when client ``k`` is done and every chunk matches the CRC-32 recorded at write time."""
+    path = Path(path)
+    try:
+        root = _open_root(path, "r")
+        if not _client_done(root, k, path):
+            return False
+        check_chunk_files(path, root, k)
+        feats = root[_features_name(k)]
+        crcs = feats.attrs.get("chunk_crc32")
+        return isinstance(crcs, list) and _read_crcs(feats) == crcs
+    except (StoreError, ValueError, OSError):
+        return False
 
 
 def mark_complete(path: str | Path, *, clients: list[int] | tuple[int, ...] | range) -> None:
@@ -226,7 +318,7 @@ def mark_complete(path: str | Path, *, clients: list[int] | tuple[int, ...] | ra
     path = Path(path)
     root = _open_root(path, "r+")
     expected = sorted(int(k) for k in clients)
-    missing = [k for k in expected if not _client_done(root, k)]
+    missing = [k for k in expected if not _client_done(root, k, path)]
     if missing:
         raise StoreError(
             f"feature store {path}: clients {missing} have no completion marker (interrupted write); "
@@ -245,9 +337,26 @@ class FeatureStoreReader:
     _root: Any
 
     def _features(self, k: int) -> Any:
-        if int(k) not in self.clients or not _client_done(self._root, k):
+        if int(k) not in self.clients or not _client_done(self._root, k, self.path):
             raise StoreError(f"feature store {self.path} has no complete client {k}; recompute the features")
         return self._root[_features_name(k)]
+
+    def _read_verified(self, k: int) -> np.ndarray:
+        """All rows of client ``k``, each chunk checked against its CRC-32 from write time."""
+        feats = self._features(k)
+        check_chunk_files(self.path, self._root, k)
+        try:
+            data = feats[:]
+        except Exception as err:  # noqa: BLE001 - zarr fails on a damaged chunk in several ways
+            raise _damaged(self.path, k, f"unreadable chunk: {err.__class__.__name__}") from None
+        crcs = feats.attrs.get("chunk_crc32")
+        if isinstance(crcs, list):
+            step = int(feats.chunks[0])
+            for i, expected in enumerate(crcs):
+                if zlib.crc32(np.ascontiguousarray(data[i * step : (i + 1) * step]).tobytes()) != expected:
+                    chunk = self.path / _features_name(k) / "c" / str(i) / "0"
+                    raise _damaged(self.path, k, f"chunk file {chunk} fails its checksum")
+        return data
 
     def num_rows(self, k: int) -> int:
         """n_k, the number of samples of client ``k``."""
@@ -259,8 +368,12 @@ class FeatureStoreReader:
 
     def read_client(self, k: int) -> tuple[Tensor, Tensor]:
         """All of client ``k``: features (n_k, p) in the store's dtype and int64 labels (n_k,)."""
-        feats = self._features(k)
-        return _decode(feats[:], self.meta), torch.from_numpy(self._root[_labels_name(k)][:])
+        data = self._read_verified(k)
+        try:
+            labels = self._root[_labels_name(k)][:]
+        except Exception as err:  # noqa: BLE001
+            raise _damaged(self.path, k, f"unreadable labels: {err.__class__.__name__}") from None
+        return _decode(data, self.meta), torch.from_numpy(labels)
 
 
 def open_feature_store(path: str | Path, *, expect: FeatureMeta | None) -> FeatureStoreReader:
@@ -281,4 +394,8 @@ def open_feature_store(path: str | Path, *, expect: FeatureMeta | None) -> Featu
             "recompute the features"
         )
     clients = [int(k) for k in root.attrs.get("clients", [])]  # type: ignore[union-attr]
+    for k in clients:  # stat-only: a deleted client or chunk is found before any of it is used
+        if not _client_done(root, k, path):
+            raise _damaged(path, k, "its arrays are missing or unfinished")
+        check_chunk_files(path, root, k)
     return FeatureStoreReader(path, meta, clients, root)

@@ -12,6 +12,7 @@ right thing: the resubmission :meth:`checkpoint` returns resumes from the last r
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -24,12 +25,35 @@ from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import DelayedSubmission
 
 from hpcfl.config import config_from_dict
-from hpcfl.errors import ConfigError
+from hpcfl.errors import ConfigError, StoppedError
 from hpcfl.runner import StopRequest, run_experiment
 from hpcfl.runner.checkpoint import latest_round
 
 #: Exit status of ranks that stopped for a requeue (submitit's own handler exits with -1 too).
 REQUEUE_EXIT = 255
+
+
+def error_path(folder: Path, job_id: str, rank: int = 0) -> Path:
+    """Where the job's rank ``rank`` records its error: ``<folder>/<job>_<rank>_error.json``."""
+    return Path(folder) / f"{job_id}_{rank}_error.json"
+
+
+def _record_error(run_dir: Path, err: BaseException) -> None:
+    """Write ``{"error": "Type: first line"}`` beside submitit's files (best effort)."""
+    from hpcfl.launch.submit import SLURM_DIR
+    from hpcfl.runner.files import atomic_write_text
+
+    try:
+        env = submitit.JobEnvironment()
+        job_id, rank = str(env.job_id), env.global_rank
+    except RuntimeError:  # not inside a submitit job
+        return
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    message = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    try:
+        atomic_write_text(error_path(run_dir / SLURM_DIR, job_id, rank), json.dumps({"error": message}))
+    except OSError:
+        pass
 
 
 @dataclass
@@ -45,7 +69,18 @@ class HpcflJob(submitit.helpers.Checkpointable):
     run_dir: str
 
     def __call__(self) -> dict[str, Any]:
-        """Run (or continue) the federation; returns a summary, or requeues and exits on a signal."""
+        """Run (or continue) the federation; returns a summary, or requeues and exits on a signal.
+
+        A failure is also written as one line of JSON (:func:`error_path`) so that ``hpcfl status``
+        can show it without unpickling anything from the run directory.
+        """
+        try:
+            return self._run()
+        except Exception as err:
+            _record_error(Path(self.run_dir), err)
+            raise
+
+    def _run(self) -> dict[str, Any]:
         t_start = time.time()
         cfg = config_from_dict(self.config)
         run_dir = Path(self.run_dir)
@@ -58,7 +93,11 @@ class HpcflJob(submitit.helpers.Checkpointable):
             )
         except (ValueError, RuntimeError):  # not the main thread, or an unknown SUBMITIT_PREEMPT_SIGNAL
             pass
-        result = run_experiment(cfg, run_dir, resume=True, stop=stop)
+        try:
+            result = run_experiment(cfg, run_dir, resume=True, stop=stop)
+        except StoppedError:  # stopped between rounds' checkpoints (feature extraction): work is kept
+            self._requeue_after_checkpoint(t_start, start)
+            raise
         last = result.metrics[-1] if result.metrics else {}
         summary = {
             "run_dir": str(run_dir),

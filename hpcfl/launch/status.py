@@ -3,7 +3,7 @@
 Sources, each optional: the newest record of ``RUN_DIR/slurm/jobs.jsonl`` (written by ``hpcfl
 submit``), SLURM's view of that job (``squeue``/``scontrol`` while slurmctld remembers it, then
 ``sacct`` where the cluster keeps accounting), the run's own files (``metrics.jsonl``,
-``config.yaml``, ``DONE``) and, for a failed job, the error submitit pickled on rank 0. A pending job
+``config.yaml``, ``DONE``) and, for a failed job, the error rank 0 recorded as JSON. A pending job
 gets SLURM's reason with what it means; a failed one its one-line cause and the log to read.
 """
 
@@ -107,6 +107,29 @@ def _slurm_state(job_id: str, status: RunStatus) -> None:
     status.reason = "the queue no longer lists the job and the cluster keeps no accounting"
 
 
+#: SLURM states of a job that is queued or may still run.
+ACTIVE = frozenset(
+    {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
+    | {"SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
+)
+
+
+def active_job(run_dir: Path) -> tuple[str, str] | None:
+    """``(job id, state)`` of the newest recorded job of ``run_dir`` while it is queued or running."""
+    from hpcfl.launch.submit import read_job_records
+
+    records = read_job_records(run_dir)
+    if not records:
+        return None
+    record = records[-1]
+    probe = RunStatus(run_dir=str(run_dir))
+    if record.executor == "local":
+        _local_state(record.job_id, probe)
+    else:
+        _slurm_state(record.job_id, probe)
+    return (record.job_id, probe.state) if probe.state in ACTIVE else None
+
+
 def _local_state(job_id: str, status: RunStatus) -> None:
     """A local-executor job is a process of this machine: alive or not."""
     try:
@@ -120,20 +143,23 @@ def _local_state(job_id: str, status: RunStatus) -> None:
 
 
 def _job_error(folder: Path, job_id: str) -> str | None:
-    """The last line of the exception submitit saved for rank 0, if the job failed with one."""
-    from submitit.core.utils import JobPaths, pickle_load
+    """The one-line error rank 0 of the job recorded as JSON, if it failed with one.
 
-    result = JobPaths(folder, job_id=job_id, task_id=0).result_pickle
-    if not result.exists():
-        return None
+    Never unpickles: submitit's ``*_result.pkl`` in a run directory could have been crafted to run
+    code when loaded, and ``hpcfl status`` is run on directories others may write.
+    """
+    from hpcfl.launch.job import error_path
+
+    path = error_path(folder, job_id)
     try:
-        outcome, value = pickle_load(result)
-    except Exception:  # a result being written, or from another submitit version
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
-    if outcome != "error":
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, str):
         return None
-    lines = [ln.strip() for ln in str(value).splitlines() if ln.strip()]
-    return lines[-1] if lines else "failed without a message"
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    return lines[0] if lines else "failed without a message"
 
 
 def _run_progress(run_dir: Path, status: RunStatus) -> None:

@@ -103,7 +103,23 @@ def check_options(options: SubmitOptions, cfg: Config) -> None:
 
 
 def check_run_dir(run_dir: Path, cfg: Config) -> None:
-    """A run directory holding a run of another config cannot be continued (the job always resumes)."""
+    """A run directory holding a run of another config cannot be continued (the job always resumes),
+    and one that a queued or running job (or a live ``hpcfl run``) owns cannot take another."""
+    from hpcfl.launch.status import active_job
+    from hpcfl.runner.lock import lock_holder
+
+    holder = lock_holder(run_dir)
+    if holder is not None:
+        raise RunDirError(
+            f"run directory {run_dir} is in use by another hpcfl run (host {holder[0]}, PID {holder[1]}); "
+            "wait for it to end, stop it, or choose another --run-dir"
+        )
+    owner = active_job(run_dir)
+    if owner is not None:
+        raise RunDirError(
+            f"run directory {run_dir} belongs to job {owner[0]}, which is {owner[1]}; wait for it "
+            f"(hpcfl status {run_dir}), cancel it, or choose another --run-dir"
+        )
     saved = run_dir / "config.yaml"
     if saved.exists():
         diffs = config_differences(read_yaml(saved), cfg.to_dict())
@@ -147,8 +163,45 @@ class _RenderOnlySlurmExecutor(submitit.SlurmExecutor):
         return 2
 
 
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.,:+@%=/-")
+_CONSTRAINT = frozenset("&|[]*!()")  # SLURM's constraint syntax; inert on an #SBATCH line
+
+
+def _check_script_value(what: str, value: str, extra: frozenset[str] = frozenset()) -> None:
+    """Refuse a value that could break out of its line or word of the sbatch script.
+
+    submitit writes option values into ``#SBATCH`` lines and the run directory unquoted into the
+    ``srun`` command line, so a newline would start a shell command and a space or ``$(...)`` would
+    be read by the shell: only a plain character set passes.
+    """
+    bad = sorted({c for c in str(value) if c not in _SAFE and c not in extra})
+    if bad or not str(value):
+        shown = ", ".join(repr(c) for c in bad) or "nothing"
+        raise ConfigError(
+            f"{what} {str(value)!r} has characters an sbatch script cannot carry safely ({shown}); "
+            "use letters, digits and _.,:+@%=/-"
+        )
+
+
+def check_script_values(options: SubmitOptions, folder: Path, name: str) -> None:
+    """Every value that reaches the generated sbatch script, checked (see :func:`_check_script_value`)."""
+    _check_script_value("the run directory", str(folder))
+    _check_script_value("the job name", name)
+    for key in ("partition", "account", "qos"):
+        value = getattr(options, key)
+        if value is not None:
+            _check_script_value(f"--{key}", value)
+    if options.constraint is not None:
+        _check_script_value("--constraint", options.constraint, _CONSTRAINT)
+    for key, value in options.sbatch.items():
+        _check_script_value("an --sbatch option name", key)
+        _check_script_value(f"--sbatch {key}", value, _CONSTRAINT)
+
+
 def make_executor(options: SubmitOptions, folder: Path, name: str, *, render_only: bool = False) -> Any:
     """The submitit executor for ``options``, writing its files under ``folder``."""
+    if options.executor != "local":
+        check_script_values(options, folder, name)
     if options.executor == "local":
         local = submitit.LocalExecutor(folder=folder, max_num_timeout=options.max_requeues)
         local.update_parameters(timeout_min=options.time_min, tasks_per_node=1)
@@ -194,7 +247,13 @@ def read_job_records(run_dir: Path) -> list[JobRecord]:
     from hpcfl.runner.files import read_jsonl
 
     path = run_dir / SLURM_DIR / JOBS_FILE
-    return [JobRecord(**row) for row in read_jsonl(path)] if path.exists() else []
+    records = []
+    for row in read_jsonl(path) if path.exists() else []:
+        try:
+            records.append(JobRecord(**row))
+        except TypeError:  # a row of another version, or edited by hand: not a record
+            continue
+    return records
 
 
 def _sbatch_reason(stderr: str) -> str:

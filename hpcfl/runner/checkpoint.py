@@ -9,6 +9,8 @@ checkpoint as the latest. Client files are per client, so a run can resume on an
 from __future__ import annotations
 
 import shutil
+import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,29 +67,116 @@ def save_checkpoint(
     comm.barrier()
 
 
+def _complete_rounds(root: Path) -> list[int]:
+    """Rounds of the checkpoint directories present (renamed into place only once complete)."""
+    rounds = []
+    for d in root.glob("round_*"):
+        try:
+            rounds.append(int(d.name.split("_")[1]))
+        except (IndexError, ValueError):
+            continue
+    return sorted(rounds)
+
+
 def latest_round(root: Path) -> int | None:
-    """The round of the newest complete checkpoint, or None."""
+    """The round of the newest complete checkpoint (as ``LATEST`` names it), or None."""
     marker = root / "LATEST"
     if not marker.exists():
+        rounds = _complete_rounds(root)
+        if rounds:  # checkpoints without LATEST: never silently start again from round 0
+            newest = _round_dir(root, rounds[-1]).name
+            raise RunDirError(
+                f"{marker} is missing although {root} holds checkpoints, so the newest complete one "
+                f"cannot be checked; if {newest} is it, restore it with: echo {newest} > {marker}"
+            )
         return None
     name = marker.read_text().strip()
+    try:
+        rnd = int(name.split("_")[1])
+    except (IndexError, ValueError):
+        raise RunDirError(f"{marker} is damaged (it names {name!r}); rerun with --overwrite") from None
     if not (root / name / "server.pt").exists():
         raise RunDirError(f"checkpoint {root / name} named by {marker} is missing; rerun with --overwrite")
-    return int(name.split("_")[1])
+    return rnd
 
 
-def load_checkpoint(root: Path, client_ids: list[int]) -> Checkpoint | None:
-    """Load the newest complete checkpoint (server + the given clients), or None if there is none."""
+def _damage(d: Path, client_ids: list[int]) -> str | None:
+    """What is wrong with the files of checkpoint ``d`` (every rank checks all, so all agree), or None.
+
+    ``torch.save`` writes a zip whose records carry CRC-32s: a truncated, emptied or bit-flipped file
+    fails ``testzip`` before any of it is trusted.
+    """
+    head = _zip_damage(d, d / "server.pt")
+    if head is not None:
+        return head
+    saved = torch.load(d / "server.pt", weights_only=True)["extra"].get("clients")
+    if saved is not None:  # only the clients that had a state were saved
+        client_ids = sorted(set(client_ids) & set(saved))
+    for path in [d / "clients" / f"client_{k}.pt" for k in client_ids]:
+        damage = _zip_damage(d, path)
+        if damage is not None:
+            return damage
+    return None
+
+
+def _zip_damage(d: Path, path: Path) -> str | None:
+    """What is wrong with one ``torch.save`` file of checkpoint ``d``, or None."""
+    if not path.exists():
+        return f"{path.relative_to(d.parent)} is missing"
+    try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        return f"{path.relative_to(d.parent)} is damaged ({err.__class__.__name__})"
+    if bad is not None:
+        return f"{path.relative_to(d.parent)} is damaged (checksum mismatch in {bad})"
+    return None
+
+
+def load_checkpoint(
+    root: Path, client_ids: list[int], *, all_clients: list[int] | None = None
+) -> Checkpoint | None:
+    """Load the newest sound checkpoint (server + the given clients), or None if there is none.
+
+    A damaged newest checkpoint (checked by :func:`_damage` over ``all_clients``, default
+    ``client_ids``) falls back to the older complete one with a note on stderr; when none is sound
+    the error names the damaged file and the fix.
+    """
     rnd = latest_round(root)
     if rnd is None:
         return None
-    d = _round_dir(root, rnd)
+    checked = sorted(all_clients if all_clients is not None else client_ids)
+    candidates = [r for r in _complete_rounds(root) if r <= rnd][::-1] or [rnd]
+    first_damage = None
+    for r in candidates:
+        d = _round_dir(root, r)
+        damage = _damage(d, checked)
+        if damage is None:
+            if (
+                first_damage is not None
+                and "client_map" in torch.load(d / "server.pt", weights_only=True)["extra"]
+            ):
+                raise RunDirError(
+                    f"cannot resume: {first_damage}, and the older checkpoint {d.name} cannot be used because "
+                    "the client states on disk have moved on since; start over with --overwrite"
+                )
+            if first_damage is not None:
+                print(
+                    f"hpcfl: note: the newest checkpoint is damaged ({first_damage}); "
+                    f"resuming from the older complete checkpoint {d.name}",
+                    file=sys.stderr,
+                )
+            return _load(d, client_ids)
+        first_damage = first_damage or damage
+    raise RunDirError(
+        f"cannot resume: {first_damage} and no older complete checkpoint is sound; "
+        "start over with --overwrite"
+    )
+
+
+def _load(d: Path, client_ids: list[int]) -> Checkpoint:
     head = torch.load(d / "server.pt", weights_only=True)
-    clients = {}
     saved = head["extra"].get("clients")  # ids whose state was saved (clients never trained have none)
-    for k in client_ids if saved is None else sorted(set(client_ids) & set(saved)):
-        path = d / "clients" / f"client_{k}.pt"
-        if not path.exists():
-            raise RunDirError(f"checkpoint {d} has no state for client {k}; it belongs to another run")
-        clients[k] = torch.load(path, weights_only=True)
+    wanted = client_ids if saved is None else sorted(set(client_ids) & set(saved))
+    clients = {k: torch.load(d / "clients" / f"client_{k}.pt", weights_only=True) for k in wanted}
     return Checkpoint(round=head["round"], server=head["server"], clients=clients, extra=head["extra"])

@@ -28,6 +28,7 @@ from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from hpcfl.runner.client_states import ClientStates
 from hpcfl.runner.federation import Federation, build_federation, model_plan
 from hpcfl.runner.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
+from hpcfl.runner.lock import RunLock
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
 from hpcfl.runner.rundir import DONE, prepare_run_dir
@@ -66,6 +67,10 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested = True
+
+    def stop_now(self) -> bool:
+        """Polled inside long steps between rounds (the eNTK extraction), every few seconds."""
+        return self.requested
 
 
 def _collective_check(comm: Communicator, fn: Any) -> Any:
@@ -176,22 +181,43 @@ def run_experiment(
     comm: Communicator | None = None,
     stop: StopRequest | None = None,
 ) -> RunResult:
-    """Run (or continue) the configured federation; every rank returns the same server state."""
+    """Run (or continue) the configured federation; every rank returns the same server state.
+
+    Rank 0 holds the run directory's lock for the whole run (a second run on it is refused).
+    """
     comm = comm or get_comm(cfg.comm)
     run_dir = Path(run_dir)
+    lock = RunLock(run_dir) if comm.rank == 0 else None
+    _collective_check(comm, lambda: lock.acquire() if lock else None)
+    try:
+        return _run_locked(cfg, run_dir, resume=resume, overwrite=overwrite, comm=comm, stop=stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(
+    cfg: Config, run_dir: Path, *, resume: bool, overwrite: bool, comm: Communicator, stop: StopRequest | None
+) -> RunResult:
     set_threads(cfg, comm)
     has_state = _collective_check(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)
     )
     fed = build_federation(cfg, comm)
     stages = run_stages(cfg)
+    for stage in stages[1:]:  # what a later stage can refuse from the config alone (TCT: disk space)
+        if stage.check is not None and stage.rounds > 0:
+            _collective_check(comm, lambda stage=stage: stage.check(fed, run_dir))
     held = fed.owned if comm.size > 1 else list(range(len(fed.parts)))  # states this rank may train
-    ckpt = load_checkpoint(run_dir / "checkpoints", held) if has_state else None
+    every = list(range(len(fed.parts)))  # every rank checks all client files, so all pick one round
+    ckpt = load_checkpoint(run_dir / "checkpoints", held, all_clients=every) if has_state else None
     start = ckpt.round if ckpt is not None else 0
     if comm.rank == 0:
         dump_config(cfg, run_dir / "config.yaml")
         _write_partition(fed, run_dir)
     total = sum(s.rounds for s in stages)
+    if comm.rank == 0 and start < total:  # only now that the checkpoint loaded: unfinished again
+        (run_dir / DONE).unlink(missing_ok=True)
     book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total)
     t0 = time.perf_counter()
     server, done = drive_stages(fed, stages, run_dir, ckpt, book)
@@ -232,7 +258,7 @@ def drive_stages(
         if si > resume_at and stage.rounds == 0:
             continue
         resumed_here = ckpt is not None and si == resume_at
-        entry = enter_stage(fed, stage, first_index + si, run_dir, server)
+        entry = enter_stage(fed, stage, first_index + si, run_dir, server, book.stop)
         srv, states = entry.server, client_states(fed, entry, book.run_dir, stage.name)
         if resumed_here:
             assert ckpt is not None
@@ -250,6 +276,8 @@ def drive_stages(
         server, done = srv, lo + stage_done
         if done < hi:  # stopped by a signal
             break
+        if stage.finish is not None:
+            stage.finish(StageInput(fed=fed, run_dir=run_dir, previous=server, stage_index=first_index + si))
     assert server is not None
     return server, round_base + done
 
@@ -264,7 +292,8 @@ def enter_stage(
         algo = plan.algorithm
         server = algo.init_server(fed.flat.vector) if previous is None else previous
         return StagePlan(plan=plan, server=server, init_client=lambda k: algo.init_client(k, server))
-    return stage.enter(StageInput(fed=fed, run_dir=run_dir, previous=previous, stage_index=index))
+    stop = book_stop.stop_now if book_stop is not None else None
+    return stage.enter(StageInput(fed=fed, run_dir=run_dir, previous=previous, stage_index=index, stop=stop))
 
 
 def client_states(

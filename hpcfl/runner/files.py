@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -11,11 +13,25 @@ from typing import Any
 import torch
 
 
+def _umask() -> int:
+    """The process umask (read without changing it where /proc allows)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic(path: Path, write: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; group members read each other's runs
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
@@ -36,16 +52,39 @@ def atomic_torch_save(path: Path, obj: Any) -> None:
     _atomic(path, lambda fh: torch.save(obj, fh))
 
 
+def load_torch_file(path: Path, fix: str) -> Any:
+    """``torch.load(path, weights_only=True)``, a damaged or missing file as one line naming ``fix``."""
+    from hpcfl.errors import RunDirError
+
+    try:
+        return torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise RunDirError(f"{path} is missing; {fix}") from None
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
+        reason = str(err).splitlines()[0] if str(err) else err.__class__.__name__
+        raise RunDirError(f"{path} is damaged ({reason}); {fix}") from None
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """All complete rows of a JSON-lines file (a torn last line is ignored)."""
+    """All intact rows of a JSON-lines file.
+
+    A damaged line (torn by a kill mid-append, or edited) is skipped and named on stderr; it is
+    never a reason to drop the rows after it.
+    """
     if not Path(path).exists():
         return []
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            break
+            row = None
+        if not isinstance(row, dict):
+            print(f"hpcfl: note: {path} line {number} is damaged and was skipped", file=sys.stderr)
+            continue
+        rows.append(row)
     return rows
 
 

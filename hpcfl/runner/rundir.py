@@ -1,19 +1,66 @@
 """The run directory: what is in it, and whether this invocation may use it.
 
-``runs/<name>/config.yaml metrics.jsonl partition.json partition.png checkpoints/ DONE``.
-A finished run (DONE) or an unfinished one is never silently reused: ``--resume`` continues it,
-``--overwrite`` starts over.
+``runs/<name>/.hpcfl-run config.yaml metrics.jsonl partition.json partition.png checkpoints/ DONE``
+(TCT adds ``stage1_model.pt``, ``features*.zarr`` and ``stage2/``). A finished run (DONE) or an
+unfinished one is never silently reused: ``--resume`` continues it, ``--overwrite`` starts over.
+
+``--overwrite`` deletes only a directory that hpcfl recognisably made (its ``.hpcfl-run`` marker;
+a ``config.yaml`` alone is no proof, users keep configs beside their code) and only the entries hpcfl
+writes there (:data:`RUN_ENTRIES`): a user's other files in it survive.
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from hpcfl.config import Config, config_differences, read_yaml
 from hpcfl.errors import RunDirError
 
 DONE = "DONE"
+MARKER = ".hpcfl-run"  # written when hpcfl starts a run in a directory
+#: Everything hpcfl writes at the top of a run directory (``slurm/`` holds job history and stays),
+#: besides the client-state stores ``client_states_<stage>.zarr``.
+RUN_ENTRIES = (
+    MARKER,
+    "config.yaml",
+    "metrics.jsonl",
+    "partition.json",
+    "partition.png",
+    "checkpoints",
+    DONE,
+    "stage1_model.pt",
+    "features.zarr",
+    "features_test.zarr",
+    "stage2",
+)
+_RUN_SIGNS = ("config.yaml", "checkpoints", DONE)
+
+
+def holds_run(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds (part of) a run: a config, checkpoints or DONE.
+
+    The marker alone does not count: a run killed before writing its config left nothing to resume.
+    """
+    return run_dir.is_dir() and any((run_dir / n).exists() for n in _RUN_SIGNS)
+
+
+def remove_run(run_dir: Path) -> None:
+    """Delete what hpcfl wrote in ``run_dir`` (``--overwrite``), refusing a directory it did not make."""
+    if not (run_dir / MARKER).is_file():
+        raise RunDirError(
+            f"{run_dir} was not made by hpcfl (no {MARKER} marker), so --overwrite will not delete "
+            "anything in it; choose another --run-dir or remove it yourself"
+        )
+    for name in (*RUN_ENTRIES, *(p.name for p in run_dir.glob("client_states_*.zarr"))):
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        for tmp in run_dir.glob(f".{name}.*.tmp"):  # an atomic write cut short
+            tmp.unlink(missing_ok=True)
 
 
 def prepare_run_dir(run_dir: Path, cfg: Config, *, resume: bool, overwrite: bool) -> bool:
@@ -22,23 +69,43 @@ def prepare_run_dir(run_dir: Path, cfg: Config, *, resume: bool, overwrite: bool
         raise RunDirError("--resume and --overwrite contradict each other; pass only one")
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"run directory {run_dir} is a file; choose another --run-dir")
-    holds_run = run_dir.is_dir() and any((run_dir / n).exists() for n in ("config.yaml", "checkpoints", DONE))
-    if overwrite and holds_run:
-        shutil.rmtree(run_dir)
-        holds_run = False
-    if holds_run and not resume:
+    has_run = holds_run(run_dir)
+    if overwrite and has_run:
+        remove_run(run_dir)
+        has_run = False
+    if has_run and not resume:
         state = "a finished run" if (run_dir / DONE).exists() else "an unfinished run"
         raise RunDirError(
             f"run directory {run_dir} already holds {state}; pass --resume to continue it, "
             "--overwrite to start over, or choose another --run-dir"
         )
-    if holds_run and (run_dir / "config.yaml").exists():
-        diffs = config_differences(read_yaml(run_dir / "config.yaml"), cfg.to_dict())
-        if diffs:
-            raise RunDirError(
-                f"cannot resume {run_dir}: its checkpoint was made with a different config "
-                f"(differs in: {', '.join(diffs)}); use the same config or --overwrite"
-            )
+    if has_run:
+        check_resumable(run_dir, cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / DONE).unlink(missing_ok=True)
-    return holds_run
+    if not has_run and not (run_dir / MARKER).exists():
+        (run_dir / MARKER).write_text("hpcfl run directory: --overwrite deletes only what hpcfl wrote here\n")
+    return has_run
+
+
+def check_resumable(run_dir: Path, cfg: Config) -> None:
+    """Refuse a resume that cannot be checked: no saved config, or a config that differs."""
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        raise RunDirError(
+            f"cannot resume {run_dir}: its config.yaml is missing, so the config cannot be checked "
+            "against the checkpoints; restore it or start over with --overwrite"
+        )
+    saved_cfg = read_yaml(saved)
+    diffs = config_differences(saved_cfg, cfg.to_dict())
+    if diffs:
+        raise RunDirError(
+            f"cannot resume {run_dir}: its checkpoint was made with a different config "
+            f"(differs in: {', '.join(diffs)}); use the same config or --overwrite"
+        )
+    if saved_cfg.get("threads") != cfg.threads:
+        print(
+            f"hpcfl: note: resuming with threads={cfg.threads} (the run began with "
+            f"threads={saved_cfg.get('threads')}): results stay valid but are not bit-identical to an "
+            "uninterrupted run",
+            file=sys.stderr,
+        )

@@ -24,6 +24,7 @@ class StageInput:
     run_dir: Path
     previous: ServerState | None  # the previous stage's final state; None when resuming inside the stage
     stage_index: int
+    stop: Callable[[], bool] | None = None  # polled inside long set-up work (True: a stop was asked for)
 
 
 @dataclass

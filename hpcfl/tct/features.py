@@ -9,15 +9,18 @@ what makes ``hpcfl tct-stage2`` and resumed runs skip the extraction.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import shutil
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from hpcfl.comm.base import Communicator
 from hpcfl.config import Stage2Section
-from hpcfl.errors import StoreError
+from hpcfl.errors import StoppedError, StoreError
 from hpcfl.features import (
     FeatureMeta,
     create_feature_store,
@@ -26,6 +29,7 @@ from hpcfl.features import (
     open_feature_store,
 )
 from hpcfl.features.meta import model_hash
+from hpcfl.features.store import verify_client
 from hpcfl.training.evaluate import shard_range
 
 EXTRACT_ROWS = 2048  # samples per extraction call: bounds host memory to 2048·p floats
@@ -97,6 +101,10 @@ def _is_complete(path: Path, meta: FeatureMeta) -> bool:
     return True
 
 
+class ExtractionStopped(StoppedError):
+    """A stop signal arrived during the feature extraction; finished clients stay in the store."""
+
+
 def ensure_store(
     path: Path,
     meta: FeatureMeta,
@@ -107,12 +115,16 @@ def ensure_store(
     comm: Communicator,
     *,
     on_item: object = None,
+    stop: Callable[[], bool] | None = None,
 ) -> None:
     """Make ``path`` a complete store of ``meta`` holding ``items`` ({id: (x, labels)}) of every rank.
 
     A complete matching store is reused. Otherwise rank 0 (re)creates it — a store of other
-    settings is replaced, since the run's config decides — every rank writes its own items, and
-    rank 0 marks it complete after a barrier.
+    settings is replaced, since the run's config decides — every rank writes its own items that
+    are not already done and intact (an interrupted extraction resumes where it stopped), and rank
+    0 marks it complete after a barrier. ``stop()`` is asked between blocks of
+    :data:`EXTRACT_ROWS` rows, so a stop signal is honoured within seconds: every rank leaves its
+    loop, they agree at the barrier, and all raise :class:`ExtractionStopped`.
     """
     complete = comm.bcast(_is_complete(path, meta) if comm.rank == 0 else None)
     if complete:
@@ -123,16 +135,73 @@ def ensure_store(
         except StoreError:
             create_feature_store(path, meta=meta, overwrite=True)
     comm.barrier()
+    stopped = False
     for k, (x, labels) in items.items():
+        if verify_client(path, k):
+            continue  # written and intact before an interruption
+        if stop is not None and stop():
+            stopped = True
+            break
         writer = open_client_writer(path, k, rows=int(x.shape[0]), meta=meta)
         start = 0
         for block in compute_features(model, x, cfg2, meta):
             writer.write(start, block)
             start += block.shape[0]
+            if stop is not None and stop() and start < x.shape[0]:
+                stopped = True
+                break
+        if stopped:
+            break
         writer.finish(labels.cpu())
         if callable(on_item):
             on_item()
-    comm.barrier()
+    flag = comm.allreduce(torch.tensor([float(stopped)], dtype=torch.float64))
+    if bool(flag.item()):
+        raise ExtractionStopped(
+            f"stopped by a signal during the feature extraction into {path} (finished clients are kept)"
+        )
     if comm.rank == 0:
         mark_complete(path, clients=all_ids)
     comm.barrier()
+
+
+def check_features_fit(fed: Any, run_dir: Path, *, note: bool = True, free: int | None = None) -> None:
+    """Refuse (rank 0), before any row is written, feature stores the run directory's disk cannot hold.
+
+    Needs only the built federation (model, partition, test set), so a run checks it before stage 1
+    is trained and again before the extraction. The stores hold every training client's and test
+    shard's rows; bytes already in them (an interrupted extraction) count as written. With ``note``
+    it also says when ``stage2.p`` exceeds the parameter count and is clamped to it.
+    """
+    from hpcfl.entk import num_params
+
+    cfg2, model = fed.cfg.stage2, fed.flat.model
+    if cfg2.features == "last_layer":
+        p = int(model.classifier.in_features)
+    else:
+        total = num_params(model, cfg2.params)
+        p = min(cfg2.p, total)
+        if note and cfg2.p > total:
+            print(
+                f"hpcfl: note: stage2.p={cfg2.p} exceeds the {total} parameters of the model; "
+                f"using p={p} (every parameter)",
+                file=sys.stderr,
+            )
+    rows = sum(int(part.numel()) for part in fed.parts) + int(fed.dataset.test.y.numel())
+    itemsize = torch.empty((), dtype=getattr(torch, cfg2.dtype)).element_size()
+    need = rows * p * itemsize
+    for name in ("features.zarr", "features_test.zarr"):
+        store = run_dir / name
+        if store.is_dir():
+            need -= sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
+    free = shutil.disk_usage(run_dir).free if free is None else free
+    if need > free:
+        raise StoreError(
+            f"the eNTK features need {_gb(need)} ({rows} samples x p={p} in {cfg2.dtype}) but "
+            f"{run_dir} has {_gb(free)} free; lower stage2.p, store stage2.dtype=float16 or bfloat16 "
+            "(half the size), or use a --run-dir on a larger file system"
+        )
+
+
+def _gb(n: int) -> str:
+    return f"{max(n, 0) / 1e9:.1f} GB"

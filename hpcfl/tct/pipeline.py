@@ -9,6 +9,7 @@ over ψ = (φ, b) from zero with the round loop every algorithm uses.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,13 +18,14 @@ import torch
 from hpcfl.algorithms import ClientData, ServerState
 from hpcfl.algorithms.participation import Population
 from hpcfl.algorithms.tct_params import Stage2Section
+from hpcfl.errors import StoreError
 from hpcfl.features import open_feature_store
 from hpcfl.models import reinit_last_layer
 from hpcfl.runner.federation import Federation
-from hpcfl.runner.files import atomic_torch_save
+from hpcfl.runner.files import atomic_torch_save, load_torch_file
 from hpcfl.runner.rounds import RoundPlan
 from hpcfl.runner.stages import StageInput, StagePlan
-from hpcfl.tct.features import ensure_store, feature_meta, test_shards
+from hpcfl.tct.features import check_features_fit, ensure_store, feature_meta, test_shards
 from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
 from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver
 from hpcfl.tct.stage2 import Stage2, Stage2Params, auto_lr, check_stability, spectrum
@@ -53,11 +55,18 @@ def _dtype(cfg2: Stage2Section) -> torch.dtype:
 
 
 def prepare_stage2(
-    fed: Federation, theta: torch.Tensor, run_dir: Path, cfg2: Stage2Section, *, extract: bool = True
+    fed: Federation,
+    theta: torch.Tensor,
+    run_dir: Path,
+    cfg2: Stage2Section,
+    *,
+    extract: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> Stage2Setup:
     """Everything before stage 2's first round, collectively on every rank.
 
     With ``extract=False`` the feature stores must already be complete and match (tct-stage2).
+    ``stop()`` is polled during the extraction (see :func:`hpcfl.tct.features.ensure_store`).
     """
     comm, ds = fed.comm, fed.dataset
     # 1. convexify: the bootstrapped model with its last layer re-initialised from a fixed seed
@@ -72,6 +81,16 @@ def prepare_stage2(
     if not extract:
         for name in ("features.zarr", "features_test.zarr"):
             open_feature_store(run_dir / name, expect=meta)  # StoreError names what differs
+    else:  # the disk must hold the stores before the first row is written
+        error = None
+        if comm.rank == 0:
+            try:
+                check_features_fit(fed, run_dir, note=False)  # the run said it before stage 1
+            except StoreError as err:
+                error = str(err)
+        error = comm.bcast(error)
+        if error is not None:
+            raise StoreError(error)
     ensure_store(
         run_dir / "features.zarr",
         meta,
@@ -80,6 +99,7 @@ def prepare_stage2(
         model,
         cfg2,
         comm,
+        stop=stop,
     )
     ensure_store(
         run_dir / "features_test.zarr",
@@ -89,6 +109,7 @@ def prepare_stage2(
         model,
         cfg2,
         comm,
+        stop=stop,
     )
     train = open_feature_store(run_dir / "features.zarr", expect=meta)
     test = open_feature_store(run_dir / "features_test.zarr", expect=meta)
@@ -142,23 +163,23 @@ def prepare_stage2(
 STAGE1_MODEL = "stage1_model.pt"  # θ_T1, the bootstrapped model stage 2 is built from
 
 
-def enter_stage2(entry: StageInput) -> StagePlan:
-    """TCT's stage 2 as the runner enters it: keep θ_T1 in the run directory (or read it back when
-    resuming inside stage 2), then build the convexified problem."""
-    fed, run_dir = entry.fed, entry.run_dir
-    theta_path = run_dir / STAGE1_MODEL
-    if entry.previous is not None:  # stage 1 just finished (or T1 = 0): θ_T1 is its final model
-        theta = entry.previous.x
-        if fed.comm.rank == 0:
-            atomic_torch_save(theta_path, theta)
-        fed.comm.barrier()
-    else:
-        if not theta_path.exists():
-            from hpcfl.errors import RunDirError
+def keep_stage1_model(entry: StageInput) -> None:
+    """Stage 1 is done: keep θ_T1 in the run directory (stage 2 and ``hpcfl tct-stage2`` start from it)."""
+    assert entry.previous is not None
+    if entry.fed.comm.rank == 0:
+        atomic_torch_save(entry.run_dir / STAGE1_MODEL, entry.previous.x)
+    entry.fed.comm.barrier()
 
-            raise RunDirError(f"{theta_path} is missing, so stage 2 cannot resume; rerun with --overwrite")
-        theta = torch.load(theta_path, weights_only=True)
-    setup = prepare_stage2(fed, theta, run_dir, fed.cfg.stage2)
+
+def enter_stage2(entry: StageInput) -> StagePlan:
+    """TCT's stage 2 as the runner enters it: the convexified problem built from θ_T1, the previous
+    stage's final model (or, resuming inside stage 2, the one kept in the run directory)."""
+    fed, run_dir = entry.fed, entry.run_dir
+    if entry.previous is not None:
+        theta = entry.previous.x
+    else:
+        theta = load_torch_file(run_dir / STAGE1_MODEL, "stage 2 cannot resume; rerun with --overwrite")
+    setup = prepare_stage2(fed, theta, run_dir, fed.cfg.stage2, stop=entry.stop)
     setup.plan.stage_index = entry.stage_index
     server = setup.initial_server()
     algo = setup.plan.algorithm

@@ -1,0 +1,304 @@
+"""Damaged state and resumes (issue 18, items 4, 7, 8): one line naming the damaged file and the
+fix, a fallback to the older checkpoint when the newest is damaged, no row lost to a torn metrics
+line, and a resume that refuses what it cannot check."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcfl.cli.main import main
+from hpcfl.config import load_config
+from hpcfl.errors import StoppedError
+from hpcfl.features.store import verify_client
+from hpcfl.report import summarise
+from hpcfl.runner import StopRequest, run_experiment
+from tests.helpers import final_state, synthetic_config
+
+
+def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == code, err
+    assert lines and lines[-1].startswith("hpcfl: error:") and "Traceback" not in err, err
+    assert len([ln for ln in lines if ln.startswith("hpcfl: error:")]) == 1, err
+    return lines[-1]
+
+
+def _rows(run_dir: Path) -> list[str]:
+    return (run_dir / "metrics.jsonl").read_text().splitlines()
+
+
+def _tct(tmp_path: Path, **stage2) -> Path:
+    return synthetic_config(
+        tmp_path,
+        algorithm="tct",
+        partition="classes:2",
+        num_clients=5,
+        stage1={"rounds": 1},
+        stage2={"p": 300, "rounds": 2, "local_steps": 20, "auto_lr": True, **stage2},
+    )
+
+
+# 4. damaged feature stores and checkpoints
+
+
+@pytest.fixture(scope="module")
+def tct_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A finished TCT run (config path, run directory), copied by each test that damages it."""
+    base = tmp_path_factory.mktemp("tct")
+    cfg = _tct(base)
+    run = base / "run"
+    assert main(["run", str(cfg), "--run-dir", str(run)]) == 0
+    return cfg, run
+
+
+def _copy(run: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, dest, symlinks=True)
+    (dest / ".lock").unlink(missing_ok=True)
+    return dest
+
+
+def test_deleted_chunk_of_a_complete_store_gives_one_line(tct_run, tmp_path, capsys):
+    _, src = tct_run
+    run = _copy(src, tmp_path / "run")
+    chunk = run / "features.zarr" / "client_2" / "c" / "0" / "0"
+    chunk.unlink()
+    err = _one_line_error(capsys, ["tct-stage2", str(run)])
+    assert err == (
+        f"hpcfl: error: feature store {run / 'features.zarr'}: client 2 is damaged (chunk file {chunk} is "
+        f"missing); delete {run / 'features.zarr' / 'client_2'} and resume with --resume to recompute it"
+    )
+
+
+def test_flipped_bit_in_a_chunk_gives_one_line(tct_run, tmp_path, capsys):
+    _, src = tct_run
+    run = _copy(src, tmp_path / "run")
+    chunk = run / "features.zarr" / "client_1" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    chunk.write_bytes(bytes(data))
+    err = _one_line_error(capsys, ["tct-stage2", str(run)])
+    assert f"client 1 is damaged (chunk file {chunk} fails its checksum)" in err
+
+
+def test_truncated_chunk_and_torn_metadata_give_one_line(tct_run, tmp_path, capsys):
+    _, src = tct_run
+    run = _copy(src, tmp_path / "a")
+    chunk = run / "features.zarr" / "client_0" / "c" / "0" / "0"
+    os.truncate(chunk, chunk.stat().st_size // 2)
+    err = _one_line_error(capsys, ["tct-stage2", str(run)])
+    assert f"chunk file {chunk} has {chunk.stat().st_size} bytes" in err
+    run = _copy(src, tmp_path / "b")
+    meta = run / "features.zarr" / "client_3" / "zarr.json"
+    meta.write_text(meta.read_text()[:40])
+    err = _one_line_error(capsys, ["tct-stage2", str(run)])
+    assert f"{meta} is damaged" in err
+    run = _copy(src, tmp_path / "c")
+    root = run / "features_test.zarr" / "zarr.json"
+    root.write_text(root.read_text()[:30])
+    err = _one_line_error(capsys, ["tct-stage2", str(run)])
+    assert f"cannot open feature store {root.parent}" in err and "delete it and recompute" in err
+
+
+class _StopInsideExtraction(StopRequest):
+    """No signal between rounds; a stop request on the ``n``-th poll inside the extraction."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.polls = n, 0
+
+    def stop_now(self) -> bool:
+        self.polls += 1
+        return self.polls >= self.n
+
+
+def test_stop_inside_extraction_keeps_finished_clients_and_resume_recomputes_only_damage(
+    tct_run, tmp_path, capsys
+):
+    cfg, src = tct_run
+    run = tmp_path / "run"
+    with pytest.raises(StoppedError, match="during the feature extraction"):
+        run_experiment(load_config(cfg), run, stop=_StopInsideExtraction(5))  # 2 polls per client
+    store = run / "features.zarr"
+    done = [k for k in range(5) if verify_client(store, k)]
+    assert done == [0, 1] and not (run / "DONE").exists()
+    (store / "client_1" / "c" / "0" / "0").unlink()  # and a finished client damaged since
+    before = {k: (store / f"client_{k}" / "zarr.json").stat().st_mtime_ns for k in done}
+    assert main(["run", str(cfg), "--run-dir", str(run), "--resume"]) == 0
+    assert (store / "client_0" / "zarr.json").stat().st_mtime_ns == before[0]  # kept
+    assert (store / "client_1" / "zarr.json").stat().st_mtime_ns != before[1]  # recomputed
+    assert torch.equal(final_state(run), final_state(src))
+
+
+def test_truncated_stage1_model_gives_one_line(tct_run, tmp_path, capsys):
+    _, src = tct_run
+    run = _copy(src, tmp_path / "run")
+    path = run / "stage1_model.pt"
+    os.truncate(path, path.stat().st_size // 2)
+    err = _one_line_error(capsys, ["tct-stage2", str(run)])
+    assert err.startswith(f"hpcfl: error: {path} is damaged (")
+    assert err.endswith("resume the run with --resume to write it again")
+
+
+@pytest.mark.parametrize("damage", ["truncate_server", "empty_client", "delete_client"])
+def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, capsys, damage):
+    cfg_path = synthetic_config(tmp_path, rounds=3)
+    ref = run_experiment(load_config(cfg_path), tmp_path / "ref")
+    run = tmp_path / "run"
+    assert main(["run", str(cfg_path), "--run-dir", str(run), "--set", "rounds=2"]) == 0
+    newest = run / "checkpoints" / "round_000002"
+    if damage == "truncate_server":
+        os.truncate(newest / "server.pt", (newest / "server.pt").stat().st_size // 2)
+        what = "round_000002/server.pt is damaged (BadZipFile)"
+    elif damage == "empty_client":
+        (newest / "clients" / "client_1.pt").write_bytes(b"")
+        what = "round_000002/clients/client_1.pt is damaged (BadZipFile)"
+    else:
+        (newest / "clients" / "client_1.pt").unlink()
+        what = "round_000002/clients/client_1.pt is missing"
+    capsys.readouterr()
+    assert main(["run", str(cfg_path), "--run-dir", str(run), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"hpcfl: note: the newest checkpoint is damaged ({what}); resuming from the older complete "
+        "checkpoint round_000001"
+    ) in err
+    assert torch.equal(final_state(run), ref.server.x)
+    rows = [json.loads(line) for line in _rows(run)]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in ref.metrics]
+
+
+# 7. metrics.jsonl and resume
+
+
+def test_torn_metrics_line_loses_no_other_row(tmp_path, capsys):
+    cfg_path = synthetic_config(tmp_path, rounds=4)
+    run = tmp_path / "run"
+    assert main(["run", str(cfg_path), "--run-dir", str(run)]) == 0
+    lines = _rows(run)
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], lines[1][:25], *lines[2:]]) + "\n")
+    capsys.readouterr()
+    summary = summarise(run)
+    assert summary.rounds == 4 and summary.final_accuracy == json.loads(lines[3])["test_accuracy"]
+    assert f"{run / 'metrics.jsonl'} line 2 is damaged and was skipped" in capsys.readouterr().err
+    assert main(["run", str(cfg_path), "--run-dir", str(run), "--resume", "--set", "rounds=6"]) == 0
+    now = _rows(run)
+    assert now[:3] == [lines[0], lines[2], lines[3]]  # the intact rows 3-4 survive the resume
+    assert [json.loads(line)["round"] for line in now] == [1, 3, 4, 5, 6]
+
+
+def test_resume_without_config_or_latest_refuses(tmp_path, capsys):
+    cfg_path = synthetic_config(tmp_path, rounds=2)
+    run = tmp_path / "run"
+    assert main(["run", str(cfg_path), "--run-dir", str(run), "--set", "rounds=1"]) == 0
+    (run / "config.yaml").unlink()
+    err = _one_line_error(
+        capsys, ["run", str(cfg_path), "--run-dir", str(run), "--resume", "--set", "lr=0.02"]
+    )
+    assert err == (
+        f"hpcfl: error: cannot resume {run}: its config.yaml is missing, so the config cannot be checked "
+        "against the checkpoints; restore it or start over with --overwrite"
+    )
+    run2 = tmp_path / "run2"
+    assert main(["run", str(cfg_path), "--run-dir", str(run2), "--set", "rounds=1"]) == 0
+    (run2 / "checkpoints" / "LATEST").unlink()
+    err = _one_line_error(capsys, ["run", str(cfg_path), "--run-dir", str(run2), "--resume"])
+    assert err == (
+        f"hpcfl: error: {run2 / 'checkpoints' / 'LATEST'} is missing although {run2 / 'checkpoints'} holds "
+        f"checkpoints, so the newest complete one cannot be checked; if round_000001 is it, restore it "
+        f"with: echo round_000001 > {run2 / 'checkpoints' / 'LATEST'}"
+    )
+    assert [json.loads(line)["round"] for line in _rows(run2)] == [1]  # nothing restarted
+
+
+def test_resume_with_other_threads_says_it_is_not_bit_identical(tmp_path, capsys):
+    cfg_path = synthetic_config(tmp_path, rounds=2)
+    run = tmp_path / "run"
+    assert main(["run", str(cfg_path), "--run-dir", str(run), "--set", "rounds=1"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(cfg_path), "--run-dir", str(run), "--resume", "--set", "threads=2"]) == 0
+    assert "not bit-identical" in capsys.readouterr().err
+
+
+# 8. small ones
+
+
+def test_failed_resume_of_a_finished_run_keeps_done(tmp_path, capsys):
+    cfg_path = synthetic_config(tmp_path, rounds=2)
+    run = tmp_path / "run"
+    assert main(["run", str(cfg_path), "--run-dir", str(run)]) == 0
+    for d in (run / "checkpoints").glob("round_*"):
+        (d / "server.pt").write_bytes(b"")
+    err = _one_line_error(
+        capsys, ["run", str(cfg_path), "--run-dir", str(run), "--resume", "--set", "rounds=4"]
+    )
+    assert "no older complete checkpoint is sound" in err
+    assert (run / "DONE").exists()
+
+
+def test_non_finite_numbers_are_refused_up_front(tmp_path, capsys):
+    cfg_path = synthetic_config(tmp_path)
+    for bad in ("momentum=.nan", "lr=.inf", "stage2.lr=-.inf"):
+        err = _one_line_error(capsys, ["run", str(cfg_path), "--run-dir", str(tmp_path / "r"), "--set", bad])
+        assert "must be a finite number" in err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_run_files_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        run = tmp_path / "run"
+        assert main(["run", str(synthetic_config(tmp_path, rounds=1)), "--run-dir", str(run)]) == 0
+    finally:
+        os.umask(old)
+    for name in ("config.yaml", "metrics.jsonl", "DONE", "partition.json"):
+        assert stat.S_IMODE((run / name).stat().st_mode) == 0o644, name
+
+
+def test_resume_hint_keeps_the_set_overrides():
+    import argparse
+
+    from hpcfl.cli.run import resume_command
+
+    args = argparse.Namespace(config="cfg.yaml", set=["lr=0.05", "name=a b"], data_root=None)
+    assert resume_command(args, Path("runs/x")) == (
+        "hpcfl run cfg.yaml --set lr=0.05 'name=a b' --run-dir runs/x --resume"
+    )
+
+
+def test_config_only_checks_come_before_any_data_is_read(tmp_path, capsys, monkeypatch):
+    import hpcfl.runner.federation as federation
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("data was read before the config was checked")
+
+    monkeypatch.setattr(federation, "load_dataset", no_data)
+    cfg = synthetic_config(tmp_path, dataset="fashion-mnist", dataset_options={}, algorithm="tct")
+    run = str(tmp_path / "r")
+    for override, fragment in (
+        ("partition=classes:11", "asks for 11 classes per client but fashion-mnist has 10"),
+        ("num_clients=60001", "num_clients=60001 is more than the 60000 training samples"),
+        ("stage2.logit=10", "'stage2.logit' must be a class index in [0, 10)"),
+    ):
+        assert fragment in _one_line_error(capsys, ["run", str(cfg), "--run-dir", run, "--set", override])
+    monkeypatch.setenv("PMI_SIZE", "5")
+    monkeypatch.setenv("PMI_RANK", "0")
+    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", run, "--set", "num_clients=4"])
+    assert "5 ranks but only 4 clients" in err
+
+
+def test_tct_without_stage2_rounds_leaves_a_model_for_tct_stage2(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["run", str(_tct(tmp_path, rounds=0)), "--run-dir", str(run)]) == 0
+    assert (run / "stage1_model.pt").exists()
+    assert main(["tct-stage2", str(run), "--set", "stage2.rounds=1"]) == 0
