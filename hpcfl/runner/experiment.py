@@ -283,7 +283,12 @@ def drive_stages(
 
 
 def enter_stage(
-    fed: Federation, stage: Stage, index: int, run_dir: Path, previous: ServerState | None
+    fed: Federation,
+    stage: Stage,
+    index: int,
+    run_dir: Path,
+    previous: ServerState | None,
+    book_stop: StopRequest | None = None,
 ) -> StagePlan:
     """The plan of ``stage``: the configured model's rounds, or what the stage's ``enter`` builds."""
     if stage.enter is None:
