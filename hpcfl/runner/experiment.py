@@ -9,6 +9,7 @@ runs them in sequence, continuing round numbers and checkpoints across them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -121,7 +122,7 @@ def run_stages(cfg: Config) -> list[Stage]:
 
     algo_cls = ALGORITHMS[cfg.algorithm]
     stages = list(algo_cls.stages(algo_cls(cfg.params, layout=_NO_LAYOUT)))
-    return [Stage(s.name, cfg.rounds if s.rounds < 0 else s.rounds, s.enter) for s in stages]
+    return [dataclasses.replace(s, rounds=cfg.rounds) if s.rounds < 0 else s for s in stages]
 
 
 def stage_rounds(cfg: Config) -> tuple[int, int]:
@@ -238,6 +239,7 @@ def drive_stages(
     *,
     round_base: int = 0,
     first_index: int = 0,
+    sweep: bool = False,
 ) -> tuple[ServerState, int]:
     """Run every stage from the checkpoint on; returns the final server state and rounds done.
 
@@ -258,7 +260,7 @@ def drive_stages(
         if si > resume_at and stage.rounds == 0:
             continue
         resumed_here = ckpt is not None and si == resume_at
-        entry = enter_stage(fed, stage, first_index + si, run_dir, server, book.stop)
+        entry = enter_stage(fed, stage, first_index + si, run_dir, server, book.stop, sweep=sweep)
         srv, states = entry.server, client_states(fed, entry, book.run_dir, stage.name)
         if resumed_here:
             assert ckpt is not None
@@ -289,6 +291,8 @@ def enter_stage(
     run_dir: Path,
     previous: ServerState | None,
     book_stop: StopRequest | None = None,
+    *,
+    sweep: bool = False,
 ) -> StagePlan:
     """The plan of ``stage``: the configured model's rounds, or what the stage's ``enter`` builds."""
     if stage.enter is None:
@@ -298,7 +302,8 @@ def enter_stage(
         server = algo.init_server(fed.flat.vector) if previous is None else previous
         return StagePlan(plan=plan, server=server, init_client=lambda k: algo.init_client(k, server))
     stop = book_stop.stop_now if book_stop is not None else None
-    return stage.enter(StageInput(fed=fed, run_dir=run_dir, previous=previous, stage_index=index, stop=stop))
+    entry = StageInput(fed=fed, run_dir=run_dir, previous=previous, stage_index=index, stop=stop, sweep=sweep)
+    return stage.enter(entry)
 
 
 def client_states(

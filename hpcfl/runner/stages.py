@@ -25,6 +25,7 @@ class StageInput:
     previous: ServerState | None  # the previous stage's final state; None when resuming inside the stage
     stage_index: int
     stop: Callable[[], bool] | None = None  # polled inside long set-up work (True: a stop was asked for)
+    sweep: bool = False  # entered by `hpcfl tct-stage2` on a run's stored inputs: read them, never rewrite
 
 
 @dataclass

@@ -178,8 +178,16 @@ def enter_stage2(entry: StageInput) -> StagePlan:
     if entry.previous is not None:
         theta = entry.previous.x
     else:
-        theta = load_torch_file(run_dir / STAGE1_MODEL, "stage 2 cannot resume; rerun with --overwrite")
-    setup = prepare_stage2(fed, theta, run_dir, fed.cfg.stage2, stop=entry.stop)
+        fix = (
+            "resume the run with --resume to write it again"
+            if entry.sweep
+            else "stage 2 cannot resume; rerun with --overwrite"
+        )
+        theta = load_torch_file(run_dir / STAGE1_MODEL, fix)
+    # a sweep reads the run's features as they are (a damaged store is named, not recomputed), except
+    # after stage2.rounds: 0, where the run stopped before computing them
+    extract = not entry.sweep or not (run_dir / "features.zarr").exists()
+    setup = prepare_stage2(fed, theta, run_dir, fed.cfg.stage2, stop=entry.stop, extract=extract)
     setup.plan.stage_index = entry.stage_index
     server = setup.initial_server()
     algo = setup.plan.algorithm
