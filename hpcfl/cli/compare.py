@@ -11,7 +11,7 @@ import argparse
 from importlib import resources
 from pathlib import Path
 
-from hpcfl.config import load_config
+from hpcfl.cli._config import load_cli_config
 from hpcfl.report import markdown_table, write_report
 from hpcfl.runner import StopRequest, run_experiment
 from hpcfl.runner.rundir import DONE
@@ -55,8 +55,8 @@ def _config_paths(args: argparse.Namespace) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.set) + ([f"data_root={args.data_root}"] if args.data_root else [])
-    cfgs = [load_config(path, overrides) for path in _config_paths(args)]  # validate all before running any
+    # validate all before running any
+    cfgs = [load_cli_config(path, args.set, args.data_root) for path in _config_paths(args)]
     stop = StopRequest()
     stop.install()
     run_dirs = []

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from hpcfl.comm import launcher_rank
+from hpcfl.data.root import absolutize_env
 from hpcfl.errors import HpcflError
 
 # Sub-command modules, in the order --help lists them.
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
+    absolutize_env()  # a relative $HPCFL_DATA must survive later changes of directory
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from hpcfl.cli._config import load_cli_config
 from hpcfl.comm import launcher_rank
-from hpcfl.config import load_config
 from hpcfl.runner import StopRequest, default_run_dir, run_experiment
 
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped cleanly on SIGUSR1/SIGTERM, resume to continue
@@ -41,8 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.set) + ([f"data_root={args.data_root}"] if args.data_root else [])
-    cfg = load_config(args.config, overrides)
+    cfg = load_cli_config(args.config, args.set, args.data_root)
     run_dir = args.run_dir or default_run_dir(cfg)
     stop = StopRequest()
     stop.install()
