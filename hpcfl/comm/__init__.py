@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from hpcfl.comm.base import Communicator
+from hpcfl.comm.guard import supervise_rank
 from hpcfl.comm.local import LocalComm
 from hpcfl.comm.placement import place_clients
 
@@ -43,4 +45,38 @@ def get_comm(kind: str = "auto") -> Communicator:
     return MPIComm()
 
 
-__all__ = ["Communicator", "LocalComm", "get_comm", "launched_world_size", "launcher_rank", "place_clients"]
+def abort_world(code: int) -> None:
+    """End every rank with ``code`` when MPI runs with several ranks; otherwise just return."""
+    if "mpi4py.MPI" in sys.modules:
+        from hpcfl.comm.mpi import abort_world as _abort_world
+
+        _abort_world(code)
+
+
+def finalize_mpi() -> None:
+    """Barrier and ``MPI_Finalize`` if this process initialised MPI; otherwise nothing."""
+    if "mpi4py.MPI" in sys.modules:
+        from hpcfl.comm.mpi import finalize_mpi as _finalize_mpi
+
+        _finalize_mpi()
+
+
+def mpi_library_version() -> str:
+    """First line of the MPI library's version string (imports mpi4py)."""
+    from hpcfl.comm.mpi import mpi_library_version as _version
+
+    return _version()
+
+
+__all__ = [
+    "Communicator",
+    "LocalComm",
+    "abort_world",
+    "finalize_mpi",
+    "get_comm",
+    "launched_world_size",
+    "launcher_rank",
+    "mpi_library_version",
+    "place_clients",
+    "supervise_rank",
+]
