@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpcfl.bench import scaling as sc
-from hpcfl.runner.files import read_jsonl
+from hpcfl.files import read_jsonl
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -694,7 +694,7 @@ def world_points(args: argparse.Namespace, base: dict[str, Any], ranks: int) -> 
 def run_world(args: argparse.Namespace) -> int:
     """World mode: measure every point of the options at the current world size, append rows."""
     from hpcfl.comm import get_comm
-    from hpcfl.runner.files import append_jsonl, read_jsonl
+    from hpcfl.files import append_jsonl, read_jsonl
 
     comm = get_comm("auto")
     stop = _StopFlag()
@@ -861,7 +861,7 @@ def run_launcher(args: argparse.Namespace) -> int:
 def run_probe_only(args: argparse.Namespace) -> int:
     """``--probe-only``: just the allreduce micro-benchmark at the current world."""
     from hpcfl.comm import get_comm
-    from hpcfl.runner.files import append_jsonl
+    from hpcfl.files import append_jsonl
 
     comm = get_comm("auto")
     if comm.size < 2:
@@ -1095,7 +1095,7 @@ def _plot_split(rows: Sequence[dict[str, Any]], path: Path) -> None:
 def summarize(src: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Rebuild the report from every raw row under ``src``; write CSV/JSON/PNG to ``out``."""
     from hpcfl.errors import ConfigError
-    from hpcfl.runner.files import atomic_write_text, read_jsonl
+    from hpcfl.files import atomic_write_text, read_jsonl
 
     raw = [r for p in sorted(Path(src).rglob(ROWS_FILE)) for r in read_jsonl(p)]
     probes = [r for p in sorted(Path(src).rglob(PROBE_FILE)) for r in read_jsonl(p)]

@@ -66,9 +66,9 @@ def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
 
 def run(args: argparse.Namespace) -> int:
     from hpcfl.comm import get_comm
+    from hpcfl.files import append_jsonl, write_jsonl
     from hpcfl.runner.experiment import STAGE1_MODEL, set_threads
     from hpcfl.runner.federation import build_federation
-    from hpcfl.runner.files import append_jsonl, write_jsonl
     from hpcfl.runner.progress import Progress
     from hpcfl.runner.rounds import run_rounds
     from hpcfl.tct.pipeline import prepare_stage2

@@ -22,9 +22,9 @@ from hpcfl.algorithms.base import state_from_dict, state_to_dict
 from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config
 from hpcfl.errors import HpcflError, RunDirError
+from hpcfl.files import append_jsonl, atomic_torch_save, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from hpcfl.runner.federation import Federation, build_federation, model_plan
-from hpcfl.runner.files import append_jsonl, atomic_torch_save, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import RoundHook, run_rounds
 from hpcfl.runner.rundir import DONE, prepare_run_dir
