@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from hpcfl.cli._config import load_cli_config
+from hpcfl.errors import EXIT_RESUMABLE
 from hpcfl.report import markdown_table, write_report
 from hpcfl.runner import StopRequest, run_experiment
 from hpcfl.runner.rundir import DONE
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_experiment(cfg, run_dir, resume=True, stop=stop)
         if not result.finished:
             print(f"stopped by signal; run the same command again to continue ({run_dir})")
-            return 75
+            return EXIT_RESUMABLE
     runs = write_report(run_dirs, args.out)
     print(markdown_table(runs), end="")
     print(f"table and plot: {args.out / 'report.md'}, {args.out / 'accuracy.png'}")

@@ -8,9 +8,8 @@ from pathlib import Path
 
 from hpcfl.cli._config import load_cli_config
 from hpcfl.comm import launcher_rank
+from hpcfl.errors import EXIT_RESUMABLE
 from hpcfl.runner import StopRequest, default_run_dir, run_experiment
-
-EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped cleanly on SIGUSR1/SIGTERM, resume to continue
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -23,6 +23,7 @@ import submitit
 from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import DelayedSubmission
 
+from hpcfl.comm import finalize_mpi
 from hpcfl.config import config_from_dict
 from hpcfl.errors import ConfigError
 from hpcfl.runner import StopRequest, run_experiment
@@ -93,10 +94,7 @@ class HpcflJob(submitit.helpers.Checkpointable):
         job/step id, which the rerun of a requeued job reuses; ranks killed by the requeue before
         MPI_Finalize leave it in /dev/shm and the rerun's MPI_Init then fails ("Message truncated").
         """
-        mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            mpi.COMM_WORLD.Barrier()
-            mpi.Finalize()
+        finalize_mpi()
         env = submitit.JobEnvironment()
         if env.global_rank == 0:
             print(

@@ -105,8 +105,6 @@ def ensure_store(
     model: nn.Module,
     cfg2: Stage2Section,
     comm: Communicator,
-    *,
-    on_item: object = None,
 ) -> None:
     """Make ``path`` a complete store of ``meta`` holding ``items`` ({id: (x, labels)}) of every rank.
 
@@ -130,8 +128,6 @@ def ensure_store(
             writer.write(start, block)
             start += block.shape[0]
         writer.finish(labels.cpu())
-        if callable(on_item):
-            on_item()
     comm.barrier()
     if comm.rank == 0:
         mark_complete(path, clients=all_ids)
