@@ -223,7 +223,7 @@ def _check_row(row: dict[str, Any], ranks: int) -> None:
 
 
 def test_worker_measures_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in sc._LAUNCHED_VARS:
+    for var in sc.LAUNCHED_VARS:
         monkeypatch.delenv(var, raising=False)
     threads = torch.get_num_threads()
     args = _args(
@@ -261,7 +261,7 @@ def test_launcher_sweeps_one_and_two_ranks(tmp_path: Path) -> None:
 def test_requeued_slurm_job_skips_what_it_measured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for var in sc._LAUNCHED_VARS:
+    for var in sc.LAUNCHED_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
