@@ -50,5 +50,7 @@ def test_bug_on_one_rank_ends_the_job_with_traceback_and_one_line() -> None:
 @pytest.mark.mpi
 def test_rank_killed_by_sigkill_ends_the_job_with_one_line() -> None:
     proc = _run_two_ranks("kill")
-    assert proc.returncode == 128 + 9, proc.stderr
+    # Usually 137 (the guard's 128 + 9). Now and then MPICH's hydra reports the SIGKILL it sent to
+    # a surviving guard instead (exit 9, plus its own banner on stdout); our line is there either way.
+    assert proc.returncode in (128 + 9, 9), proc.stderr
     assert proc.stderr.strip().splitlines() == ["hpcfl: error: rank 1: killed by SIGKILL"]

@@ -87,11 +87,8 @@ def run_command(func: Callable[[], int | None]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     args_list = sys.argv[1:] if argv is None else list(argv)
-    guarded = supervise_rank(
-        ["-m", "hpcfl", *args_list], rank=launcher_rank(), world_size=launched_world_size()
-    )
-    if guarded is not None:
-        return guarded
+    # Under a launcher with several ranks this process becomes the rank's guard (no return).
+    supervise_rank(["-m", "hpcfl", *args_list], rank=launcher_rank(), world_size=launched_world_size())
     absolutize_env()  # a relative $HPCFL_DATA must survive later changes of directory
     parser = build_parser()
     args = parser.parse_args(args_list)

@@ -12,9 +12,7 @@ from hpcfl.cli.main import run_command
 from hpcfl.comm import get_comm, launched_world_size, launcher_rank, supervise_rank
 from hpcfl.errors import DataError
 
-code = supervise_rank([__file__, *sys.argv[1:]], rank=launcher_rank(), world_size=launched_world_size())
-if code is not None:
-    sys.exit(code)
+supervise_rank([__file__, *sys.argv[1:]], rank=launcher_rank(), world_size=launched_world_size())
 
 MODE = sys.argv[1]
 
