@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, VENV_BIN
+from tests.helpers import REPO, VENV_BIN, mpiexec_cmd, synthetic_config
 
 PROGRAM = REPO / "tests" / "mpi_programs" / "rank_fails.py"
 
@@ -54,3 +54,19 @@ def test_rank_killed_by_sigkill_ends_the_job_with_one_line() -> None:
     # a surviving guard instead (exit 9, plus its own banner on stdout); our line is there either way.
     assert proc.returncode in (128 + 9, 9), proc.stderr
     assert proc.stderr.strip().splitlines() == ["hpcfl: error: rank 1: killed by SIGKILL"]
+
+
+@pytest.mark.mpi
+def test_error_every_rank_hits_before_mpi_starts_is_said_once(tmp_path) -> None:
+    cfg = synthetic_config(tmp_path, model="nope")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(tmp_path / "r")),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("hpcfl: error: unknown model 'nope'")

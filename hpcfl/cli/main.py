@@ -6,11 +6,12 @@ stderr and exit with their code; in one process nothing else is caught, so a bug
 traceback.
 
 Under a launcher with several ranks a failure must end the whole job, or the other ranks wait
-forever in their next collective: the failing rank prints one line ``rank R: <cause>`` (after the
-traceback, for a bug) and aborts every rank through MPI. Ranks other than 0 first wait a short
-grace period, so an error that every rank hits (a bad config) is reported once, by rank 0, whose
-abort ends the others before they speak. A rank killed by a signal is reported by its guard
-(:mod:`hpcfl.comm.guard`).
+forever in their next collective: once MPI runs, the failing rank prints one line
+``rank R: <cause>`` (after the traceback, for a bug) and aborts every rank through MPI. Ranks other
+than 0 first wait a short grace period, so an error that every rank hits is reported once, by
+rank 0, whose abort ends the others before they speak. Before MPI starts (options, config) every
+rank fails alike and rank 0 alone reports, as in one process. A rank killed by a signal is reported
+by its guard (:mod:`hpcfl.comm.guard`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from hpcfl.comm import abort_world, launched_world_size, launcher_rank, supervise_rank
+from hpcfl.comm import abort_world, launched_world_size, launcher_rank, mpi_initialized, supervise_rank
 from hpcfl.data.root import absolutize_env
 from hpcfl.errors import HpcflError
 
@@ -56,11 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _fail(cause: str, code: int) -> int:
     """Report a failure in one line and return ``code``; with several ranks, end them all."""
-    world = launched_world_size()
-    if world <= 1:
-        print(f"hpcfl: error: {cause}", file=sys.stderr, flush=True)
-        return code
     rank = launcher_rank()
+    if launched_world_size() <= 1 or not mpi_initialized():
+        # One process, or MPI not started yet: every rank parses the same options and config, so
+        # they all fail alike and rank 0 says it once; the launcher ends the job as they exit.
+        if rank == 0:
+            print(f"hpcfl: error: {cause}", file=sys.stderr, flush=True)
+        return code
     if rank != 0:
         time.sleep(REPORT_GRACE_S)
     print(f"hpcfl: error: rank {rank}: {cause}", file=sys.stderr, flush=True)
@@ -87,8 +90,10 @@ def run_command(func: Callable[[], int | None]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     args_list = sys.argv[1:] if argv is None else list(argv)
-    # Under a launcher with several ranks this process becomes the rank's guard (no return).
-    supervise_rank(["-m", "hpcfl", *args_list], rank=launcher_rank(), world_size=launched_world_size())
+    # Under a launcher with several ranks this process becomes the rank's guard (no return); the
+    # rank is started again exactly as this process was (interpreter options included).
+    rerun = sys.orig_argv[1:] if argv is None else ["-m", "hpcfl", *args_list]
+    supervise_rank(rerun, rank=launcher_rank(), world_size=launched_world_size())
     absolutize_env()  # a relative $HPCFL_DATA must survive later changes of directory
     parser = build_parser()
     args = parser.parse_args(args_list)

@@ -2,6 +2,10 @@
 
 :func:`get_comm` picks MPI when the process was started by a launcher with more than one rank
 (``mpiexec``, ``srun``), so ``mpiexec -n R hpcfl run ...`` and ``srun hpcfl run ...`` just work.
+
+This package is the only place that touches MPI: the rest of hpcfl ends a failed job with
+:func:`abort_world`, finalises with :func:`finalize_mpi`, and runs each launched rank under
+:func:`supervise_rank` (the guard of :mod:`hpcfl.comm.guard`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,15 @@ def get_comm(kind: str = "auto") -> Communicator:
     return MPIComm()
 
 
+def mpi_initialized() -> bool:
+    """True when this process has initialised MPI and not finalised it (never imports mpi4py)."""
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    from hpcfl.comm.mpi import initialized_mpi
+
+    return initialized_mpi() is not None
+
+
 def abort_world(code: int) -> None:
     """End every rank with ``code`` when MPI runs with several ranks; otherwise just return."""
     if "mpi4py.MPI" in sys.modules:
@@ -76,6 +89,7 @@ __all__ = [
     "get_comm",
     "launched_world_size",
     "launcher_rank",
+    "mpi_initialized",
     "mpi_library_version",
     "place_clients",
     "supervise_rank",
