@@ -35,8 +35,8 @@ def run_cached(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
     """One run (in a worker process): skipped when DONE with this config, resumed when unfinished."""
     from hpcfl.config import config_from_dict
     from hpcfl.errors import HpcflError
+    from hpcfl.files import read_jsonl
     from hpcfl.runner import run_experiment
-    from hpcfl.runner.files import read_jsonl
 
     path = Path(run_dir)
     same = _same_config(path, cfg_dict)

@@ -169,7 +169,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hpcfl.runner.files import save_figure
+    from hpcfl.files import save_figure
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     sc = [r for r in results if r["study"] == "scaling"]

@@ -212,7 +212,7 @@ def figure3_runs(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 def _tct_stage2(run_dir: Path, pairs: list[str], rounds: int) -> list[dict[str, Any]]:
     """``hpcfl tct-stage2 RUN_DIR --set PAIRS`` unless its metrics are already complete."""
     from hpcfl.cli.tct_stage2 import _sweep_config
-    from hpcfl.runner.files import read_jsonl
+    from hpcfl.files import read_jsonl
 
     _, tag = _sweep_config(run_dir, pairs)
     metrics = run_dir / "stage2" / tag / "metrics.jsonl"

@@ -446,7 +446,7 @@ def _validate_names(cfg: Config) -> None:
 
 def dump_config(cfg: Config, path: Path) -> None:
     """Write the resolved config as YAML (atomically)."""
-    from hpcfl.runner.files import atomic_write_text
+    from hpcfl.files import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 

@@ -10,6 +10,11 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+EXIT_RESUMABLE = 75
+"""Exit code of a run stopped cleanly by SIGUSR1/SIGTERM after checkpointing (EX_TEMPFAIL): run the
+same command again (or ``--resume``) to continue. ``hpcfl run``, ``hpcfl compare`` and the scaling
+sweep use it; SLURM scripts requeue on it."""
+
 
 class HpcflError(Exception):
     """A problem the user can fix; ``str(err)`` names the cause and the fix in one line."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hpcfl.config import read_yaml
 from hpcfl.errors import RunDirError
-from hpcfl.runner.files import atomic_write_text, read_jsonl
+from hpcfl.files import atomic_write_text, read_jsonl, save_figure
 
 
 @dataclass
@@ -116,12 +116,7 @@ def plot_accuracy(
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def write_report(run_dirs: list[Path], out: Path) -> list[RunSummary]:

@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _default_data_root() -> Path | None:
     env = os.environ.get("HPCFL_DATA")
-    if env:
-        return Path(env)
+    if env:  # absolute now: tests change directory and symlink into the data (README runs it relative)
+        return Path(os.path.abspath(Path(env).expanduser()))
     guess = REPO.parent / "shared" / "datasets"
     return guess if guess.is_dir() else None
 

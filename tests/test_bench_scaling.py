@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpcfl.bench import scaling as sc
-from hpcfl.runner.files import read_jsonl
+from hpcfl.files import read_jsonl
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -218,12 +218,12 @@ def _check_row(row: dict[str, Any], ranks: int) -> None:
     assert row["timed_rounds"] == 1 and len(row["per_round"]) == 1, "warm-up round dropped"
     assert row["samples_per_client"] == 20 and row["samples_per_round"] == 40
     assert row["compute_s"] > 0 and row["train_s"] >= row["compute_s"] and row["eval_s"] > 0
-    assert row["allreduce_s"] >= 0 and row["buffer_bytes"] == 4 * (row["payload_floats"] + 2 + 2)
+    assert row["allreduce_s"] >= 0 and row["buffer_bytes"] == 8 * (row["payload_floats"] + 2 * 2 + 2 + 3 * ranks)
     assert row["nodes"] == 1 and row["threads"] == 1
 
 
 def test_worker_measures_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in sc._LAUNCHED_VARS:
+    for var in sc.LAUNCHED_VARS:
         monkeypatch.delenv(var, raising=False)
     threads = torch.get_num_threads()
     args = _args(
@@ -261,7 +261,7 @@ def test_launcher_sweeps_one_and_two_ranks(tmp_path: Path) -> None:
 def test_requeued_slurm_job_skips_what_it_measured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for var in sc._LAUNCHED_VARS:
+    for var in sc.LAUNCHED_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")

@@ -283,7 +283,7 @@ _CHILD = textwrap.dedent(
     from pathlib import Path
     from tests.test_client_states import State, init, kill_round
     from hpcfl.runner.client_states import ClientStates
-    from hpcfl.runner.files import atomic_torch_save
+    from hpcfl.files import atomic_torch_save
     run_dir = Path(sys.argv[1])
     cs = ClientStates(init, num_clients=16, budget_bytes=0, path=run_dir / "cs.zarr")
     kill_round(cs, run_dir, 0, 10**9, save=atomic_torch_save)

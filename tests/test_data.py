@@ -223,6 +223,27 @@ def test_resolve_data_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert resolve_data_root(None) == Path.home() / ".cache" / "hpcfl"
 
 
+def test_relative_data_roots_become_absolute_where_they_enter(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A relative root names the directory seen from where it entered, whatever the cwd later is."""
+    from hpcfl.cli._config import load_cli_config
+    from hpcfl.data.root import absolutize_env
+
+    (tmp_path / "work" / "repo").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work" / "repo")
+    monkeypatch.setenv("HPCFL_DATA", "../shared/datasets")
+    expected = tmp_path / "work" / "shared" / "datasets"
+    assert resolve_data_root(None) == expected
+    assert resolve_data_root("../shared/datasets") == expected
+    cfg = load_cli_config(None, ["data_root=../d"], None)
+    assert cfg.data_root == str(tmp_path / "work" / "d")
+    assert load_cli_config(None, [], "../flag").data_root == str(tmp_path / "work" / "flag")
+    absolutize_env()
+    monkeypatch.chdir(tmp_path)
+    assert os.environ["HPCFL_DATA"] == str(expected) and resolve_data_root(None) == expected
+
+
 def test_unknown_dataset_and_option_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="unknown dataset 'fashion-mnst'.*did you mean 'fashion-mnist'"):
         load_dataset("fashion-mnst")

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import os
 import statistics
@@ -352,6 +353,8 @@ def _plot(rows: list[dict[str, Any]], config: dict[str, Any], path: Path) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hpcfl.files import save_figure
+
     ok = [r for r in rows if r.get("status") == "ok"]
     fig, ax = plt.subplots(figsize=(7, 4))
     names = [r["method"] for r in ok]
@@ -372,13 +375,13 @@ def _plot(rows: list[dict[str, Any]], config: dict[str, Any], path: Path) -> Non
             va="bottom",
         )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run every method (plus ``plain``) in its own subprocess, write CSV/JSON/PNG, print a table."""
     from hpcfl.errors import ConfigError
+    from hpcfl.files import atomic_write_text
 
     methods = parse_methods(args.methods)
     if args.device == "cuda":
@@ -439,7 +442,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         item["median_of_rounds"] = statistics.median(item["per_round"])
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"config": config, "command": " ".join(sys.argv), "results": rows, "acceptance": acceptance}
-    (args.out / "entk_bench.json").write_text(json.dumps(report, indent=2))
+    atomic_write_text(args.out / "entk_bench.json", json.dumps(report, indent=2))
     fields = [
         "method",
         "status",
@@ -451,10 +454,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "threads",
         "note",
     ]
-    with open(args.out / "entk_bench.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(args.out / "entk_bench.csv", table.getvalue())
     _plot(rows, config, args.out / "entk_bench.png")
     print(_table(rows, plain))
     for name, item in acceptance.items():

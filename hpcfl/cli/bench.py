@@ -13,16 +13,11 @@ KINDS: tuple[str, ...] = ("entk", "scaling")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench`` and one sub-command per available kind."""
+    """Add ``bench`` and one sub-command per kind."""
     parser = subparsers.add_parser("bench", help="measure throughput and scaling; writes CSV/JSON/PNG")
     kinds = parser.add_subparsers(dest="bench_kind", metavar="KIND")
     for kind in KINDS:
-        try:
-            module = importlib.import_module(f"hpcfl.bench.{kind}")
-        except ModuleNotFoundError as err:
-            if err.name == f"hpcfl.bench.{kind}":
-                continue
-            raise
+        module = importlib.import_module(f"hpcfl.bench.{kind}")
         sub = kinds.add_parser(kind, help=module.HELP, description=module.HELP)
         module.add_arguments(sub)
         sub.set_defaults(func=module.run_cli)

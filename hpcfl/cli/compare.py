@@ -11,8 +11,8 @@ import argparse
 from importlib import resources
 from pathlib import Path
 
-from hpcfl.config import load_config
-from hpcfl.errors import StoppedError
+from hpcfl.cli._config import load_cli_config
+from hpcfl.errors import EXIT_RESUMABLE, StoppedError
 from hpcfl.report import markdown_table, write_report
 from hpcfl.runner import StopRequest, run_experiment
 from hpcfl.runner.rundir import DONE
@@ -56,8 +56,8 @@ def _config_paths(args: argparse.Namespace) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.set) + ([f"data_root={args.data_root}"] if args.data_root else [])
-    cfgs = [load_config(path, overrides) for path in _config_paths(args)]  # validate all before running any
+    # validate all before running any
+    cfgs = [load_cli_config(path, args.set, args.data_root) for path in _config_paths(args)]
     stop = StopRequest()
     stop.install()
     run_dirs = []
@@ -72,10 +72,10 @@ def run(args: argparse.Namespace) -> int:
             result = run_experiment(cfg, run_dir, resume=True, stop=stop)
         except StoppedError as err:
             print(f"{err}; run the same command again to continue ({run_dir})")
-            return 75
+            return EXIT_RESUMABLE
         if not result.finished:
             print(f"stopped by signal; run the same command again to continue ({run_dir})")
-            return 75
+            return EXIT_RESUMABLE
     runs = write_report(run_dirs, args.out)
     print(markdown_table(runs), end="")
     print(f"table and plot: {args.out / 'report.md'}, {args.out / 'accuracy.png'}")

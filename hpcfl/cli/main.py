@@ -3,7 +3,16 @@
 Each sub-command lives in its own module of this package exposing ``register(subparsers)`` (adds
 its parser and sets ``func``). User errors (:class:`hpcfl.errors.HpcflError`) print one line on
 stderr and exit with their code, and so do the OS errors of writing files (disk full, quota,
-permissions, read-only file system); nothing else is caught, so a bug still shows its traceback.
+permissions, read-only file system); in one process nothing else is caught, so a bug still shows
+its traceback.
+
+Under a launcher with several ranks a failure must end the whole job, or the other ranks wait
+forever in their next collective: once MPI runs, the failing rank prints one line
+``rank R: <cause>`` (after the traceback, for a bug) and aborts every rank through MPI. Ranks other
+than 0 first wait a short grace period, so an error that every rank hits is reported once, by
+rank 0, whose abort ends the others before they speak. Before MPI starts (options, config) every
+rank fails alike and rank 0 alone reports, as in one process. A rank killed by a signal is reported
+by its guard (:mod:`hpcfl.comm.guard`).
 """
 
 from __future__ import annotations
@@ -12,8 +21,12 @@ import argparse
 import errno
 import importlib
 import sys
+import time
+import traceback
+from collections.abc import Callable
 
-from hpcfl.comm import launcher_rank
+from hpcfl.comm import abort_world, launched_world_size, launcher_rank, mpi_initialized, supervise_rank
+from hpcfl.data.root import absolutize_env
 from hpcfl.errors import HpcflError
 
 # OS errors a user or the machine causes while hpcfl writes files: one line naming the path and
@@ -32,48 +45,73 @@ _COMMANDS = (
     "bench",
 )
 
+# Seconds a failing rank other than 0 waits before reporting (see the module docstring).
+REPORT_GRACE_S = 2.0
+
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser, with every available sub-command registered."""
+    """The full argument parser, with every sub-command registered."""
     parser = argparse.ArgumentParser(
         prog="hpcfl",
         description="Federated learning on heterogeneous data, from one process to a SLURM cluster.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
-        try:
-            module = importlib.import_module(f"hpcfl.cli.{name}")
-        except ModuleNotFoundError as err:
-            if err.name == f"hpcfl.cli.{name}":
-                continue  # sub-command not part of this build
-            raise
-        module.register(sub)
+        importlib.import_module(f"hpcfl.cli.{name}").register(sub)
     return parser
+
+
+def _fail(cause: str, code: int) -> int:
+    """Report a failure in one line and return ``code``; with several ranks, end them all."""
+    rank = launcher_rank()
+    if launched_world_size() <= 1 or not mpi_initialized():
+        # One process, or MPI not started yet: every rank parses the same options and config, so
+        # they all fail alike and rank 0 says it once; the launcher ends the job as they exit.
+        if rank == 0:
+            print(f"hpcfl: error: {cause}", file=sys.stderr, flush=True)
+        return code
+    if rank != 0:
+        time.sleep(REPORT_GRACE_S)
+    print(f"hpcfl: error: rank {rank}: {cause}", file=sys.stderr, flush=True)
+    abort_world(code)  # returns only when MPI is not running (the launcher ends the others)
+    return code
+
+
+def run_command(func: Callable[[], int | None]) -> int:
+    """Call ``func`` and turn what escapes it into an exit code, as the ``hpcfl`` command does."""
+    try:
+        return int(func() or 0)
+    except HpcflError as err:
+        return _fail(str(err), err.exit_code)
+    except OSError as err:
+        if err.errno not in _USER_ERRNOS:
+            raise
+        where = f" {err.filename}" if err.filename else ""
+        return _fail(f"cannot write{where}: {err.strerror or err}", 1)
+    except KeyboardInterrupt:
+        print("hpcfl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if launched_world_size() <= 1:
+            raise
+        traceback.print_exc()
+        return _fail(f"internal error: {type(err).__name__}: {err}", 1)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    # Under a launcher with several ranks this process becomes the rank's guard (no return); the
+    # rank is started again exactly as this process was (interpreter options included).
+    rerun = sys.orig_argv[1:] if argv is None else ["-m", "hpcfl", *args_list]
+    supervise_rank(rerun, rank=launcher_rank(), world_size=launched_world_size())
+    absolutize_env()  # a relative $HPCFL_DATA must survive later changes of directory
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_list)
     if not getattr(args, "func", None):
         parser.print_help()
         return 1
-    try:
-        return int(args.func(args) or 0)
-    except HpcflError as err:
-        if launcher_rank() == 0:  # every rank hits the same error; say it once
-            print(f"hpcfl: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except OSError as err:
-        if err.errno not in _USER_ERRNOS:
-            raise
-        if launcher_rank() == 0:
-            where = f" {err.filename}" if err.filename else ""
-            print(f"hpcfl: error: cannot write{where}: {err.strerror or err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("hpcfl: interrupted", file=sys.stderr)
-        return 130
+    return run_command(lambda: args.func(args))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         plot_partition_heatmap,
         save_partition,
     )
+    from hpcfl.data.root import absolute_data_root
 
     spec = args.partition.strip().lower()
     parse_partition_spec(spec)  # a bad spec fails before any data is read
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-clients must be >= 1, got {args.num_clients}")
     if args.min_size < 0:
         raise ConfigError(f"--min-size must be >= 0, got {args.min_size}")
-    dataset = load_dataset(name, args.data_root, download=not args.no_download)
+    dataset = load_dataset(name, absolute_data_root(args.data_root), download=not args.no_download)
     parts = partition(
         dataset.train.y,
         spec,

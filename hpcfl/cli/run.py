@@ -7,12 +7,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from hpcfl.cli._config import load_cli_config
 from hpcfl.comm import launched_world_size, launcher_rank
-from hpcfl.config import load_config
-from hpcfl.errors import CommError, StoppedError
+from hpcfl.errors import EXIT_RESUMABLE, CommError, StoppedError
 from hpcfl.runner import StopRequest, default_run_dir, run_experiment
-
-EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped cleanly on SIGUSR1/SIGTERM, resume to continue
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,8 +51,7 @@ def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.set) + ([f"data_root={args.data_root}"] if args.data_root else [])
-    cfg = load_config(args.config, overrides)
+    cfg = load_cli_config(args.config, args.set, args.data_root)
     ranks = launched_world_size() if cfg.comm != "local" else 1
     if ranks > cfg.num_clients:  # before any data is read or any rank waits on another
         raise CommError(

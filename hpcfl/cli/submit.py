@@ -156,13 +156,12 @@ def follow(run_dir: Path, job: Any, poll_s: float = 2.0) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Validate, then print the script (``--dry-run``) or queue the job."""
-    from hpcfl.config import load_config
+    from hpcfl.cli._config import load_cli_config
     from hpcfl.launch import render_sbatch, submit_run
     from hpcfl.launch.submit import SLURM_DIR, check_options, check_run_dir
     from hpcfl.runner import default_run_dir
 
-    overrides = list(args.set) + ([f"data_root={args.data_root}"] if args.data_root else [])
-    cfg = load_config(args.config, overrides)
+    cfg = load_cli_config(args.config, args.set, args.data_root)
     run_dir = (args.run_dir or default_run_dir(cfg)).resolve()
     options = _options(args)
     if args.dry_run:

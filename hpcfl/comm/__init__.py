@@ -2,13 +2,19 @@
 
 :func:`get_comm` picks MPI when the process was started by a launcher with more than one rank
 (``mpiexec``, ``srun``), so ``mpiexec -n R hpcfl run ...`` and ``srun hpcfl run ...`` just work.
+
+This package is the only place that touches MPI: the rest of hpcfl ends a failed job with
+:func:`abort_world`, finalises with :func:`finalize_mpi`, and runs each launched rank under
+:func:`supervise_rank` (the guard of :mod:`hpcfl.comm.guard`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 from hpcfl.comm.base import Communicator
+from hpcfl.comm.guard import supervise_rank
 from hpcfl.comm.local import LocalComm
 from hpcfl.comm.placement import place_clients, place_round
 
@@ -43,12 +49,49 @@ def get_comm(kind: str = "auto") -> Communicator:
     return MPIComm()
 
 
+def mpi_initialized() -> bool:
+    """True when this process has initialised MPI and not finalised it (never imports mpi4py)."""
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    from hpcfl.comm.mpi import initialized_mpi
+
+    return initialized_mpi() is not None
+
+
+def abort_world(code: int) -> None:
+    """End every rank with ``code`` when MPI runs with several ranks; otherwise just return."""
+    if "mpi4py.MPI" in sys.modules:
+        from hpcfl.comm.mpi import abort_world as _abort_world
+
+        _abort_world(code)
+
+
+def finalize_mpi() -> None:
+    """Barrier and ``MPI_Finalize`` if this process initialised MPI; otherwise nothing."""
+    if "mpi4py.MPI" in sys.modules:
+        from hpcfl.comm.mpi import finalize_mpi as _finalize_mpi
+
+        _finalize_mpi()
+
+
+def mpi_library_version() -> str:
+    """First line of the MPI library's version string (imports mpi4py)."""
+    from hpcfl.comm.mpi import mpi_library_version as _version
+
+    return _version()
+
+
 __all__ = [
     "Communicator",
     "LocalComm",
+    "abort_world",
+    "finalize_mpi",
     "get_comm",
     "launched_world_size",
     "launcher_rank",
+    "mpi_initialized",
+    "mpi_library_version",
     "place_clients",
     "place_round",
+    "supervise_rank",
 ]

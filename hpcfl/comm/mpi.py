@@ -6,6 +6,8 @@ are staged through host memory unless the MPI library reports CUDA awareness.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -21,6 +23,49 @@ def _import_mpi() -> Any:
             "this run needs MPI but mpi4py is not installed; install it with: pip install 'hpcfl[mpi]'"
         ) from err
     return MPI
+
+
+def initialized_mpi() -> Any | None:
+    """mpi4py's ``MPI`` module if this process initialised MPI and has not finalised it, else None.
+
+    Never imports or initialises MPI itself, so it is safe to call from any error path.
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi
+    return None
+
+
+def abort_world(code: int) -> None:
+    """End every rank of ``MPI.COMM_WORLD`` with ``code`` if MPI runs with several ranks, else return.
+
+    Called when one rank fails alone: the others would otherwise wait forever in a collective.
+    """
+    mpi = initialized_mpi()
+    if mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
+        _abort(mpi.COMM_WORLD, code)
+
+
+def finalize_mpi() -> None:
+    """Wait for every rank, then finalise MPI if this process initialised it (else do nothing)."""
+    mpi = initialized_mpi()
+    if mpi is not None:
+        mpi.COMM_WORLD.Barrier()
+        mpi.Finalize()
+
+
+def mpi_library_version() -> str:
+    """First line of the MPI library's version string (e.g. ``MPICH Version: 4.2.0``)."""
+    return str(_import_mpi().Get_library_version()).splitlines()[0].strip()
+
+
+def _abort(comm: Any, code: int) -> None:
+    """``MPI_Abort`` with the library's own report silenced: the caller has already said, in one
+    line, which rank failed and why; MPICH would add a second line that names no cause."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    comm.Abort(code)
 
 
 def _cuda_aware(mpi: Any) -> bool:

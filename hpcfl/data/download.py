@@ -19,8 +19,10 @@ import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from hpcfl.errors import DataError
+from hpcfl.files import atomic_write, atomic_write_text
 
 _CHUNK = 1 << 20
 
@@ -97,9 +99,7 @@ def _write_cached_md5(path: Path, st: os.stat_result, digest: str) -> None:
                     continue
             else:
                 side.parent.mkdir(parents=True, exist_ok=True)
-            tmp = side.with_name(f"{side.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(record) + "\n")
-            os.replace(tmp, side)
+            atomic_write_text(side, json.dumps(record) + "\n")
             return
         except OSError:
             continue
@@ -137,13 +137,12 @@ def download_file(
     not exist.
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}")
     digest = hashlib.md5(usedforsecurity=False)
     print(f"hpcfl: downloading {url} -> {dest}", file=sys.stderr)
-    try:
+
+    def fetch(out: BinaryIO) -> None:
         request = urllib.request.Request(url, headers={"User-Agent": "hpcfl"})
-        with urllib.request.urlopen(request, timeout=timeout) as response, open(tmp, "wb") as out:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             while chunk := response.read(_CHUNK):
                 digest.update(chunk)
                 out.write(chunk)
@@ -152,12 +151,10 @@ def download_file(
                 f"downloaded {url} but its md5 is {digest.hexdigest()}, expected {md5}; "
                 "the mirror may be broken: try again later or fetch the file by hand"
             )
-        os.replace(tmp, dest)
-    except DataError:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    try:
+        atomic_write(dest, fetch)  # the temp file is removed on any failure
     except (OSError, ValueError) as err:  # URLError, HTTPError, timeouts and disk errors are OSError
-        tmp.unlink(missing_ok=True)
         reason = " ".join(str(err).split())
         raise _TransferError(f"downloading {url} failed ({reason})") from err
     _write_cached_md5(dest, dest.stat(), digest.hexdigest())

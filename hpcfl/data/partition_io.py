@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hpcfl.errors import DataError
+from hpcfl.files import atomic_write_text, save_figure
 
 FORMAT = "hpcfl-partition"
 VERSION = 1
@@ -49,7 +50,7 @@ def save_partition(
     *,
     dataset: str | None = None,
 ) -> Path:
-    """Write ``partition.json`` atomically (temp file + ``os.replace``); returns its path.
+    """Write ``partition.json`` atomically (temp file + rename); returns its path.
 
     ``path`` is the file to write, or a directory to write ``partition.json`` into.
     """
@@ -72,13 +73,7 @@ def save_partition(
         client = {"client": k, "size": int(part.numel()), "counts": row.tolist(), "indices": part.tolist()}
         lines.append("  " + json.dumps(client, separators=(",", ":")))
     text = json.dumps(head)[:-1] + ',\n "clients": [\n' + ",\n".join(lines) + "\n ]}\n"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(target, text)
     return target
 
 
@@ -167,12 +162,4 @@ def plot_partition_heatmap(
                 color = "black" if counts[i, j] > threshold else "white"
                 ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=7, color=color)
     ax.set_title(title or f"{k} clients x {c} classes")
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+    return save_figure(fig, Path(path), dpi=100, fmt="png")

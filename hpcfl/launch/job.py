@@ -24,6 +24,7 @@ import submitit
 from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import DelayedSubmission
 
+from hpcfl.comm import finalize_mpi
 from hpcfl.config import config_from_dict
 from hpcfl.errors import ConfigError, StoppedError
 from hpcfl.runner import StopRequest, run_experiment
@@ -40,8 +41,8 @@ def error_path(folder: Path, job_id: str, rank: int = 0) -> Path:
 
 def _record_error(run_dir: Path, err: BaseException) -> None:
     """Write ``{"error": "Type: first line"}`` beside submitit's files (best effort)."""
+    from hpcfl.files import atomic_write_text
     from hpcfl.launch.submit import SLURM_DIR
-    from hpcfl.runner.files import atomic_write_text
 
     try:
         env = submitit.JobEnvironment()
@@ -132,10 +133,7 @@ class HpcflJob(submitit.helpers.Checkpointable):
         job/step id, which the rerun of a requeued job reuses; ranks killed by the requeue before
         MPI_Finalize leave it in /dev/shm and the rerun's MPI_Init then fails ("Message truncated").
         """
-        mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            mpi.COMM_WORLD.Barrier()
-            mpi.Finalize()
+        finalize_mpi()
         env = submitit.JobEnvironment()
         if env.global_rank == 0:
             print(

@@ -29,8 +29,8 @@ from submitit.core.utils import FailedJobError
 
 from hpcfl.config import Config, config_differences, read_yaml
 from hpcfl.errors import CommError, ConfigError, RunDirError
+from hpcfl.files import append_jsonl
 from hpcfl.launch.job import HpcflJob
-from hpcfl.runner.files import append_jsonl
 
 #: Sub-directory of the run directory that holds submitit's files and the job records.
 SLURM_DIR = "slurm"
@@ -244,7 +244,7 @@ class JobRecord:
 
 def read_job_records(run_dir: Path) -> list[JobRecord]:
     """Every recorded submission of ``run_dir``, oldest first."""
-    from hpcfl.runner.files import read_jsonl
+    from hpcfl.files import read_jsonl
 
     path = run_dir / SLURM_DIR / JOBS_FILE
     records = []

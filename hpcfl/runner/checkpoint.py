@@ -19,7 +19,7 @@ import torch
 
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import RunDirError
-from hpcfl.runner.files import atomic_torch_save, atomic_write_text
+from hpcfl.files import atomic_torch_save, atomic_write_text
 
 KEEP = 2  # complete checkpoints kept on disk
 

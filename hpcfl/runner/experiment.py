@@ -25,10 +25,10 @@ from hpcfl.algorithms.base import Stage, state_from_dict, state_to_dict
 from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config, parse_memory_budget
 from hpcfl.errors import ConfigError, HpcflError, RunDirError
+from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from hpcfl.runner.client_states import ClientStates
 from hpcfl.runner.federation import Federation, build_federation, model_plan
-from hpcfl.runner.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.runner.lock import RunLock
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
@@ -173,6 +173,22 @@ class _Bookkeeper:
         return after_round
 
 
+class RecordingBook:
+    """The driver's bookkeeping without files: rows kept in memory, no checkpoints (benchmarks)."""
+
+    def __init__(self, run_dir: Path, comm: Communicator) -> None:
+        self.run_dir, self.comm, self.stop = run_dir, comm, StopRequest()
+        self.rows: list[dict[str, Any]] = []
+
+    def hook(self, stage: str, offset: int, last: int) -> RoundHook:
+        def after_round(done: int, srv: ServerState, states: Any, row: dict[str, Any] | None) -> bool:
+            if row is not None:
+                self.rows.append(row)
+            return False
+
+        return after_round
+
+
 def run_experiment(
     cfg: Config,
     run_dir: Path,
@@ -235,7 +251,7 @@ def drive_stages(
     stages: Sequence[Stage],
     run_dir: Path,
     ckpt: Checkpoint | None,
-    book: _Bookkeeper,
+    book: _Bookkeeper | RecordingBook,
     *,
     round_base: int = 0,
     first_index: int = 0,

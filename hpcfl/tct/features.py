@@ -114,7 +114,6 @@ def ensure_store(
     cfg2: Stage2Section,
     comm: Communicator,
     *,
-    on_item: object = None,
     stop: Callable[[], bool] | None = None,
 ) -> None:
     """Make ``path`` a complete store of ``meta`` holding ``items`` ({id: (x, labels)}) of every rank.
@@ -153,8 +152,6 @@ def ensure_store(
         if stopped:
             break
         writer.finish(labels.cpu())
-        if callable(on_item):
-            on_item()
     flag = comm.allreduce(torch.tensor([float(stopped)], dtype=torch.float64))
     if bool(flag.item()):
         raise ExtractionStopped(

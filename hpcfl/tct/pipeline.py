@@ -20,9 +20,9 @@ from hpcfl.algorithms.participation import Population
 from hpcfl.algorithms.tct_params import Stage2Section
 from hpcfl.errors import StoreError
 from hpcfl.features import open_feature_store
+from hpcfl.files import atomic_torch_save, load_torch_file
 from hpcfl.models import reinit_last_layer
 from hpcfl.runner.federation import Federation
-from hpcfl.runner.files import atomic_torch_save, load_torch_file
 from hpcfl.runner.rounds import RoundPlan
 from hpcfl.runner.stages import StageInput, StagePlan
 from hpcfl.tct.features import check_features_fit, ensure_store, feature_meta, test_shards

@@ -55,15 +55,3 @@ class FlatModel:
     def load(self, state: torch.Tensor) -> None:
         """Copy a state vector into the model (in place, views stay valid)."""
         self.vector.copy_(state)
-
-    def grads_are_views(self) -> bool:
-        """True while autograd still accumulates into the flat gradient (it does unless someone
-        set ``.grad = None``)."""
-        off = 0
-        for p in self.model.parameters():
-            if not p.requires_grad:
-                continue
-            if p.grad is None or p.grad.data_ptr() != self.grad[off:].data_ptr():
-                return False
-            off += p.numel()
-        return True

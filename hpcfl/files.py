@@ -1,4 +1,8 @@
-"""Atomic file writes: a reader never sees a half-written file under its final name."""
+"""Files a run produces, written atomically: a reader never sees a half-written file under its final name.
+
+The one place for temp-file-then-rename writes (text, ``torch.save``, figures, streamed downloads)
+and for JSON-lines files; everything else in hpcfl writes through these helpers.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ import os
 import pickle
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -42,6 +47,14 @@ def _atomic(path: Path, write: Any) -> None:
         raise
 
 
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Call ``write(fh)`` on a temp file beside ``path``, then rename it to ``path``.
+
+    If ``write`` raises, the temp file is removed and ``path`` is left as it was.
+    """
+    _atomic(path, write)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temp file and a rename."""
     _atomic(path, lambda fh: fh.write(text.encode()))
@@ -63,6 +76,25 @@ def load_torch_file(path: Path, fix: str) -> Any:
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         reason = str(err).splitlines()[0] if str(err) else err.__class__.__name__
         raise RunDirError(f"{path} is damaged ({reason}); {fix}") from None
+
+
+def save_figure(fig: Any, path: Path, *, dpi: int = 120, fmt: str | None = None) -> Path:
+    """Save a matplotlib figure atomically and return ``path``.
+
+    ``fmt`` defaults to the file's suffix, and to PNG for a name without one.
+
+    A pyplot figure is closed afterwards so a loop of plots does not keep every figure alive; a
+    bare ``Figure`` (no pyplot state) is left to the garbage collector.
+    """
+    path = Path(path)
+    fmt = fmt or path.suffix.lstrip(".").lower() or "png"
+    try:
+        _atomic(path, lambda fh: fig.savefig(fh, format=fmt, dpi=dpi))
+    finally:
+        pyplot = sys.modules.get("matplotlib.pyplot")
+        if pyplot is not None:
+            pyplot.close(fig)
+    return path
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
