@@ -145,7 +145,7 @@ def test_projected_round_counts_stragglers_and_the_buffer() -> None:
     net = sc.Network("n", 1e-6, 1e9, "made up")
     p = sc.projected_round(_cm(), net, ranks=3, clients=10)
     assert p["compute_s"] == pytest.approx(0.4), "ceil(10/3) = 4 clients on the slowest rank"
-    assert p["allreduce_s"] == pytest.approx(4e-6 + 4 / 3 * 4 * (1000 + 12) / 1e9)
+    assert p["allreduce_s"] == pytest.approx(4e-6 + 4 / 3 * 8 * (1000 + 2 * 10 + 2 + 3 * 3) / 1e9)
     assert p["eval_s"] == pytest.approx(4e-6 + 4 / 3 * 24 / 1e9), "eval: only its counts' allreduce"
     assert p["round_s"] == pytest.approx(p["compute_s"] + p["allreduce_s"] + p["eval_s"])
     assert p["samples_per_s"] == pytest.approx(2000 / p["round_s"])
