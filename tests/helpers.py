@@ -123,3 +123,35 @@ def server_step(algo, server, total, weight: float):
 
     ctx = ServerContext(0, (0,), Population((1,)), lambda t: t)
     return algo.server_update(server, Aggregate({"x": total}, weight, 1), ctx)[0]
+
+
+def tiny_tct_config(tmp_path: Path, **stage2) -> Path:
+    """A TCT run of seconds: synthetic data, 5 clients, 1 stage-1 round, p = 300, 2 stage-2 rounds."""
+    return synthetic_config(
+        tmp_path,
+        algorithm="tct",
+        partition="classes:2",
+        num_clients=5,
+        stage1={"rounds": 1},
+        stage2={"p": 300, "rounds": 2, "local_steps": 20, "auto_lr": True, **stage2},
+    )
+
+
+def kill_after_rows(cfg: Path, run: Path, rows: int, timeout: float = 240) -> None:
+    """Start ``hpcfl run CFG --run-dir RUN`` and SIGKILL it once metrics.jsonl holds ``rows`` rows;
+    asserts it had not finished by then."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        hpcfl_cmd("run", str(cfg), "--run-dir", str(run)), env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    deadline = time.time() + timeout
+    metrics = run / "metrics.jsonl"
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run / "DONE").exists(), "the run finished before it could be killed"

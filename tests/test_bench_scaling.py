@@ -218,7 +218,9 @@ def _check_row(row: dict[str, Any], ranks: int) -> None:
     assert row["timed_rounds"] == 1 and len(row["per_round"]) == 1, "warm-up round dropped"
     assert row["samples_per_client"] == 20 and row["samples_per_round"] == 40
     assert row["compute_s"] > 0 and row["train_s"] >= row["compute_s"] and row["eval_s"] > 0
-    assert row["allreduce_s"] >= 0 and row["buffer_bytes"] == 8 * (row["payload_floats"] + 2 * 2 + 2 + 3 * ranks)
+    assert row["allreduce_s"] >= 0 and row["buffer_bytes"] == 8 * (
+        row["payload_floats"] + 2 * 2 + 2 + 3 * ranks
+    )
     assert row["nodes"] == 1 and row["threads"] == 1
 
 

@@ -18,7 +18,7 @@ from hpcfl.errors import StoppedError
 from hpcfl.features.store import verify_client
 from hpcfl.report import summarise
 from hpcfl.runner import StopRequest, run_experiment
-from tests.helpers import final_state, synthetic_config
+from tests.helpers import final_state, synthetic_config, tiny_tct_config
 
 
 def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
@@ -35,15 +35,7 @@ def _rows(run_dir: Path) -> list[str]:
     return (run_dir / "metrics.jsonl").read_text().splitlines()
 
 
-def _tct(tmp_path: Path, **stage2) -> Path:
-    return synthetic_config(
-        tmp_path,
-        algorithm="tct",
-        partition="classes:2",
-        num_clients=5,
-        stage1={"rounds": 1},
-        stage2={"p": 300, "rounds": 2, "local_steps": 20, "auto_lr": True, **stage2},
-    )
+_tct = tiny_tct_config
 
 
 # 4. damaged feature stores and checkpoints

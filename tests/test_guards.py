@@ -13,18 +13,9 @@ from collections import namedtuple
 
 from hpcfl.cli.main import main
 from hpcfl.features.store import verify_client
-from tests.helpers import REPO, hpcfl_cmd, synthetic_config
+from tests.helpers import REPO, hpcfl_cmd, synthetic_config, tiny_tct_config
 
-
-def _tct(tmp_path, **stage2):
-    return synthetic_config(
-        tmp_path,
-        algorithm="tct",
-        partition="classes:2",
-        num_clients=5,
-        stage1={"rounds": 1},
-        stage2={"p": 300, "rounds": 2, "local_steps": 20, "auto_lr": True, **stage2},
-    )
+_tct = tiny_tct_config
 
 
 def test_oversized_feature_store_is_refused_before_any_row_is_written(tmp_path, capsys, monkeypatch):

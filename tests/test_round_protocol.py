@@ -205,19 +205,13 @@ def test_params_are_validated_against_the_algorithm(tmp_path: Path) -> None:
     assert tct.stage2.lr == 0.001 and tct.stage1.rounds == 3
 
 
-@pytest.mark.parametrize("kill_after_rows", [1, 3])
-def test_kill_9_with_client_states_on_disk_resumes_bit_identically(
-    tmp_path: Path, kill_after_rows: int
-) -> None:
+@pytest.mark.parametrize("rows", [1, 3])
+def test_kill_9_with_client_states_on_disk_resumes_bit_identically(tmp_path: Path, rows: int) -> None:
     """SCAFFOLD, 4 of 12 clients per round, states forced into the on-disk store, checkpoints every
     2 rounds (so the kill often lands between a state write and the checkpoint that covers it)."""
-    import os
-    import signal
-    import subprocess
-    import time
 
     from hpcfl.config import load_config
-    from tests.helpers import final_state, hpcfl_cmd, run_cli
+    from tests.helpers import final_state, kill_after_rows, run_cli
 
     cfg = _partial_config(
         tmp_path,
@@ -231,17 +225,7 @@ def test_kill_9_with_client_states_on_disk_resumes_bit_identically(
     )
     reference = run_experiment(load_config(cfg), tmp_path / "ref")
     run = tmp_path / "killed"
-    proc = subprocess.Popen(
-        hpcfl_cmd("run", str(cfg), "--run-dir", str(run)), env={**os.environ, "PYTHONPATH": str(REPO)}
-    )
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if (run / "metrics.jsonl").exists() and len(_rows(run)) >= kill_after_rows:
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (run / "DONE").exists(), "the run finished before it could be killed"
+    kill_after_rows(cfg, run, rows)
     resumed = run_cli("run", str(cfg), "--run-dir", str(run), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert torch.equal(final_state(run), reference.server.x)

@@ -14,7 +14,15 @@ import torch
 
 from hpcfl.config import load_config
 from hpcfl.runner import run_experiment
-from tests.helpers import REPO, final_state, hpcfl_cmd, mpiexec_cmd, run_cli, synthetic_config
+from tests.helpers import (
+    REPO,
+    final_state,
+    hpcfl_cmd,
+    kill_after_rows,
+    mpiexec_cmd,
+    run_cli,
+    synthetic_config,
+)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -49,16 +57,7 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
     reference = run_experiment(load_config(cfg_path), tmp_path / "ref")
 
     run = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(hpcfl_cmd("run", str(cfg_path), "--run-dir", str(run)), env=env)
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if (run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2:
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (run / "DONE").exists(), "the run finished before it could be killed"
+    kill_after_rows(cfg_path, run, 2)
 
     resumed = run_cli("run", str(cfg_path), "--run-dir", str(run), "--resume")
     assert resumed.returncode == 0, resumed.stderr
