@@ -11,16 +11,17 @@ local-step coefficients a_k, then rescales by the effective step count τ_eff (E
 no dampening, as ``torch.optim.SGD``) the coefficient of the s-th gradient is (1 − ρ^{τ_k−s+1})/(1−ρ),
 so ‖a_k‖₁ = (τ_k − ρ(1 − ρ^{τ_k})/(1 − ρ))/(1 − ρ) (the paper's Sec. 4 / App. on momentum).
 
-The exchange: the n_k-weighted sum of y_k/‖a_k‖₁ over the parameters (the buffers, e.g. BatchNorm
-statistics, are averaged as in FedAvg: they take no SGD steps) beside the n_k-weighted ‖a_k‖₁ and
-1/‖a_k‖₁ (two scalars per client). The server step is the paper's update written as
+The exchange: each participant uploads its model y_k with the weight n_k/‖a_k‖₁ (so the summed
+model is Σ_S n_k y_k/‖a_k‖₁ and the total weight Σ_S n_k/‖a_k‖₁) beside two plain scalars, n_k‖a_k‖₁
+and n_k: FedAvg's traffic plus 8 bytes. The server step is the paper's update written as
 
-    x⁺ = (1 − τ_eff·Σ_S p_k/‖a_k‖₁)·x + τ_eff·Σ_S p_k y_k/‖a_k‖₁,
+    x⁺ = (1 − τ_eff·Σ_S p_k/‖a_k‖₁)·x + τ_eff·Σ_S p_k y_k/‖a_k‖₁
 
-which equals FedAvg bit for bit when every client takes the same power-of-two number of plain SGD
-steps (division and multiplication by a power of two are exact and commute with rounding; the
-coefficient of x is then exactly 0), and FedAvg up to rounding for any other equal step count.
-Partial participation: p_k over the round's participants, as FedAvg does here.
+on the parameters; the float buffers (BatchNorm statistics take no SGD steps) take the summed
+model's own weighted mean. This equals FedAvg bit for bit when every client takes the same
+power-of-two number of plain SGD steps (division and multiplication by a power of two are exact and
+commute with rounding; the coefficient of x is then exactly 0), and FedAvg up to rounding for any
+other equal step count. Partial participation: p_k over the round's participants, as FedAvg here.
 """
 
 from __future__ import annotations
@@ -66,9 +67,8 @@ class FedNova(Algorithm[FedNovaParams, ServerState, ClientState]):
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
         return Exchange(
             sums=(
-                SumSpec("x", self.state_size, dtype),  # params: y_k/‖a_k‖₁; buffers: y_k
-                SumSpec("a", 1, dtype),  # ‖a_k‖₁
-                SumSpec("inv_a", 1, dtype),  # 1/‖a_k‖₁
+                SumSpec("x", self.state_size, dtype),  # y_k, weighted by n_k/‖a_k‖₁
+                SumSpec("steps", 2, dtype, weighted=False),  # (n_k‖a_k‖₁, n_k)
             )
         )
 
@@ -79,25 +79,21 @@ class FedNova(Algorithm[FedNovaParams, ServerState, ClientState]):
         assert trainer is not None
         y, result = trainer.train(server.x, data, ctx.generator)
         a = local_norm(result.steps, trainer.schedule.momentum)
-        P = self.num_params
-        y[:P].div_(a)
-        return (
-            Upload(
-                sums={"x": y, "a": y.new_full((1,), a), "inv_a": y.new_full((1,), 1.0 / a)},
-                weight=float(data.n),
-                metrics={"loss": result.loss, "tau": float(result.steps)},
-            ),
-            client,
+        n = float(data.n)
+        upload = Upload(
+            sums={"x": y, "steps": y.new_tensor([n * a, n])},
+            weight=n / a,
+            metrics={"loss": result.loss, "tau": float(result.steps)},
         )
+        return upload, client
 
     def server_update(
         self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
     ) -> tuple[ServerState, dict[str, float]]:
-        W = aggregate.weight
-        tau_eff = float(aggregate.sums["a"]) / W  # Σ p_k ‖a_k‖₁
-        keep = 1.0 - tau_eff * (float(aggregate.sums["inv_a"]) / W)  # 1 − τ_eff Σ p_k/‖a_k‖₁
-        mean = aggregate.sums["x"] / W
+        na, n = (float(v) for v in aggregate.sums["steps"])
+        tau_eff = na / n  # Σ p_k ‖a_k‖₁
+        keep = 1.0 - tau_eff * (aggregate.weight / n)  # 1 − τ_eff Σ p_k/‖a_k‖₁
         P = self.num_params
-        x = mean.clone()
-        x[:P] = keep * server.x[:P] + tau_eff * mean[:P]
+        x = aggregate.sums["x"] / aggregate.weight  # buffers: the summed model's weighted mean
+        x[:P] = keep * server.x[:P] + tau_eff * (aggregate.sums["x"][:P] / n)
         return ServerState(x=x), {"tau_eff": tau_eff}
