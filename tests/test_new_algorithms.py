@@ -367,6 +367,19 @@ def test_fedpvr_counted_bytes_are_model_plus_masked_slice(tmp_path: Path):
     assert row["bytes_down"] == 5 * (L + v) * 4
 
 
+@pytest.mark.parametrize(("algorithm", "extra_up"), [("feddyn", 0), ("fedadam", 0), ("fednova", 2)])
+def test_counted_bytes_of_feddyn_fedadam_fednova(tmp_path: Path, algorithm: str, extra_up: int):
+    """FedAvg's traffic (FedNova: + its two scalars); server-only state (h, m, v) is not downloaded."""
+    from hpcfl.config import load_config
+    from hpcfl.runner import run_experiment
+
+    res = run_experiment(load_config(_partial_cfg(tmp_path, algorithm, rounds=1)), tmp_path / algorithm)
+    L = res.server.x.numel()
+    row = res.metrics[-1]
+    assert row["bytes_up"] == 5 * (L + extra_up) * 4
+    assert row["bytes_down"] == 5 * L * 4
+
+
 @pytest.mark.parametrize(
     ("algorithm", "memory"),
     [

@@ -15,6 +15,7 @@ live in the server state, so they are checkpointed and a resumed run continues b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -63,7 +64,10 @@ class FedAdamParams(HyperParams):
 
 @dataclass
 class FedAdamServerState(ServerState):
-    """x and Adam's moments over the trainable parameters: m (first), v (second)."""
+    """x and Adam's moments over the trainable parameters: m (first), v (second); the moments stay
+    on the server (not counted in ``bytes_down``)."""
+
+    server_only: ClassVar[tuple[str, ...]] = ("m", "v")
 
     m: torch.Tensor | None = None
     v: torch.Tensor | None = None

@@ -29,6 +29,7 @@ keeps adding up every past average drift), a different and unstable method; the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -72,7 +73,10 @@ class FedDynParams(HyperParams):
 
 @dataclass
 class FedDynServerState(ServerState):
-    """x and h, the server's running (1/N)Σ of the clients' linear terms (over the parameters)."""
+    """x and h, the server's running (1/N)Σ of the clients' linear terms (over the parameters);
+    h stays on the server (not counted in ``bytes_down``)."""
+
+    server_only: ClassVar[tuple[str, ...]] = ("h",)
 
     h: torch.Tensor | None = None
 
