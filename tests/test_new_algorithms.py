@@ -164,6 +164,20 @@ def test_fedpvr_with_the_full_mask_reaches_the_least_squares_optimum_like_scaffo
     assert torch.equal(w_pvr, w_sc)
 
 
+def test_fedpvr_full_mask_equals_scaffold_one_model_only_with_equal_client_sizes():
+    """Full participation, momentum 0: the control-variate form (FedPVR's) and TCT's one-model form
+    agree in exact arithmetic when the n_k-weighted and the uniform model means coincide (equal
+    client sizes), so up to rounding; with unequal sizes they are different algorithms."""
+    unequal = _least_squares_clients(K=4)
+    equal = [ClientData(c.k, c.x[:20], c.y[:20]) for c in unequal]
+    for clients, same in ((equal, True), (unequal, False)):
+        w_pvr = _run(FedPVR, FedPVR.Params(), clients, rounds=20, steps=5, lr=0.01)
+        w_one = _run(Scaffold, Scaffold.Params(form="one_model"), clients, rounds=20, steps=5, lr=0.01)
+        gap = float(torch.linalg.norm(w_pvr - w_one) / torch.linalg.norm(w_one))
+        assert (gap < 1e-12) if same else (gap > 1e-6), (same, gap)
+        assert not torch.equal(w_pvr, w_one)
+
+
 # -- FedNova -------------------------------------------------------------------------------------
 
 
