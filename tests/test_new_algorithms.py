@@ -124,6 +124,23 @@ def test_fedpvr_momentum_only_on_the_plain_sgd_part_matches_torch_sgd_param_grou
     torch.testing.assert_close(new.x[: expected.numel()], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_fedpvr_server_step_is_eq_8_and_9():
+    """x ← (1 − η_g)x + η_g·mean y_i; c ← c + Σ_S Δc_i / N (Eq. 9 under full participation)."""
+    from hpcfl.algorithms.base import Aggregate, ServerContext
+    from hpcfl.algorithms.participation import Population
+
+    layout = StateLayout.of_model(_model())
+    algo = FedPVR(FedPVR.Params(server_lr=0.5), layout=layout)
+    g = torch.Generator().manual_seed(0)
+    server = algo.init_server(torch.randn(layout.size, generator=g))
+    server.c = torch.randn(algo.mask_size, generator=g)
+    total, dc = torch.randn(layout.size, generator=g), torch.randn(algo.mask_size, generator=g)
+    ctx = ServerContext(0, (0, 2), Population((5, 6, 7, 8)), lambda t: t)
+    new, _ = algo.server_update(server, Aggregate({"x": total, "dc": dc}, 12.0, 2), ctx)
+    torch.testing.assert_close(new.x, 0.5 * server.x + 0.5 * total / 12.0)
+    torch.testing.assert_close(new.c, server.c + dc / 4)
+
+
 def test_fedpvr_mask_rules():
     from hpcfl.models import build_model
 

@@ -38,12 +38,11 @@ from hpcfl.errors import ConfigError
 class FedAdamParams(HyperParams):
     """FedAdam's server optimiser (Reddi et al., ICLR 2021, Algorithm 2).
 
-    - ``server_lr`` η = 0.01: the paper tunes η per task over a log grid (its Sec. 5 / App. D);
+    - ``server_lr`` η = 0.01: the paper tunes η per task over a log grid;
       0.01 is a conservative start, to be tuned like the client ``lr``;
-    - ``beta1`` β1 = 0.9 and ``beta2`` β2 = 0.99: the values the paper fixes in all experiments
-      (Sec. 5);
+    - ``beta1`` β1 = 0.9 and ``beta2`` β2 = 0.99: the values the paper fixes in its experiments;
     - ``tau`` τ = 1e-3: the adaptivity (ε-like) term, the value the paper fixes while tuning the
-      learning rates (Sec. 5); it also sets v₋₁ = τ².
+      learning rates; it also sets v₋₁ = τ².
     """
 
     server_lr: float = 1e-2

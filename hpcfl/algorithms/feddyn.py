@@ -52,8 +52,8 @@ from hpcfl.errors import ConfigError
 class FedDynParams(HyperParams):
     """FedDyn's hyper-parameters (Acar et al., ICLR 2021, Algorithm 1).
 
-    - ``alpha`` α = 0.01: the dynamic-regulariser weight; the paper selects it from
-      {0.1, 0.01, 0.001} per task (Sec. 5), 0.01 being its common choice for the image benchmarks.
+    - ``alpha`` α = 0.01: the dynamic-regulariser weight; the paper selects it per task from
+      {0.1, 0.01, 0.001}; 0.01 is the middle of that grid.
       α = 0 is FedAvg by convention (see the module docstring);
     - ``weighting`` = ``uniform``: Algorithm 1's uniform means; ``samples``: n_k-weighted (see the
       module docstring).

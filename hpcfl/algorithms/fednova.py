@@ -3,17 +3,17 @@ Problem in Heterogeneous Federated Optimization"): normalised averaging.
 
 Clients that take different numbers of local steps τ_k pull FedAvg towards the optimum of a
 surrogate objective weighted by n_k·τ_k. FedNova divides each client's update by the ℓ1 norm of its
-local-step coefficients a_k, then rescales by the effective step count τ_eff (Eq. 6–7 of the paper):
+local-step coefficients a_k, then rescales by the effective step count τ_eff (the paper's normalised averaging):
 
     x⁺ = x − τ_eff · Σ_S p_k (x − y_k)/‖a_k‖₁,   τ_eff = Σ_S p_k ‖a_k‖₁,   p_k = n_k / Σ_S n_j.
 
 ‖a_k‖₁ = τ_k for plain local SGD; with local momentum ρ (buffer initialised to the first gradient,
 no dampening, as ``torch.optim.SGD``) the coefficient of the s-th gradient is (1 − ρ^{τ_k−s+1})/(1−ρ),
-so ‖a_k‖₁ = (τ_k − ρ(1 − ρ^{τ_k})/(1 − ρ))/(1 − ρ) (the paper's Sec. 4 / App. on momentum).
+so ‖a_k‖₁ = (τ_k − ρ(1 − ρ^{τ_k})/(1 − ρ))/(1 − ρ) (the paper's local-momentum case).
 
 The exchange: each participant uploads its model y_k with the weight n_k/‖a_k‖₁ (so the summed
 model is Σ_S n_k y_k/‖a_k‖₁ and the total weight Σ_S n_k/‖a_k‖₁) beside two plain scalars, n_k‖a_k‖₁
-and n_k: FedAvg's traffic plus 8 bytes. The server step is the paper's update written as
+and n_k: FedAvg's traffic plus two numbers. The server step is the paper's update written as
 
     x⁺ = (1 − τ_eff·Σ_S p_k/‖a_k‖₁)·x + τ_eff·Σ_S p_k y_k/‖a_k‖₁
 
@@ -49,7 +49,7 @@ from hpcfl.algorithms.base import (
 class FedNovaParams(HyperParams):
     """FedNova (Wang et al., NeurIPS 2020) has no hyper-parameters beyond the local schedule: the
     local momentum ρ and each client's step count τ_k set ‖a_k‖₁, and τ_eff = Σ p_k‖a_k‖₁ is the
-    paper's default choice of the effective step count (Eq. 7)."""
+    paper's default choice of the effective step count."""
 
 
 def local_norm(steps: int, momentum: float) -> float:
