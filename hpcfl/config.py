@@ -77,7 +77,16 @@ class Config:
         return getattr(self.params, "stage2", Stage2Section())
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as plain YAML values (tuples become lists, as YAML reads them back)."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 # Sections of configs written before ``params:`` existed; each becomes ``params`` of its algorithm.

@@ -15,15 +15,19 @@ from hpcfl.algorithms.base import (
     Trainer,
     Upload,
 )
+from hpcfl.algorithms.fedadam import FedAdam
 from hpcfl.algorithms.fedavg import FedAvg
 from hpcfl.algorithms.fedcka import FedCKA
+from hpcfl.algorithms.feddyn import FedDyn
+from hpcfl.algorithms.fednova import FedNova
 from hpcfl.algorithms.fedprox import FedProx
+from hpcfl.algorithms.fedpvr import FedPVR
 from hpcfl.algorithms.moon import Moon
 from hpcfl.algorithms.scaffold import Scaffold
 from hpcfl.algorithms.tct import TCT
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (FedAvg, FedProx, Scaffold, TCT, Moon, FedCKA)
+    cls.name: cls for cls in (FedAvg, FedProx, Scaffold, TCT, Moon, FedCKA, FedPVR, FedDyn, FedNova, FedAdam)
 }
 
 __all__ = [
@@ -31,9 +35,13 @@ __all__ = [
     "Algorithm",
     "ClientData",
     "ClientState",
+    "FedAdam",
     "FedAvg",
     "FedCKA",
+    "FedDyn",
+    "FedNova",
     "FedProx",
+    "FedPVR",
     "HyperParams",
     "Moon",
     "NonFiniteLoss",

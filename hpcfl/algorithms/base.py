@@ -39,7 +39,13 @@ class NonFiniteLoss(Exception):
 
 @dataclass
 class ServerState:
-    """The global model state vector every rank holds identically."""
+    """The global model state vector every rank holds identically.
+
+    ``server_only`` names fields the participants never receive (e.g. FedAdam's moments): they are
+    checkpointed like every field but not counted in ``bytes_down``.
+    """
+
+    server_only: ClassVar[tuple[str, ...]] = ()
 
     x: torch.Tensor
 

@@ -205,8 +205,12 @@ def _nbytes(obj: Any) -> int:
 
 
 def _state_nbytes(server: ServerState) -> int:
-    """Bytes a participant downloads: every tensor of the server state."""
-    return sum(v.nbytes for f in fields(server) if isinstance(v := getattr(server, f.name), torch.Tensor))
+    """Bytes a participant downloads: every tensor of the server state but its ``server_only`` ones."""
+    return sum(
+        v.nbytes
+        for f in fields(server)
+        if f.name not in server.server_only and isinstance(v := getattr(server, f.name), torch.Tensor)
+    )
 
 
 def run_rounds(

@@ -1,0 +1,107 @@
+"""FedAdam (Reddi, Charles, Zaheer, Garrett, Rush, Konečný, Kumar & McMahan, ICLR 2021, "Adaptive
+Federated Optimization", Algorithm 2): FedAvg's clients, Adam on the server.
+
+The round's pseudo-gradient is Δ = mean_S(y_k) − x (the n_k-weighted mean, as every algorithm here;
+Algorithm 2 writes the uniform mean of the Δ_k). The server then takes one Adam step without bias
+correction, as Algorithm 2 does:
+
+    m ← β1·m + (1 − β1)·Δ,   v ← β2·v + (1 − β2)·Δ²,   x ← x + η·m/(√v + τ),
+
+with m₋₁ = 0 and v₋₁ = τ² (Algorithm 2 asks for v₋₁ ≥ τ²). Adam acts on the trainable parameters;
+the float buffers (BatchNorm statistics) take FedAvg's mean, since they have no gradient. m and v
+live in the server state, so they are checkpointed and a resumed run continues bit-identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from hpcfl.algorithms.base import (
+    Aggregate,
+    Algorithm,
+    ClientContext,
+    ClientData,
+    ClientState,
+    HyperParams,
+    ServerContext,
+    ServerState,
+    Upload,
+)
+from hpcfl.algorithms.fedavg import local_training
+from hpcfl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FedAdamParams(HyperParams):
+    """FedAdam's server optimiser (Reddi et al., ICLR 2021, Algorithm 2).
+
+    - ``server_lr`` η = 0.01: the paper tunes η per task over a log grid;
+      0.01 is a conservative start, to be tuned like the client ``lr``;
+    - ``beta1`` β1 = 0.9 and ``beta2`` β2 = 0.99: the values the paper fixes in its experiments;
+    - ``tau`` τ = 1e-3: the adaptivity (ε-like) term, the value the paper fixes while tuning the
+      learning rates; it also sets v₋₁ = τ².
+    """
+
+    server_lr: float = 1e-2
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if not self.server_lr > 0:
+            raise ConfigError(f"config key 'params.server_lr' must be > 0, got {self.server_lr}")
+        for key in ("beta1", "beta2"):
+            value = getattr(self, key)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"config key 'params.{key}' must be in [0, 1), got {value}")
+        if not self.tau > 0:
+            raise ConfigError(f"config key 'params.tau' must be > 0, got {self.tau}")
+
+
+@dataclass
+class FedAdamServerState(ServerState):
+    """x and Adam's moments over the trainable parameters: m (first), v (second); the moments stay
+    on the server (not counted in ``bytes_down``)."""
+
+    server_only: ClassVar[tuple[str, ...]] = ("m", "v")
+
+    m: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+
+def adam_step(
+    x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, p: FedAdamParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One server Adam step of Algorithm 2 on pseudo-gradient ``delta``; returns (x, m, v), new tensors."""
+    m = p.beta1 * m + (1.0 - p.beta1) * delta
+    v = p.beta2 * v + (1.0 - p.beta2) * delta * delta
+    x = x + p.server_lr * m / (v.sqrt() + p.tau)
+    return x, m, v
+
+
+class FedAdam(Algorithm[FedAdamParams, FedAdamServerState, ClientState]):
+    name = "fedadam"
+    Params = FedAdamParams
+
+    def init_server(self, x0: torch.Tensor) -> FedAdamServerState:
+        P = self.num_params
+        return FedAdamServerState(x=x0.clone(), m=x0.new_zeros(P), v=x0.new_full((P,), self.params.tau**2))
+
+    def client_update(
+        self, server: FedAdamServerState, client: ClientState, data: ClientData, ctx: ClientContext
+    ) -> tuple[Upload, ClientState]:
+        return local_training(server, data, ctx), client
+
+    def server_update(
+        self, server: FedAdamServerState, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[FedAdamServerState, dict[str, float]]:
+        assert server.m is not None and server.v is not None
+        P = self.num_params
+        mean = aggregate.sums["x"] / aggregate.weight
+        delta = mean[:P] - server.x[:P]  # the pseudo-gradient Δ
+        x = mean.clone()  # buffers: FedAvg's mean
+        x[:P], m, v = adam_step(server.x[:P], server.m, server.v, delta, self.params)
+        return FedAdamServerState(x=x, m=m, v=v), {"pseudo_grad_norm": float(delta.norm())}

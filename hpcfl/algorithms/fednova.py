@@ -1,0 +1,99 @@
+"""FedNova (Wang, Liu, Liang, Joshi & Poor, NeurIPS 2020, "Tackling the Objective Inconsistency
+Problem in Heterogeneous Federated Optimization"): normalised averaging.
+
+Clients that take different numbers of local steps τ_k pull FedAvg towards the optimum of a
+surrogate objective weighted by n_k·τ_k. FedNova divides each client's update by the ℓ1 norm of its
+local-step coefficients a_k, then rescales by the effective step count τ_eff (the paper's normalised averaging):
+
+    x⁺ = x − τ_eff · Σ_S p_k (x − y_k)/‖a_k‖₁,   τ_eff = Σ_S p_k ‖a_k‖₁,   p_k = n_k / Σ_S n_j.
+
+‖a_k‖₁ = τ_k for plain local SGD; with local momentum ρ (buffer initialised to the first gradient,
+no dampening, as ``torch.optim.SGD``) the coefficient of the s-th gradient is (1 − ρ^{τ_k−s+1})/(1−ρ),
+so ‖a_k‖₁ = (τ_k − ρ(1 − ρ^{τ_k})/(1 − ρ))/(1 − ρ) (the paper's local-momentum case).
+
+The exchange: each participant uploads its model y_k with the weight n_k/‖a_k‖₁ (so the summed
+model is Σ_S n_k y_k/‖a_k‖₁ and the total weight Σ_S n_k/‖a_k‖₁) beside two plain scalars, n_k‖a_k‖₁
+and n_k: FedAvg's traffic plus two numbers. The server step is the paper's update written as
+
+    x⁺ = (1 − τ_eff·Σ_S p_k/‖a_k‖₁)·x + τ_eff·Σ_S p_k y_k/‖a_k‖₁
+
+on the parameters; the float buffers (BatchNorm statistics take no SGD steps) take the summed
+model's own weighted mean. This equals FedAvg bit for bit when every client takes the same
+power-of-two number of plain SGD steps (division and multiplication by a power of two are exact and
+commute with rounding; the coefficient of x is then exactly 0), and FedAvg up to rounding for any
+other equal step count. Partial participation: p_k over the round's participants, as FedAvg here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hpcfl.algorithms.base import (
+    Aggregate,
+    Algorithm,
+    ClientContext,
+    ClientData,
+    ClientState,
+    Exchange,
+    HyperParams,
+    ServerContext,
+    ServerState,
+    SumSpec,
+    Upload,
+)
+
+
+@dataclass(frozen=True)
+class FedNovaParams(HyperParams):
+    """FedNova (Wang et al., NeurIPS 2020) has no hyper-parameters beyond the local schedule: the
+    local momentum ρ and each client's step count τ_k set ‖a_k‖₁, and τ_eff = Σ p_k‖a_k‖₁ is the
+    paper's default choice of the effective step count."""
+
+
+def local_norm(steps: int, momentum: float) -> float:
+    """‖a_k‖₁ for ``steps`` local SGD steps with momentum ρ (τ_k when ρ = 0)."""
+    if not momentum:
+        return float(steps)
+    rho = momentum
+    return (steps - rho * (1.0 - rho**steps) / (1.0 - rho)) / (1.0 - rho)
+
+
+class FedNova(Algorithm[FedNovaParams, ServerState, ClientState]):
+    name = "fednova"
+    Params = FedNovaParams
+
+    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        return Exchange(
+            sums=(
+                SumSpec("x", self.state_size, dtype),  # y_k, weighted by n_k/‖a_k‖₁
+                SumSpec("steps", 2, dtype, weighted=False),  # (n_k‖a_k‖₁, n_k)
+            )
+        )
+
+    def client_update(
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
+    ) -> tuple[Upload, ClientState]:
+        trainer = ctx.trainer
+        assert trainer is not None
+        y, result = trainer.train(server.x, data, ctx.generator)
+        a = local_norm(result.steps, trainer.schedule.momentum)
+        n = float(data.n)
+        upload = Upload(
+            sums={"x": y, "steps": y.new_tensor([n * a, n])},
+            weight=n / a,
+            metrics={"loss": result.loss, "tau": float(result.steps)},
+        )
+        return upload, client
+
+    def server_update(
+        self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[ServerState, dict[str, float]]:
+        na, n = (float(v) for v in aggregate.sums["steps"])
+        tau_eff = na / n  # Σ p_k ‖a_k‖₁
+        keep = 1.0 - tau_eff * (aggregate.weight / n)  # 1 − τ_eff Σ p_k/‖a_k‖₁
+        P = self.num_params
+        x = aggregate.sums["x"] / aggregate.weight  # buffers: the summed model's weighted mean
+        x[:P] = keep * server.x[:P] + tau_eff * (aggregate.sums["x"][:P] / n)
+        return ServerState(x=x), {"tau_eff": tau_eff}
