@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     # Under a launcher with several ranks this process becomes the rank's guard (no return); the
     # rank is started again exactly as this process was (interpreter options included).
-    rerun = sys.orig_argv[1:] if argv is None else ["-m", "hpcfl", *args_list]
-    supervise_rank(rerun, rank=launcher_rank(), world_size=launched_world_size())
+    # Only the command itself is supervised: main(argv) called from Python never replaces its caller.
+    if argv is None:
+        supervise_rank(sys.orig_argv[1:], rank=launcher_rank(), world_size=launched_world_size())
     absolutize_env()  # a relative $HPCFL_DATA must survive later changes of directory
     parser = build_parser()
     args = parser.parse_args(args_list)
