@@ -173,7 +173,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     sc = [r for r in results if r["study"] == "scaling"]
-    labels = [f"{r['dataset'][:5]} m={r['participants']}\n{r['ranks']} rank" for r in sc]
+    labels = [f"{r['dataset'][:5]}\nm={r['participants']}\n{r['ranks']}R" for r in sc]
     a.bar(range(len(sc)), [r["round_s"] for r in sc], color=["C0" if r["ranks"] == 1 else "C1" for r in sc])
     a.bar(range(len(sc)), [r["state_io_s"] for r in sc], color="C3", label="client-state I/O")
     a.set_xticks(range(len(sc)), labels, fontsize=7)
@@ -200,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="rounds per scaling run (first one untimed)")
     ap.add_argument("--memory-rounds", type=int, default=20, help="rounds per memory run")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--replot", type=Path, help="only redraw the PNG from a participation.json")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        plot(json.loads(args.replot.read_text())["results"], args.out / "participation.png")
+        return 0
     os.environ.setdefault("HPCFL_DATA", str((REPO.parent / "shared" / "datasets").resolve()))
     print("scaling (1 thread per rank):", flush=True)
     results = scaling(args.out, args.rounds)
