@@ -183,7 +183,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     for states, style in (("memory", "o-"), ("disk", "s--")):
         mem = [r for r in results if r["study"] == "memory" and r["states"] == states]
         b.plot(
-            [r["clients"] for r in mem], [r["peak_rss_mb"] for r in mem], style, label=f"states in {states}"
+            [r["clients"] for r in mem],
+            [r["peak_rss_mb"] for r in mem],
+            style,
+            label="states in memory" if states == "memory" else "states on disk",
         )
     b.set_xscale("log")
     b.set_xlabel("clients K")
