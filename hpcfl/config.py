@@ -52,6 +52,9 @@ class Config:
     comm: str = "auto"  # auto | local | mpi
     progress: bool = True
     cka_metrics: bool = False  # per-layer CKA of each client's model vs the global model in metrics rows
+    drift_diversity: bool = (
+        False  # per-layer drift diversity ξ of the client updates (FedPVR Eq. 2) in metrics rows
+    )
     clients_per_round: int | None = None  # partial participation: N clients sampled per round
     participation: float | None = None  # or a fraction of the clients per round (rounded, >= 1)
     participation_weighting: str = "uniform"  # uniform | size (probability proportional to n_k)

@@ -86,6 +86,7 @@ def simulate(
     seed: int = 0,
     reduction: str = "float32",
     hook=None,
+    drift=None,
 ):
     """Run ``rounds`` rounds of ``algo`` over in-memory ``clients`` (a list of ClientData) through
     the real round loop (:func:`hpcfl.runner.rounds.run_rounds`), on one process by default.
@@ -111,6 +112,7 @@ def simulate(
         seed=seed,
         reduction=reduction,
         eval_every=10**9,
+        drift=drift,
     )
     server, _ = run_rounds(plan, server, states, 0, rounds, hook=hook)
     return server, states

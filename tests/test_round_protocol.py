@@ -161,8 +161,11 @@ def test_counted_bytes_equal_the_declared_exchange(tmp_path: Path) -> None:
     row = res.metrics[-1]
     assert row["bytes_up"] == 5 * 4 * (L + P)
     assert row["bytes_down"] == 5 * 4 * (L + P)
-    cfg = load_config(_partial_config(tmp_path, rounds=2, algorithm="fedavg"))
+    cfg = load_config(_partial_config(tmp_path, rounds=2, algorithm="fedavg", drift_diversity=True))
     row = run_experiment(cfg, tmp_path / "f").metrics[-1]
+    assert row["drift_diversity"] and all(
+        v >= 1 / 5 - 1e-9 for v in row["drift_diversity"].values()
+    )  # >= 1/|S|
     assert row["bytes_up"] == row["bytes_down"] == 5 * 4 * L
     assert row["local_loss_min"] <= row["local_loss"] <= row["local_loss_max"]
 
@@ -265,3 +268,51 @@ def test_partition_and_report_show_who_participated(tmp_path: Path) -> None:
     rep = run_cli("report", str(tmp_path / "run"), "--out", str(tmp_path / "rep"))
     assert rep.returncode == 0, rep.stderr
     assert "5 of 9 (each trained" in (tmp_path / "rep" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("sizes", [(20, 20, 20), (12, 25, 40)])
+def test_drift_diversity_equals_a_direct_computation_from_the_client_updates(sizes) -> None:
+    """xi_l = sum_i ||w_i m_i,l||^2 / ||sum_i w_i m_i,l||^2 (FedPVR Eq. 2; w_i = n_i, which drops
+    out when the sizes are equal), from the round's own sums and one vector of per-layer norms."""
+    from torch import nn
+
+    from hpcfl.algorithms import ClientData, FedAvg, Trainer
+    from hpcfl.algorithms.layout import StateLayout
+    from hpcfl.metrics.drift import DriftDiversity
+    from hpcfl.training import FlatModel, LocalSchedule
+    from tests.helpers import simulate
+
+    g = torch.Generator().manual_seed(0)
+    clients = [
+        ClientData(k, torch.randn(n, 6, generator=g) + k, torch.randint(0, 3, (n,), generator=g))
+        for k, n in enumerate(sizes)
+    ]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    flat = FlatModel(model)
+    trainer = Trainer(flat, LocalSchedule(lr=0.1, batch_size=8, steps=4))
+    layout = StateLayout.of_model(model)
+    algo = FedAvg(FedAvg.Params(), layout=layout)
+    x0 = flat.vector.clone()
+    rows = []
+    simulate(
+        algo,
+        clients,
+        trainer,
+        1,
+        server=algo.init_server(x0),
+        drift=DriftDiversity(layout),
+        reduction="float64",
+        hook=lambda done, srv, st, row: rows.append(row) or False,
+    )
+    updates = []
+    for c in clients:  # the same local training, by hand
+        x, _ = trainer.train(x0, c, torch.Generator())
+        updates.append((x - x0).double() * c.n)
+    for name, xi in rows[0]["drift_diversity"].items():
+        sl = [slice(e.start, e.stop) for e in layout.params_of([name])]
+        num = sum(float(sum((u[s] ** 2).sum() for s in sl)) for u in updates)
+        total = sum(updates)
+        den = float(sum((total[s] ** 2).sum() for s in sl))
+        assert xi == pytest.approx(num / den, rel=1e-6), name  # float32 models
+    assert set(rows[0]["drift_diversity"]) == {"0", "2"}

@@ -20,6 +20,7 @@ from hpcfl.comm import Communicator, place_clients
 from hpcfl.config import Config
 from hpcfl.data import Dataset, load_dataset, partition
 from hpcfl.errors import ConfigError
+from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.models import build_model
 from hpcfl.runner.rounds import Evaluator, RoundPlan
@@ -129,6 +130,7 @@ def model_plan(fed: Federation) -> RoundPlan:
         eval_every=fed.cfg.eval_every,
         lr_hint=f" (lr is {fed.cfg.lr})",
         similarity=LayerSimilarity.for_federation(fed) if fed.cfg.cka_metrics else None,
+        drift=drift_of(fed) if fed.cfg.drift_diversity else None,
     )
 
 
@@ -140,6 +142,17 @@ def participation_of(cfg: Config) -> Participation:
     if count is not None and count >= cfg.num_clients:
         count = None
     return Participation(count=count, weighting=cfg.participation_weighting)
+
+
+def drift_of(fed: Federation) -> DriftDiversity:
+    """Per-layer drift diversity, for algorithms whose upload is the local model."""
+    sums = fed.algorithm.exchange().sums
+    if not sums or sums[0].name != "x" or sums[0].length != fed.flat.size:
+        raise ConfigError(
+            f"drift_diversity needs an algorithm whose upload is the local model; {fed.cfg.algorithm!r} "
+            "uploads something else: set drift_diversity: false"
+        )
+    return DriftDiversity(fed.algorithm.layout)
 
 
 def make_algorithm(cfg: Config, model: torch.nn.Module) -> Algorithm:

@@ -32,6 +32,7 @@ from hpcfl.algorithms.participation import Population
 from hpcfl.comm.base import Communicator
 from hpcfl.comm.placement import place_round
 from hpcfl.errors import DivergenceError
+from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.runner.buffer import BufferLayout
 
@@ -151,6 +152,7 @@ class RoundPlan:
     reduction: str = "float64"  # float64 (placement-independent) | float32
     lr_hint: str = ""  # how to name the learning rate in a divergence message
     similarity: LayerSimilarity | None = None  # per-layer CKA of each client vs global (cka_metrics)
+    drift: DriftDiversity | None = None  # per-layer drift diversity (drift_diversity: true)
     client_metrics: tuple[str, ...] = ("loss",)
 
 
@@ -168,6 +170,7 @@ def round_layout(plan: RoundPlan, num_participants: int, dtype: torch.dtype) -> 
             ("nonfinite", num_participants),
             ("metrics", num_participants * len(plan.client_metrics)),
             ("cka", S),
+            ("drift", plan.drift.size if plan.drift is not None else 0),
             ("rank_compute", plan.comm.size),
             ("rank_state_io", plan.comm.size),
             ("rank_rss", plan.comm.size),
@@ -246,7 +249,8 @@ def run_rounds(
         buf = layout.allocate(bdtype, server.x.device)
         sums = {s.name: layout.view(buf, f"sum:{s.name}") for s in ex.sums}
         flags, cmetrics = layout.view(buf, "nonfinite"), layout.view(buf, "metrics")
-        sims = layout.view(buf, "cka")
+        sims, drift = layout.view(buf, "cka"), layout.view(buf, "drift")
+        x_before = server.x
         evaluate_now = (rnd + 1) % plan.eval_every == 0 or rnd + 1 == stop
         probe = plan.similarity if evaluate_now else None
         if probe is not None:
@@ -273,6 +277,10 @@ def run_rounds(
                 gathered.append((i, {g: upload.gathered[g] for g in ex.gathers}))
             if probe is not None:
                 probe.record(k, upload.sums["x"], sims)
+            if plan.drift is not None:
+                plan.drift.record(
+                    upload.sums["x"][: algo.num_params], server.x[: algo.num_params], upload.weight, drift
+                )
         state_io = io.finish()
         t1 = time.perf_counter()
         layout.view(buf, "rank_compute")[comm.rank] = t1 - t0
@@ -311,6 +319,9 @@ def run_rounds(
                 row["participants"] = list(who)
             if probe is not None:
                 row.update(probe.row(sims))
+            if plan.drift is not None:
+                P = algo.num_params
+                row.update(plan.drift.row(drift, sums["x"][:P], aggregate.weight, x_before[:P]))
             t3 = time.perf_counter()
             per_rank = layout.view(buf, "rank_compute").to(torch.float64)
             row.update(
