@@ -46,6 +46,7 @@ _COMMANDS = (
 )
 
 # Seconds a failing rank other than 0 waits before reporting (see the module docstring).
+ABORT_FLUSH_S = 0.5  # < REPORT_GRACE_S, so rank 0 still speaks first and alone
 REPORT_GRACE_S = 2.0
 
 
@@ -73,6 +74,9 @@ def _fail(cause: str, code: int) -> int:
     if rank != 0:
         time.sleep(REPORT_GRACE_S)
     print(f"hpcfl: error: rank {rank}: {cause}", file=sys.stderr, flush=True)
+    # the launcher forwards our stderr through its proxy: give it the line before the abort tears
+    # the job down (without this a loaded node lost rank 0's message now and then; measured in CI)
+    time.sleep(ABORT_FLUSH_S)
     abort_world(code)  # returns only when MPI is not running (the launcher ends the others)
     return code
 
