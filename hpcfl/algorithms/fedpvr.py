@@ -45,7 +45,6 @@ from hpcfl.algorithms.base import (
     Exchange,
     HyperParams,
     ServerContext,
-    ServerState,
     SumSpec,
     Trainer,
     Upload,
@@ -53,6 +52,7 @@ from hpcfl.algorithms.base import (
 )
 from hpcfl.algorithms.layout import Entry, StateLayout
 from hpcfl.algorithms.participation import Participation
+from hpcfl.algorithms.scaffold import ScaffoldServerState, correction_update
 from hpcfl.errors import ConfigError
 
 
@@ -101,11 +101,7 @@ class FedPVRParams(HyperParams):
             raise ConfigError(f"config key 'params.server_lr' must be > 0, got {self.server_lr}")
 
 
-@dataclass
-class FedPVRServerState(ServerState):
-    """x and the server control variate c over the masked slice (|mask| entries)."""
-
-    c: torch.Tensor | None = None
+FedPVRServerState = ScaffoldServerState  # x and the server control variate c (over the masked slice)
 
 
 @dataclass
@@ -259,7 +255,7 @@ class FedPVR(Algorithm[FedPVRParams, FedPVRServerState, FedPVRClientState]):
             y, result = plain.train(server.x, data, ctx.generator, correction=split)
         else:
             y, result = trainer.train(server.x, data, ctx.generator, correction=lambda w, d: correct(d))
-        c_new = c_k - server.c + (self.gather(server.x) - self.gather(y)) / (steps * lr)  # Eq. 7
+        c_new = correction_update(c_k - server.c, self.gather(server.x), self.gather(y), steps, lr)  # Eq. 7
         upload = model_upload(y, data, result)
         upload.sums["dc"] = c_new - c_k
         return upload, FedPVRClientState(c=c_new)

@@ -116,7 +116,7 @@ class Scaffold(Algorithm[ScaffoldParams, ScaffoldServerState, ScaffoldClientStat
                 d.sub_(shift)
 
             y, result = trainer.train(server.x, data, ctx.generator, correction=cv)
-            c_new = c_k - server.c + (server.x[:P] - y[:P]) / (steps * lr)
+            c_new = correction_update(c_k - server.c, server.x[:P], y[:P], steps, lr)
             upload = model_upload(y, data, result)
             upload.sums["dc"] = c_new - c_k
             return upload, ScaffoldClientState(h=c_new)
