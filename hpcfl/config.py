@@ -55,6 +55,8 @@ class Config:
     drift_diversity: bool = (
         False  # per-layer drift diversity ξ of the client updates (FedPVR Eq. 2) in metrics rows
     )
+    conformal: bool = False  # split-conformal LAC/APS coverage and set size (1-α = 0.9/0.95/0.99) per row
+    conformal_calibration: float = 0.5  # fraction of the test set that calibrates; the rest measures
     clients_per_round: int | None = None  # partial participation: N clients sampled per round
     participation: float | None = None  # or a fraction of the clients per round (rounded, >= 1)
     participation_weighting: str = "uniform"  # uniform | size (probability proportional to n_k)
@@ -148,6 +150,8 @@ RESUMABLE_KEYS = frozenset(
         "comm",
         "progress",
         "client_state_memory",
+        "conformal",
+        "conformal_calibration",
     }
 )
 
@@ -345,6 +349,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("set only one of 'clients_per_round' and 'participation'")
     if cfg.clients_per_round is not None and not 1 <= cfg.clients_per_round:
         raise ConfigError(f"config key 'clients_per_round' must be >= 1, got {cfg.clients_per_round}")
+    if not 0 < cfg.conformal_calibration < 1:
+        raise ConfigError(
+            f"config key 'conformal_calibration' must be in (0, 1) (the test-set fraction that calibrates), "
+            f"got {cfg.conformal_calibration}"
+        )
     if cfg.participation is not None and not 0 < cfg.participation <= 1:
         raise ConfigError(f"config key 'participation' must be in (0, 1], got {cfg.participation}")
     for key, value, choices in (

@@ -20,11 +20,12 @@ from hpcfl.comm import Communicator, place_clients
 from hpcfl.config import Config
 from hpcfl.data import Dataset, load_dataset, partition
 from hpcfl.errors import ConfigError
+from hpcfl.metrics.conformal import conformal_metrics
 from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.models import build_model
 from hpcfl.runner.rounds import Evaluator, RoundPlan
-from hpcfl.training.evaluate import evaluate
+from hpcfl.training.evaluate import evaluate, evaluate_with_probs
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import LocalSchedule
 
@@ -107,7 +108,17 @@ def model_evaluator(fed: Federation) -> Evaluator:
         fed.flat.load(server.x)
         model, ds = fed.flat.model, fed.dataset
         row: dict[str, float] = {}
-        row["test_accuracy"], row["test_loss"] = evaluate(model, ds.test.x, ds.test.y, fed.comm)
+        if fed.cfg.conformal:
+            row["test_accuracy"], row["test_loss"], probs = evaluate_with_probs(
+                model, ds.test.x, ds.test.y, fed.comm
+            )
+            row.update(
+                conformal_metrics(
+                    probs, ds.test.y, seed=fed.cfg.seed, calibration_fraction=fed.cfg.conformal_calibration
+                )
+            )
+        else:
+            row["test_accuracy"], row["test_loss"] = evaluate(model, ds.test.x, ds.test.y, fed.comm)
         if fed.cfg.eval_train:
             row["train_accuracy"], row["train_loss"] = evaluate(model, ds.train.x, ds.train.y, fed.comm)
         return row
