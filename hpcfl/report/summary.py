@@ -1,4 +1,4 @@
-"""Turn run directories into what a person reads: a table of final results and accuracy curves."""
+"""One line per run directory: its headline numbers as a markdown and a CSV table."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hpcfl.config import read_yaml
 from hpcfl.errors import RunDirError
-from hpcfl.files import atomic_write_text, read_jsonl, save_figure
+from hpcfl.files import read_jsonl
 
 
 @dataclass
@@ -87,43 +87,3 @@ def csv_table(runs: list[RunSummary]) -> str:
             [r.name, r.algorithm, r.partition, r.rounds, r.final_accuracy, r.best_accuracy, r.seconds]
         )
     return buf.getvalue()
-
-
-def plot_accuracy(
-    runs: list[RunSummary], path: Path, *, title: str = "test accuracy vs communication round"
-) -> Path:
-    """One curve per run; TCT's stage boundary is marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in runs:
-        ax.plot(
-            [row["round"] for row in r.rows],
-            [100 * row["test_accuracy"] for row in r.rows],
-            marker="o",
-            ms=3,
-            label=r.name,
-        )
-        stage2 = [row["round"] for row in r.rows if row.get("stage") == "stage2"]
-        if stage2:
-            ax.axvline(stage2[0] - 0.5, color="grey", ls=":", lw=1)
-    ax.set_xlabel("communication round")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=120)
-
-
-def write_report(run_dirs: list[Path], out: Path) -> list[RunSummary]:
-    """report.md, report.csv and accuracy.png for the given runs, into ``out``."""
-    runs = [summarise(d) for d in run_dirs]
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "report.md", markdown_table(runs))
-    atomic_write_text(out / "report.csv", csv_table(runs))
-    plot_accuracy(runs, out / "accuracy.png")
-    return runs

@@ -1,0 +1,72 @@
+"""Turn run directories into what a person reads: tables and figures.
+
+- :mod:`hpcfl.report.summary`: one line per run (final and best accuracy, participation, time);
+- :mod:`hpcfl.report.targets`: rounds and bytes to a target accuracy with the speed-up over FedAvg;
+- :mod:`hpcfl.report.plots`: accuracy curves, drift-diversity heatmaps, conformal coverage curves.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from hpcfl.files import atomic_write_text
+from hpcfl.report.plots import (
+    conformal_points,
+    conformal_runs,
+    drift_runs,
+    plot_accuracy,
+    plot_conformal,
+    plot_drift,
+)
+from hpcfl.report.summary import RunSummary, csv_table, markdown_table, summarise
+from hpcfl.report.targets import default_target, target_csv, target_markdown, target_rows
+
+__all__ = ["RunSummary", "markdown_table", "summarise", "write_report"]
+
+
+def write_report(run_dirs: list[Path], out: Path, *, target: float | None = None) -> list[RunSummary]:
+    """Into ``out``: report.md (final results, rounds/bytes to ``target``, conformal table),
+    report.csv, targets.csv, accuracy.png; drift_diversity.png and conformal.{png,csv} when the runs
+    recorded them. ``target`` (a fraction) defaults to the level every run reaches."""
+    runs = [summarise(d) for d in run_dirs]
+    out.mkdir(parents=True, exist_ok=True)
+    level = default_target(runs) if target is None else target
+    rows = target_rows(runs, level)
+    md = [markdown_table(runs), target_markdown(rows, level)]
+    atomic_write_text(out / "report.csv", csv_table(runs))
+    atomic_write_text(out / "targets.csv", target_csv(rows, level))
+    plot_accuracy(runs, out / "accuracy.png")
+    if drifting := drift_runs(runs):
+        plot_drift(drifting, out / "drift_diversity.png")
+        md.append("Drift diversity per layer and round: drift_diversity.png\n")
+    if covering := conformal_runs(runs):
+        plot_conformal(covering, out / "conformal.png")
+        atomic_write_text(out / "conformal.csv", _conformal_csv(covering))
+        md.append(_conformal_markdown(covering))
+    atomic_write_text(out / "report.md", "\n".join(md))
+    return runs
+
+
+def _conformal_markdown(runs: list[RunSummary]) -> str:
+    lines = [
+        "Split-conformal sets of the final model: empirical coverage / mean set size (conformal.png).",
+        "",
+        "| run | top-1 | LAC 90% | LAC 95% | LAC 99% | APS 90% | APS 95% | APS 99% |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        cells = [f"{100 * cov:.1f}% / {size:.2f}" for _, _, size, cov in conformal_points(r)]
+        lines.append(f"| {r.name} | {100 * r.final_accuracy:.1f}% | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _conformal_csv(runs: list[RunSummary]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["run", "method", "target_coverage", "mean_set_size", "coverage"])
+    for r in runs:
+        for method, level, size, cov in conformal_points(r):
+            writer.writerow([r.name, method, level, size, cov])
+    return buf.getvalue()

@@ -1,0 +1,130 @@
+"""The report's figures: accuracy per round, drift diversity as a heatmap, conformal coverage."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from hpcfl.files import save_figure
+from hpcfl.metrics.conformal import ALPHAS, METHODS
+from hpcfl.report.summary import RunSummary
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy(
+    runs: list[RunSummary], path: Path, *, title: str = "test accuracy vs communication round"
+) -> Path:
+    """One curve per run; TCT's stage boundary is marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in runs:
+        ax.plot(
+            [row["round"] for row in r.rows],
+            [100 * row["test_accuracy"] for row in r.rows],
+            marker="o",
+            ms=3,
+            label=r.name,
+        )
+        stage2 = [row["round"] for row in r.rows if row.get("stage") == "stage2"]
+        if stage2:
+            ax.axvline(stage2[0] - 0.5, color="grey", ls=":", lw=1)
+    ax.set_xlabel("communication round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
+
+
+def drift_runs(runs: list[RunSummary]) -> list[RunSummary]:
+    """The runs whose rows carry per-layer drift diversity (``drift_diversity: true``)."""
+    return [r for r in runs if any("drift_diversity" in row for row in r.rows)]
+
+
+def plot_drift(runs: list[RunSummary], path: Path) -> Path:
+    """FedPVR Figure 2's form: per run, log10 ξ as a heatmap of layers (rows, input to output) ×
+    logged rounds (columns), on one shared colour scale."""
+    import numpy as np
+
+    plt = _pyplot()
+    tables = []
+    for r in runs:
+        rows = [row for row in r.rows if "drift_diversity" in row]
+        layers = list(rows[0]["drift_diversity"])
+        grid = np.array([[row["drift_diversity"].get(layer, math.nan) for row in rows] for layer in layers])
+        tables.append((r, layers, [row["round"] for row in rows], np.log10(np.maximum(grid, 1e-12))))
+    lo = min(float(np.nanmin(t[3])) for t in tables)
+    hi = max(float(np.nanmax(t[3])) for t in tables)
+    fig, axes = plt.subplots(1, len(tables), figsize=(4.2 * len(tables) + 1, 3.8), squeeze=False)
+    image = None
+    for ax, (r, layers, rounds, grid) in zip(axes[0], tables, strict=True):
+        image = ax.imshow(grid, aspect="auto", origin="lower", vmin=lo, vmax=hi, cmap="viridis")
+        ax.set_title(r.name, fontsize=9)
+        ax.set_xlabel("communication round")
+        ax.set_xticks(range(0, len(rounds), max(1, len(rounds) // 6)))
+        ax.set_xticklabels([str(rounds[i]) for i in range(0, len(rounds), max(1, len(rounds) // 6))])
+        ax.set_yticks(range(len(layers)))
+        ax.set_yticklabels(layers, fontsize=7)
+    axes[0][0].set_ylabel("layer (input → output)")
+    fig.colorbar(image, ax=axes[0].tolist(), label="log10 drift diversity ξ")
+    return save_figure(fig, path, dpi=120)
+
+
+def conformal_runs(runs: list[RunSummary]) -> list[RunSummary]:
+    """The runs whose last row carries conformal coverage (``conformal: true``)."""
+    return [r for r in runs if "lac_coverage_90" in r.rows[-1]]
+
+
+def conformal_points(run: RunSummary) -> list[tuple[str, float, float, float]]:
+    """(method, 1 − α, mean set size, empirical coverage) of the run's final model."""
+    last = run.rows[-1]
+    out = []
+    for method in METHODS:
+        for alpha in ALPHAS:
+            pct = f"{100 * (1 - alpha):g}"
+            if f"{method}_coverage_{pct}" in last:
+                out.append(
+                    (method, 1 - alpha, last[f"{method}_set_size_{pct}"], last[f"{method}_coverage_{pct}"])
+                )
+    return out
+
+
+def plot_conformal(runs: list[RunSummary], path: Path) -> Path:
+    """FedPVR Figure 3's form: empirical coverage against mean set size of the final model, one
+    curve per run and method (points at 1 − α = 0.9, 0.95, 0.99), top-1 accuracy as a set of size 1."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, r in enumerate(runs):
+        colour = f"C{i % 10}"
+        pts = conformal_points(r)
+        for method, marker, style in (("lac", "o", "-"), ("aps", "s", "--")):
+            mine = [(size, cov) for m, _, size, cov in pts if m == method]
+            if mine:
+                ax.plot(
+                    [1.0] + [s for s, _ in mine],
+                    [100 * r.final_accuracy] + [100 * c for _, c in mine],
+                    style,
+                    marker=marker,
+                    ms=4,
+                    color=colour,
+                    label=f"{r.name} {method.upper()}",
+                )
+    for alpha in ALPHAS:
+        ax.axhline(100 * (1 - alpha), color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("mean prediction-set size (1 = top-1 prediction)")
+    ax.set_ylabel("empirical coverage (%)")
+    ax.set_title("split-conformal sets of the final model (targets 90/95/99%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
