@@ -53,7 +53,7 @@ def _base(args: argparse.Namespace, alpha: float) -> dict[str, Any]:
 
 
 def _methods(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    ntk = {"eta": args.eta, "memory_budget": args.memory_budget}
+    ntk = {"eta": args.eta, "loss": args.loss, "memory_budget": args.memory_budget}
     cp = {**ntk, "beta": args.beta, "projection_dim": args.projection_dim, "keep": args.keep}
     out = [
         ("ntkfl", {"algorithm": "ntkfl", "rounds": args.rounds, "params": ntk}),
@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--fedavg-lr", type=float, default=0.05)
     ap.add_argument("--batch-size", type=int, default=200, help="FedAvg's local batch (paper: 200)")
     ap.add_argument("--eta", type=float, default=0.1)
+    ap.add_argument(
+        "--loss", choices=["ce", "mse"], default="ce", help="NTK evolution (ce: the reference code's)"
+    )
     ap.add_argument("--beta", type=float, default=0.3)
     ap.add_argument("--projection-dim", type=int, default=200)
     ap.add_argument("--keep", type=float, default=0.1)
