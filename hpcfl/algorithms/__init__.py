@@ -15,6 +15,7 @@ from hpcfl.algorithms.base import (
     Trainer,
     Upload,
 )
+from hpcfl.algorithms.cp_ntkfl import CPNTKFL
 from hpcfl.algorithms.fedadam import FedAdam
 from hpcfl.algorithms.fedavg import FedAvg
 from hpcfl.algorithms.fedcka import FedCKA
@@ -23,11 +24,26 @@ from hpcfl.algorithms.fednova import FedNova
 from hpcfl.algorithms.fedprox import FedProx
 from hpcfl.algorithms.fedpvr import FedPVR
 from hpcfl.algorithms.moon import Moon
+from hpcfl.algorithms.ntkfl import NTKFL
 from hpcfl.algorithms.scaffold import Scaffold
 from hpcfl.algorithms.tct import TCT
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (FedAvg, FedProx, Scaffold, TCT, Moon, FedCKA, FedPVR, FedDyn, FedNova, FedAdam)
+    cls.name: cls
+    for cls in (
+        FedAvg,
+        FedProx,
+        Scaffold,
+        TCT,
+        Moon,
+        FedCKA,
+        FedPVR,
+        FedDyn,
+        FedNova,
+        FedAdam,
+        NTKFL,
+        CPNTKFL,
+    )
 }
 
 __all__ = [
@@ -35,6 +51,7 @@ __all__ = [
     "Algorithm",
     "ClientData",
     "ClientState",
+    "CPNTKFL",
     "FedAdam",
     "FedAvg",
     "FedCKA",
@@ -44,6 +61,7 @@ __all__ = [
     "FedPVR",
     "HyperParams",
     "Moon",
+    "NTKFL",
     "NonFiniteLoss",
     "Scaffold",
     "TCT",

@@ -175,12 +175,18 @@ Reducer = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class ServerContext:
     """What the server step may use: the round, who took part, and a sum-only reducer over ranks
-    (``reduce(t)`` returns the sum of ``t`` over every rank; it is the only collective allowed)."""
+    (``reduce(t)`` returns the sum of ``t`` over every rank; it is the only collective allowed).
+
+    ``rank``/``world`` let a step share "local product + one reduce" work among ranks (NTK-FL's
+    kernel blocks); the result must not depend on them beyond floating-point summation order.
+    """
 
     round: int
     participants: tuple[int, ...]
     population: Population
     reduce: Reducer
+    rank: int = 0
+    world: int = 1
 
 
 @dataclass(frozen=True)

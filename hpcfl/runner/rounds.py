@@ -306,7 +306,7 @@ def run_rounds(
             count=int(layout.view(buf, "count")),
             gathered={g: [obj[g] for _, obj in everything] for g in ex.gathers},
         )
-        sctx = ServerContext(rnd, tuple(who), plan.population, comm.allreduce)
+        sctx = ServerContext(rnd, tuple(who), plan.population, comm.allreduce, comm.rank, comm.size)
         server, server_metrics = algo.server_update(server, aggregate, sctx)
         done = rnd + 1
         # 5. evaluation, sharded over ranks

@@ -1,0 +1,190 @@
+"""NTK-FL server time per round, split into its parts, on 1 and 2 ranks (one thread each), and
+per-sample Jacobian throughput against a ``torch.func.vmap(jacrev)`` baseline in the same run.
+
+The round: ``--clients`` participants × ``--samples`` samples (the issue: 20 × 200), MLP-100 on
+784 inputs, 10 outputs, random inputs and labels (time does not depend on the values). Each rank
+builds the round's gathered Jacobians itself (the state after the runner's allgather) and runs
+NTK-FL's server step; the split is the step's own metrics:
+
+- ``jacobians``: the fused per-sample Jacobians of one client (what each participant computes),
+  and the vmap(jacrev) baseline on the same samples → samples/s of each;
+- ``kernel``: this rank's kernel blocks (reduce excluded); ``eigh``: the eigendecomposition;
+  ``grid``: the closed-form evolution over the t-grid + the batched real-network selection;
+  ``update``: the local Σ J_mᵀS_m products; ``allreduce``: the two reducer calls.
+
+Kernel-step scaling = kernel(1 rank) / kernel(2 ranks) (required ≥ 1.8×).
+
+    python benchmarks/ntkfl_server_time.py --out benchmarks/results/ntkfl_server_time
+    python benchmarks/ntkfl_server_time.py --clients 4 --samples 50 --out /tmp/ntk_time   # smoke
+
+Memory: every rank holds N·C·P·4 bytes of Jacobians (12.7 GB at 20 × 200), so the 2-rank run needs
+~2 × 14 GB on one node. Writes ``ntkfl_server_time.json`` and ``.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of the measurement (run under mpiexec)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from hpcfl.algorithms.base import Aggregate, ServerContext
+    from hpcfl.algorithms.layout import StateLayout
+    from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
+    from hpcfl.algorithms.participation import Population
+    from hpcfl.comm.mpi import MPIComm
+    from hpcfl.entk.jacobian import per_sample_jacobian
+    from hpcfl.models import build_model
+    from hpcfl.training.flat import FlatModel
+
+    comm = MPIComm()
+    torch.manual_seed(0)
+    flat = FlatModel(build_model("mlp", (1, 28, 28), 10))
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(args.samples, 1, 28, 28, generator=g) for _ in range(args.clients)]
+    ys = [torch.randint(0, 10, (args.samples,), generator=g) for _ in range(args.clients)]
+    result: dict[str, float] = {}
+    t0 = time.perf_counter()
+    jac = [per_sample_jacobian(flat.model, x, method="fused") for x in xs]
+    fused_s = time.perf_counter() - t0
+    result["jacobian_fused_samples_per_s"] = args.clients * args.samples / fused_s
+    n_base = min(args.baseline_samples, args.samples)
+    t0 = time.perf_counter()
+    base = per_sample_jacobian(flat.model, xs[0][:n_base], method="vmap", batch_size=args.baseline_batch)
+    result["jacobian_vmap_samples_per_s"] = n_base / (time.perf_counter() - t0)
+    result["jacobian_max_abs_diff"] = float((base - jac[0][:n_base]).abs().max())
+    del base
+    with torch.no_grad():
+        outs = [flat.model(x) for x in xs]
+    algo = NTKFL(NTKFLParams(), layout=StateLayout.of_model(flat.model))
+    algo.attach(flat.model)
+    agg = Aggregate(
+        sums={},
+        weight=float(args.clients * args.samples),
+        count=args.clients,
+        gathered={"jacobian": jac, "output": outs, "label": ys, "input": xs},
+    )
+    ctx = ServerContext(
+        0,
+        tuple(range(args.clients)),
+        Population((args.samples,) * args.clients),
+        comm.allreduce,
+        comm.rank,
+        comm.size,
+    )
+    server = algo.init_server(flat.vector)
+    comm.barrier()
+    t0 = time.perf_counter()
+    _, m = algo.server_update(server, agg, ctx)
+    total = time.perf_counter() - t0
+    reduce_s = m["reduce_s"]
+    result.update(
+        kernel=m["kernel_s"],  # includes the kernel's reduce; the split below removes it
+        eigh=m["eigh_s"],
+        grid=m["evolve_s"] + m["select_s"],
+        update=m["update_s"],
+        allreduce=reduce_s,
+        server_total=total,
+        t_star=m["t_star"],
+    )
+    # the kernel's own reduce: time it alone on the same matrix size
+    N = args.clients * args.samples
+    H = torch.zeros(N, N, dtype=torch.float64)
+    comm.barrier()
+    t0 = time.perf_counter()
+    comm.allreduce(H)
+    result["kernel_reduce"] = time.perf_counter() - t0
+    result["kernel_compute"] = result["kernel"] - result["kernel_reduce"]
+    rows = comm.allgather(result)
+    if comm.rank == 0:
+        Path(args.result).write_text(json.dumps({"ranks": comm.size, "per_rank": rows}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "ntkfl_server_time")
+    ap.add_argument("--clients", type=int, default=20)
+    ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--baseline-samples", type=int, default=200, help="samples for the vmap(jacrev) baseline")
+    ap.add_argument("--baseline-batch", type=int, default=16)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    runs = {}
+    for r in args.ranks:
+        result = args.out / f"ranks{r}.json"
+        cmd = [
+            str(Path(sys.executable).parent / "mpiexec"),
+            "-n",
+            str(r),
+            sys.executable,
+            __file__,
+            "--worker",
+        ]
+        cmd += ["--clients", str(args.clients), "--samples", str(args.samples), "--result", str(result)]
+        cmd += [
+            "--baseline-samples",
+            str(args.baseline_samples),
+            "--baseline-batch",
+            str(args.baseline_batch),
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+        runs[r] = json.loads(result.read_text())
+    parts = ["kernel_compute", "kernel_reduce", "eigh", "grid", "update", "allreduce", "server_total"]
+    table = []
+    for r, run in runs.items():
+        slowest = {p: max(row[p] for row in run["per_rank"]) for p in parts}
+        first = run["per_rank"][0]
+        table.append(
+            {
+                "ranks": r,
+                **slowest,
+                "jacobian_fused_samples_per_s": first["jacobian_fused_samples_per_s"],
+                "jacobian_vmap_samples_per_s": first["jacobian_vmap_samples_per_s"],
+                "jacobian_max_abs_diff": first["jacobian_max_abs_diff"],
+            }
+        )
+    summary = {"clients": args.clients, "samples": args.samples, "table": table}
+    if 1 in runs and 2 in runs:
+        k1 = next(t for t in table if t["ranks"] == 1)["kernel_compute"]
+        k2 = next(t for t in table if t["ranks"] == 2)["kernel_compute"]
+        summary["kernel_scaling_1_to_2"] = k1 / k2
+    (args.out / "ntkfl_server_time.json").write_text(json.dumps(summary, indent=2))
+    with open(args.out / "ntkfl_server_time.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+    for row in table:
+        print(
+            f"ranks={row['ranks']}: "
+            + ", ".join(f"{p}={row[p]:.3f}s" for p in parts)
+            + f"; Jacobians fused {row['jacobian_fused_samples_per_s']:.0f}/s vs vmap(jacrev) "
+            f"{row['jacobian_vmap_samples_per_s']:.0f}/s"
+        )
+    if "kernel_scaling_1_to_2" in summary:
+        print(f"kernel step scaling 1 → 2 ranks: {summary['kernel_scaling_1_to_2']:.2f}×")
+
+
+if __name__ == "__main__":
+    main()

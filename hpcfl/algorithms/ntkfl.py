@@ -1,0 +1,285 @@
+"""NTK-FL (Yue, Jin, Pilgrim, Wong, Baron & Dai, ICML 2022, "Neural Tangent Kernel Empowered
+Federated Learning", Section 4.1 and Figure 1): clients upload per-sample Jacobians instead of
+models; the server evolves the global model in closed form.
+
+Round k, participants C_k (the run's ``clients_per_round``; the paper: 20 of 300):
+
+1. each participant m computes, at the broadcast weights w⁽ᵏ⁾, its Jacobian tensor J_m (N_m × C × d)
+   of all C outputs w.r.t. all d parameters (:func:`hpcfl.entk.jacobian.per_sample_jacobian`, the
+   fused outer-product path for Linear/ReLU models), its outputs f⁽ᵏ⁾(X_m) and labels Y_m, and
+   uploads them as GATHERED objects (no summed vector): every rank receives every participant's
+   rows (an allgather; a ring would move the same N·C·d entries per rank, in more steps, so the
+   runner's one allgather is kept);
+2. every rank computes its share of the kernel blocks H_ml = (1/C)⟨J_m, J_l⟩ and one reduce sums
+   H (:func:`hpcfl.ntk.evolution.kernel`); one float64 eigendecomposition; the function-space
+   evolution at every t of the grid {t₁…t_Ψ} in closed form (Eq. 9a, MSE);
+3. the weight update Δw(t) = −(η/(N·C)) Σ_m J_mᵀ Σ_{u<t}(f⁽ᵘ⁾ − Y) (Eqs. 9b, 10) as a product over
+   each rank's own participants plus ONE reduce for all grid points;
+4. t* = argmin_t of the training loss of the REAL network at w⁽ᵏ⁾ + Δw(t) on the round's samples
+   (Eq. 11a), all candidates in one batched (vmapped) pass, and w⁽ᵏ⁺¹⁾ = w⁽ᵏ⁾ + Δw(t*).
+
+Eq. 11a evaluates the network on the round's training inputs X⁽ᵏ⁾, which this simulation's server
+receives beside the Jacobians (``select: train``; they are counted in ``bytes_up``, ~0.1 % of the
+Jacobians for the MLP; a deployment would instead broadcast the Ψ candidates and collect Ψ losses).
+``select: kernel`` chooses t* by the loss of the closed-form f⁽ᵗ⁾ instead, so nothing but J, f and
+Y leaves a client (with MSE it then picks the largest t of the grid, since the kernel flow decreases
+the loss monotonically). Metrics: ``t_star``, ``kernel_cond`` (λ_max/λ_min of H), the selected
+loss, and the server step's time split; ``bytes_up`` counts the gathered tensors as sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+
+from hpcfl.algorithms.base import (
+    Aggregate,
+    Algorithm,
+    ClientContext,
+    ClientData,
+    ClientState,
+    Exchange,
+    HyperParams,
+    ServerContext,
+    ServerState,
+    Stage,
+    Upload,
+)
+from hpcfl.entk._common import eval_mode
+from hpcfl.entk.jacobian import JACOBIAN_METHODS, per_sample_jacobian
+from hpcfl.errors import ConfigError
+from hpcfl.ntk.evolution import Rows, balance, evolve, kernel, weight_updates
+
+
+def _choice(key: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"config key 'params.{key}' must be one of {', '.join(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class NTKFLParams(HyperParams):
+    """NTK-FL's server evolution (Yue et al., ICML 2022, Section 4.1 and Section 6).
+
+    - ``eta`` η = 0.1: the evolution's learning rate; the paper searches {1e-3, 3e-3, 1e-2, 3e-2,
+      1e-1} (Appendix A) and keeps it fixed;
+    - ``grid`` {t₁…t_Ψ} = {100, 200, …, 2000}: the candidate step counts of Section 6;
+    - ``evolution``: ``flow`` (Eq. 9a's exp(−ηtH/N), the paper) or ``discrete`` ((I − ηH/N)ᵗ,
+      exactly gradient descent of the linearised network; diverges when ηλ_max/N > 2);
+    - ``loss``: ``mse`` (the paper's analysis, closed form) or ``ce`` (the reference code's
+      cross-entropy evolution, Euler steps of ``ce_dt`` time units; grid points multiples of it);
+    - ``select``: ``train`` (Eq. 11a: the real network's training loss on the round's samples) or
+      ``kernel`` (the closed-form outputs' loss; no inputs leave the clients);
+    - ``jacobian``: ``auto`` | ``fused`` | ``vmap`` (:mod:`hpcfl.entk.jacobian`);
+    - ``memory_budget``: ``auto`` (80 % of this node's available memory over its ranks) or bytes per
+      rank; a round that cannot fit is refused before the first round (:mod:`hpcfl.ntk.memory`).
+    """
+
+    eta: float = 0.1
+    grid: tuple[int, ...] = tuple(range(100, 2001, 100))
+    evolution: str = "flow"
+    loss: str = "mse"
+    ce_dt: int = 10
+    select: str = "train"
+    jacobian: str = "auto"
+    memory_budget: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.eta > 0:
+            raise ConfigError(f"config key 'params.eta' must be > 0, got {self.eta}")
+        grid = self.grid if isinstance(self.grid, (list, tuple)) else [self.grid]
+        try:
+            steps = tuple(int(t) for t in grid)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"config key 'params.grid' must be a list of step counts, got {self.grid!r}"
+            ) from None
+        if not steps or any(t < 0 for t in steps) or list(steps) != sorted(set(steps)):
+            raise ConfigError(
+                f"config key 'params.grid' must be increasing step counts >= 0, got {list(steps)}"
+            )
+        object.__setattr__(self, "grid", steps)
+        _choice("evolution", self.evolution, ("flow", "discrete"))
+        _choice("loss", self.loss, ("mse", "ce"))
+        _choice("select", self.select, ("train", "kernel"))
+        _choice("jacobian", self.jacobian, JACOBIAN_METHODS)
+        if self.ce_dt < 1:
+            raise ConfigError(f"config key 'params.ce_dt' must be >= 1, got {self.ce_dt}")
+        if self.loss == "ce" and any(t % self.ce_dt for t in steps):
+            raise ConfigError(
+                f"with params.loss: ce every params.grid step must be a multiple of params.ce_dt={self.ce_dt}"
+            )
+        if self.memory_budget != "auto":
+            from hpcfl.config import parse_memory_budget
+
+            parse_memory_budget(str(self.memory_budget))
+
+
+@dataclass
+class _Timer:
+    """Seconds spent in the server step's parts (reported as metrics, not part of any state)."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, key: str, seconds: float) -> None:
+        self.parts[key] = self.parts.get(key, 0.0) + seconds
+
+
+class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
+    """NTK-FL: gathered Jacobians, the kernel evolution on every rank, t* by training loss."""
+
+    name = "ntkfl"
+    Params = NTKFLParams
+
+    network: nn.Module | None = None  # the model the server evaluates candidates with (attach)
+
+    def attach(self, network: nn.Module) -> None:
+        """The network whose real loss picks t* (the stage plan attaches the run's model)."""
+        self.network = network
+
+    def stages(self) -> Sequence[Stage]:
+        from hpcfl.ntk.stage import enter_ntk
+
+        return (Stage("train", -1, enter=enter_ntk),)
+
+    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        names = ("jacobian", "output", "label") + (("input",) if self.params.select == "train" else ())
+        return Exchange(sums=(), gathers=names)
+
+    # -- client ------------------------------------------------------------------------------
+    def local_rows(self, data: ClientData, ctx: ClientContext) -> tuple[Tensor, Tensor]:
+        """The samples this participant computes Jacobians of (all of them; CP-NTK-FL subsamples)."""
+        return data.x, data.y
+
+    def encode(self, jacobian: Tensor) -> Any:
+        """The Jacobian as uploaded (dense here; CP-NTK-FL sparsifies)."""
+        return jacobian
+
+    def client_update(
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
+    ) -> tuple[Upload, ClientState]:
+        trainer = ctx.trainer
+        assert trainer is not None, "NTK-FL's clients need the trainer's model"
+        trainer.flat.load(server.x)
+        model = trainer.flat.model
+        x, y = self.local_rows(data, ctx)
+        t0 = time.perf_counter()
+        J = per_sample_jacobian(model, x, method=self.params.jacobian)  # (n, C, P)
+        seconds = time.perf_counter() - t0
+        with torch.no_grad(), eval_mode(model):
+            f0 = model(x)  # (n, C)
+        Y = F.one_hot(y, f0.shape[1]).to(f0.dtype)
+        gathered: dict[str, Any] = {"jacobian": self.encode(J), "output": f0, "label": y}
+        if self.params.select == "train":
+            gathered["input"] = x
+        loss = float(_loss(f0.unsqueeze(0), Y, self.params.loss)[0])
+        return Upload(
+            sums={},
+            weight=float(x.shape[0]),
+            gathered=gathered,
+            metrics={"loss": loss, "jacobian_s": seconds},
+        ), client
+
+    # -- server ------------------------------------------------------------------------------
+    def decode(self, uploaded: Any) -> Tensor:
+        """Inverse of :meth:`encode`."""
+        return uploaded
+
+    def rows(self, aggregate: Aggregate, ctx: ServerContext) -> Rows:
+        """The round's rows in participant order (CP-NTK-FL shuffles them)."""
+        g = aggregate.gathered
+        jac = [self.decode(j) for j in g["jacobian"]]
+        C = int(jac[0].shape[1])
+        labels = [F.one_hot(y, C).to(f.dtype) for y, f in zip(g["label"], g["output"], strict=True)]
+        return Rows(jac, list(g["output"]), labels, list(g["input"]) if "input" in g else None)
+
+    def server_update(
+        self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[ServerState, dict[str, float]]:
+        p, timer = self.params, _Timer()
+
+        def reduce(t: Tensor) -> Tensor:
+            start = time.perf_counter()
+            out = ctx.reduce(t)
+            timer.add("reduce_s", time.perf_counter() - start)
+            return out
+
+        rows = self.rows(aggregate, ctx)
+        P = self.num_params
+        t0 = time.perf_counter()
+        H = kernel(rows.jacobians, ctx.rank, ctx.world, reduce)  # (N, N) float64
+        t1 = time.perf_counter()
+        f0, Y = torch.cat(rows.outputs), torch.cat(rows.labels)  # (N, C)
+        evo = evolve(H, f0, Y, lr=p.eta, grid=p.grid, mode=p.evolution, loss=p.loss, dt=p.ce_dt)
+        t2 = time.perf_counter()
+        owner = balance([float(n) for n in rows.sizes], ctx.world)
+        mine = [m for m, r in enumerate(owner) if r == ctx.rank]
+        dw = reduce(weight_updates(rows.jacobians, evo.sums, mine, lr=p.eta))  # (Ψ, P), ONE reduce
+        t3 = time.perf_counter()
+        candidates = server.x[:P].to(torch.float64) + dw  # (Ψ, P)
+        losses = self.selection_losses(candidates.to(server.x.dtype), rows, evo.outputs)
+        best = int(torch.argmin(losses))
+        t4 = time.perf_counter()
+        x = server.x.clone()
+        x[:P] = candidates[best].to(x.dtype)
+        lam = evo.eigenvalues
+        lam_max = float(lam[-1])
+        cond = lam_max / max(float(lam[0]), lam_max * 1e-16, 1e-300)
+        metrics = {
+            "t_star": float(p.grid[best]),
+            "select_loss": float(losses[best]),
+            "kernel_cond": cond,
+            "kernel_lambda_max": lam_max,
+            "kernel_s": t1 - t0,
+            "eigh_s": evo.eigh_seconds,
+            "evolve_s": t2 - t1 - evo.eigh_seconds,
+            "update_s": t3 - t2,
+            "select_s": t4 - t3,
+            "reduce_s": timer.parts.get("reduce_s", 0.0),
+        }
+        return ServerState(x=x), metrics
+
+    def selection_losses(self, candidates: Tensor, rows: Rows, outputs: Tensor) -> Tensor:
+        """The loss of each candidate (Ψ,): the real network on the round's inputs (``select:
+        train``), or the closed-form outputs f⁽ᵗ⁾ (``select: kernel``)."""
+        Y = torch.cat(rows.labels)
+        if self.params.select == "kernel":
+            return _loss(outputs, Y.to(outputs.dtype), self.params.loss)
+        if self.network is None or rows.inputs is None:
+            raise RuntimeError("NTK-FL's server needs attach(model) and the round's inputs for select: train")
+        return batched_losses(self.network, candidates, torch.cat(rows.inputs), Y, self.params.loss)
+
+
+def _loss(f: Tensor, Y: Tensor, kind: str) -> Tensor:
+    """Per-candidate loss of outputs ``f`` (Ψ, N, C) against one-hot Y (N, C) → (Ψ,): the halved
+    MSE averaged over samples and outputs (the paper's ℓ), or the mean cross entropy."""
+    if kind == "mse":
+        return 0.5 * ((f - Y) ** 2).mean(dim=(1, 2))
+    return -(torch.log_softmax(f, dim=2) * Y).sum(dim=2).mean(dim=1)
+
+
+@torch.no_grad()
+def batched_losses(
+    model: nn.Module, candidates: Tensor, x: Tensor, Y: Tensor, kind: str, *, chunk: int = 8
+) -> Tensor:
+    """The real network's loss at every candidate parameter vector (Ψ, P) on (x, Y) → (Ψ,) float64,
+    candidates vmapped over ``functional_call`` ``chunk`` at a time (buffers as the model has them)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sizes = [p.numel() for _, p in named]
+
+    def forward(theta: Tensor) -> Tensor:
+        params = {n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}
+        return functional_call(model, params, (x,))  # (N, C)
+
+    out = []
+    with eval_mode(model):
+        for s in range(0, candidates.shape[0], chunk):
+            f = vmap(forward)(candidates[s : s + chunk])  # (chunk, N, C)
+            out.append(_loss(f.to(torch.float64), Y.to(torch.float64), kind))
+    return torch.cat(out)

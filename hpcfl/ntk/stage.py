@@ -1,0 +1,136 @@
+"""The round plan of NTK-FL / CP-NTK-FL: the run's model (or, with CP-NTK-FL's input projection, a
+model on d₁′ inputs fed projected data), the network t* is chosen with, and the memory guard —
+checked when the stage is entered, before any round runs (and again on a resume)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from hpcfl.algorithms import ClientData, ServerState, Trainer
+from hpcfl.algorithms.layout import StateLayout
+from hpcfl.algorithms.ntkfl import NTKFL
+from hpcfl.errors import ConfigError
+from hpcfl.models import build_model
+from hpcfl.ntk.memory import RoundShape, check_round_memory, largest_round
+from hpcfl.runner.federation import Federation, model_plan, schedule_of
+from hpcfl.runner.stages import StageInput, StagePlan
+from hpcfl.training.evaluate import evaluate
+from hpcfl.training.flat import FlatModel
+
+BUDGET_FRACTION = 0.8
+"""Share of this node's available memory a round may use under ``memory_budget: auto``."""
+
+
+def memory_budget(value: str) -> int:
+    """Bytes per rank: ``auto`` = 80 % of available memory over this node's ranks, else the bytes."""
+    from hpcfl.config import parse_memory_budget
+    from hpcfl.runner.client_states import _local_ranks, available_memory_bytes
+
+    parsed = parse_memory_budget(str(value))
+    if parsed == "auto":
+        return int(BUDGET_FRACTION * available_memory_bytes()) // _local_ranks()
+    if not isinstance(parsed, int):
+        raise ConfigError(
+            f"config key 'params.memory_budget' must be 'auto' or a number of bytes, got {value!r}"
+        )
+    return parsed
+
+
+def check_memory(fed: Federation, algo: NTKFL, flat: FlatModel, input_dim: int) -> None:
+    """Refuse (one-line :class:`ConfigError`) a run whose largest possible round cannot fit."""
+    params = algo.params
+    sizes = list(fed.population.sizes)
+    per_round = algo.participation.count or len(sizes)
+    beta = float(getattr(params, "beta", 1.0))
+    C = fed.dataset.num_classes
+    first = None
+    if fed.cfg.model == "mlp":
+        hidden = flat.model.fc1.out_features  # type: ignore[union-attr]
+        first = (hidden, algo.num_params - hidden * input_dim)
+    shape = RoundShape(
+        samples=largest_round(sizes, per_round, beta),
+        outputs=C,
+        params=algo.num_params,
+        grid=len(params.grid),
+        itemsize=flat.vector.element_size(),
+    )
+    check_round_memory(
+        algo.name,
+        shape,
+        memory_budget(params.memory_budget),
+        sizes=sizes,
+        per_round=per_round,
+        beta=beta,
+        input_dim=input_dim,
+        first_layer=first,
+    )
+
+
+def _projected(
+    fed: Federation, d_out: int, seed: int
+) -> tuple[FlatModel, Callable[[int], ClientData], torch.Tensor]:
+    """The model on d₁′ inputs (built from the run's seed), the projected client data, and the
+    projected test inputs."""
+    from hpcfl.algorithms.cp_ntkfl import projection_matrix
+
+    cfg = fed.cfg
+    if cfg.model != "mlp":
+        raise ConfigError(
+            f"params.projection_dim needs a model on flat inputs (model: mlp), got model: {cfg.model}; "
+            "set params.projection_dim: 0"
+        )
+    d_in = math.prod(fed.dataset.input_shape)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, (1, 1, d_out), fed.dataset.num_classes, **cfg.model_options).to(fed.device)
+    flat = FlatModel(model)
+    P = projection_matrix(d_in, d_out, seed, flat.vector.dtype).to(fed.device)  # (d₁, d₁′)
+
+    def data(k: int) -> ClientData:
+        raw = fed.client_data(k)
+        return ClientData(k=k, x=raw.x.flatten(1).to(P.dtype) @ P, y=raw.y)  # Z = XP (n, d₁′)
+
+    test = fed.dataset.test.x.flatten(1).to(P.dtype) @ P.cpu()
+    return flat, data, test
+
+
+def enter_ntk(entry: StageInput) -> StagePlan:
+    """The plan of NTK-FL's single stage; raises the memory guard's ConfigError before any round."""
+    fed = entry.fed
+    cfg = fed.cfg
+    algo = fed.algorithm
+    assert isinstance(algo, NTKFL)
+    if cfg.cka_metrics or cfg.drift_diversity:
+        raise ConfigError(
+            f"{algo.name} uploads Jacobians, not models: set cka_metrics: false and drift_diversity: false"
+        )
+    plan = model_plan(fed)
+    flat = fed.flat
+    d_out = int(getattr(algo.params, "projection_dim", 0))
+    input_dim = math.prod(fed.dataset.input_shape)
+    if d_out:
+        flat, data, test_x = _projected(fed, d_out, int(getattr(algo.params, "projection_seed", 0)))
+        algo = type(algo)(
+            algo.params, layout=StateLayout.of_model(flat.model), participation=algo.participation
+        )
+        test_y = fed.dataset.test.y
+        projected_flat = flat
+
+        def evaluate_server(server: ServerState) -> dict[str, float]:
+            projected_flat.load(server.x)
+            acc, loss = evaluate(projected_flat.model, test_x, test_y, fed.comm)
+            return {"test_accuracy": acc, "test_loss": loss}
+
+        plan = dataclasses.replace(
+            plan, algorithm=algo, data=data, trainer=Trainer(flat, schedule_of(cfg)), evaluate=evaluate_server
+        )
+        input_dim = d_out
+    algo.attach(flat.model)
+    check_memory(fed, algo, flat, input_dim)
+    plan.stage_index = entry.stage_index
+    plan.client_metrics = ("loss", "jacobian_s")
+    server = algo.init_server(flat.vector)
+    return StagePlan(plan=plan, server=server, init_client=lambda k: algo.init_client(k, server))
