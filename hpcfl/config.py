@@ -30,7 +30,7 @@ class Config:
     data_root: str | None = None  # else $HPCFL_DATA, else ~/.cache/hpcfl
     download: bool = True
     dataset_options: dict[str, Any] = field(default_factory=dict)  # e.g. synthetic sizes
-    partition: str = "iid"  # iid | dir:ALPHA | classes:C | natural
+    partition: str = "iid"  # iid | dir:ALPHA | classes:C | balanced-classes:C | natural
     num_clients: int = 10
     min_client_size: int = 10  # dir:ALPHA redraws until every client has this many samples
     model: str = "simplecnn"
@@ -395,10 +395,10 @@ def _check_against_dataset(cfg: Config) -> None:
     else:
         return
     kind, param = parse_partition_spec(cfg.partition)
-    if kind == "classes" and isinstance(param, int) and param > classes:
+    if kind in ("classes", "balanced-classes") and isinstance(param, int) and param > classes:
         raise ConfigError(
             f"partition {cfg.partition!r} asks for {param} classes per client but {cfg.dataset} has "
-            f"{classes}; use classes:C with C <= {classes}"
+            f"{classes}; use {kind}:C with C <= {classes}"
         )
     if cfg.num_clients > n_train:
         raise ConfigError(
