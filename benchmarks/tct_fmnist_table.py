@@ -4,7 +4,8 @@
 
 What is measured, and why. Table 2 of TCT (Yu et al., NeurIPS 2022) compares FedAvg, FedProx,
 SCAFFOLD and TCT on Fashion-MNIST with SimpleCNN and 10 clients under four degrees of label skew
-(#C = 1, #C = 2, Dir(0.1), Dir(0.5)): the claim is that TCT is hardly hurt by heterogeneity while
+(#C = 1, #C = 2, Dir(0.1), Dir(0.5); ``classes:C`` is NIID-Bench's #C rule and ``dir:ALPHA`` its
+label Dirichlet, the paper's partitions): the claim is that TCT is hardly hurt by heterogeneity while
 the baselines collapse at #C = 1. The paper's budget (200 rounds × 5 local epochs for the baselines,
 100 FedAvg + 100 stage-2 rounds with p = 100,000 for TCT) is GPU-sized; this script runs the same
 grid at a budget that fits a shared 2-core CPU and states it in every output:
@@ -12,8 +13,8 @@ grid at a budget that fits a shared 2-core CPU and states it in every output:
 - baselines: R = ``--rounds`` (10) rounds of ``--local-steps`` (40) SGD steps per client (batch
   ``--batch`` 64, lr ``--lr`` 0.05, no momentum, weight decay 1e-5; FedProx μ = ``--mu`` 0.01);
   SCAFFOLD is the one-model-per-round form of TCT Appendix A.1;
-- TCT: T1 = ``--stage1-rounds`` (R/2) rounds of the same FedAvg, then eNTK features (first logit,
-  p = ``--p`` (2000) random coordinates, last layer re-initialised), standardised, and
+- TCT: T1 = ``--stage1-rounds`` (R/2) rounds of the same FedAvg, then eNTK features (the output of
+  a fresh seeded 1-output classifier, as TCT's code; p = ``--p`` (2000) random coordinates), standardised, and
   T2 = ``--stage2-rounds`` (R − T1) rounds of SCAFFOLD on the linear regression with
   M = ``--stage2-steps`` (100) local steps in closed form and η2 = half the largest stable rate
   (``stage2.auto_lr``). T1 + T2 = R communication rounds, the baselines' count.

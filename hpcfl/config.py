@@ -30,7 +30,7 @@ class Config:
     data_root: str | None = None  # else $HPCFL_DATA, else ~/.cache/hpcfl
     download: bool = True
     dataset_options: dict[str, Any] = field(default_factory=dict)  # e.g. synthetic sizes
-    partition: str = "iid"  # iid | dir:ALPHA | classes:C | natural
+    partition: str = "iid"  # iid | dir:ALPHA | classes:C | balanced-classes:C | natural
     num_clients: int = 10
     min_client_size: int = 10  # dir:ALPHA redraws until every client has this many samples
     model: str = "simplecnn"
@@ -375,6 +375,7 @@ def validate(cfg: Config) -> None:
         ("stage2.variant", s2.variant, ("scaffold", "fedavg", "gd")),
         ("stage2.loss", s2.loss, ("mse", "ce")),
         ("stage2.features", s2.features, ("entk", "last_layer")),
+        ("stage2.head", s2.head, ("fresh1", "keep")),
         ("stage2.dtype", s2.dtype, ("float32", "float16", "bfloat16")),
         ("stage2.method", s2.method, ("auto", "fused", "vmap", "loop")),
     ):
@@ -382,6 +383,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
     if s2.loss == "ce" and s2.solver == "closed_form":
         raise ConfigError("stage2.loss=ce has no closed form; set stage2.solver=primal")
+    if s2.head == "fresh1" and s2.logit != 0:
+        raise ConfigError(
+            f"config key 'stage2.logit' ({s2.logit}) applies only with stage2.head=keep: the default fresh "
+            "1-output head has the single output 0; drop stage2.logit, or set stage2.head=keep for the "
+            "legacy C-output head"
+        )
     _check_against_dataset(cfg)
 
 
@@ -404,17 +411,17 @@ def _check_against_dataset(cfg: Config) -> None:
     else:
         return
     kind, param = parse_partition_spec(cfg.partition)
-    if kind == "classes" and isinstance(param, int) and param > classes:
+    if kind in ("classes", "balanced-classes") and isinstance(param, int) and param > classes:
         raise ConfigError(
             f"partition {cfg.partition!r} asks for {param} classes per client but {cfg.dataset} has "
-            f"{classes}; use classes:C with C <= {classes}"
+            f"{classes}; use {kind}:C with C <= {classes}"
         )
     if cfg.num_clients > n_train:
         raise ConfigError(
             f"num_clients={cfg.num_clients} is more than the {n_train} training samples of {cfg.dataset}; "
             "use fewer clients"
         )
-    if cfg.algorithm == "tct" and not 0 <= cfg.stage2.logit < classes:
+    if cfg.algorithm == "tct" and cfg.stage2.head == "keep" and not 0 <= cfg.stage2.logit < classes:
         raise ConfigError(
             f"config key 'stage2.logit' must be a class index in [0, {classes}) for {cfg.dataset}, "
             f"got {cfg.stage2.logit}"

@@ -84,4 +84,4 @@ def test_help_lists_every_dataset() -> None:
     help_text = sub.choices["partition"].format_help()
     for name in DATASETS:
         assert name in help_text
-    assert "dir:ALPHA" in help_text and "classes:C" in help_text
+    assert "dir:ALPHA" in help_text and "classes:C" in help_text and "balanced-classes:C" in help_text

@@ -280,9 +280,13 @@ def test_config_only_checks_come_before_any_data_is_read(tmp_path, capsys, monke
     for override, fragment in (
         ("partition=classes:11", "asks for 11 classes per client but fashion-mnist has 10"),
         ("num_clients=60001", "num_clients=60001 is more than the 60000 training samples"),
-        ("stage2.logit=10", "'stage2.logit' must be a class index in [0, 10)"),
+        ("stage2.logit=10", "'stage2.logit' (10) applies only with stage2.head=keep"),
     ):
         assert fragment in _one_line_error(capsys, ["run", str(cfg), "--run-dir", run, "--set", override])
+    err = _one_line_error(
+        capsys, ["run", str(cfg), "--run-dir", run, "--set", "stage2.head=keep", "stage2.logit=10"]
+    )
+    assert "'stage2.logit' must be a class index in [0, 10)" in err
     monkeypatch.setenv("PMI_SIZE", "5")
     monkeypatch.setenv("PMI_RANK", "0")
     err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", run, "--set", "num_clients=4"])

@@ -30,6 +30,7 @@ def _meta(dtype: str = "float32", p: int = 37, seed: int = 3) -> FeatureMeta:
         dtype=dtype,
         coords_hash="cd" * 32,
         num_params=1000,
+        head="fresh1",
     )
 
 
@@ -86,6 +87,7 @@ def test_streaming_writer_in_unaligned_batches(tmp_path):
         ({"seed": 4}, "seed"),
         ({"dtype": "float16"}, "dtype"),
         ({"model_hash": "ef" * 32}, "model_hash"),
+        ({"head": "keep"}, "head"),
     ],
 )
 def test_mismatched_store_is_refused_naming_the_field(tmp_path, change, field):
@@ -157,3 +159,22 @@ def test_meta_for_model_records_hashes():
 def test_chunks_are_power_of_two_rows_under_32_mib():
     assert chunk_rows(100_000, 4) == 64
     assert chunk_rows(10**9, 4) == 1
+
+
+def test_stores_from_before_the_head_was_recorded_read_as_the_kept_head(tmp_path):
+    """Issue 16: eNTK stores written before ``head`` existed were taken through the kept C-output head,
+    so they read back as head "keep" and never match today's default fresh 1-output head (they are
+    recomputed, not silently reused); last-layer stores never went through a head and still match."""
+    meta = _meta()
+    legacy = {k: v for k, v in meta.to_attrs().items() if k != "head"}
+    assert FeatureMeta.from_attrs(legacy).head == "keep"
+    assert FeatureMeta.from_attrs(legacy).mismatches(meta) == ["head (store keep, requested fresh1)"]
+    last = FeatureMeta(**{**meta.to_attrs(), "params": "last_layer", "logit": -1, "head": "-"})
+    assert FeatureMeta.from_attrs({k: v for k, v in last.to_attrs().items() if k != "head"}) == last
+    import zarr
+
+    path = tmp_path / "old.zarr"
+    create_feature_store(path, meta=meta)
+    zarr.open_group(str(path), mode="r+").attrs["meta"] = legacy  # as the code before issue 16 wrote it
+    with pytest.raises(StoreError, match=r"head \(store keep, requested fresh1\)"):
+        create_feature_store(path, meta=meta)

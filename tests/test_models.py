@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hpcfl.errors import ConfigError
-from hpcfl.models import MODELS, build_model, last_linear, reinit_last_layer
+from hpcfl.models import MODELS, build_model, last_linear, reinit_last_layer, with_fresh_head
 
 SHAPES = [((1, 28, 28), 10), ((3, 32, 32), 10), ((3, 32, 32), 100)]
 PARAMETRISED = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.GroupNorm)
@@ -134,6 +134,31 @@ def test_reinit_last_layer_is_pytorchs_default_linear_init() -> None:
     reference = nn.Linear(100, 10)  # its constructor draws the default init from the global RNG
     assert torch.equal(model.classifier.weight, reference.weight)
     assert torch.equal(model.classifier.bias, reference.bias)
+
+
+@pytest.mark.parametrize("name", ["simplecnn", "resnet8", "vgg11"])
+def test_with_fresh_head_is_a_seeded_one_output_copy(name: str) -> None:
+    """TCT stage 2's head (issue 16): a copy whose classifier is nn.Linear(in, 1) with PyTorch's
+    default init from the seed alone; the model itself, the global RNG and the parameter order stay."""
+    shape = (3, 32, 32) if name == "vgg11" else (1, 28, 28)
+    model = build_model(name, shape, 10)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    fresh = with_fresh_head(model, seed=123)
+    assert torch.equal(torch.get_rng_state(), rng), "global RNG state changed"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "the model changed"
+    head = last_linear(fresh)
+    assert head is fresh.classifier and head.out_features == 1
+    assert head.in_features == model.classifier.in_features
+    assert [n for n, _ in fresh.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert list(fresh.parameters())[-2:] == [head.weight, head.bias], "the head stays last"
+    for key, value in fresh.state_dict().items():
+        if not key.startswith("classifier."):
+            assert torch.equal(value, before[key]), f"{key} is not the stage-1 value"
+    torch.manual_seed(123)
+    reference = nn.Linear(head.in_features, 1)
+    assert torch.equal(head.weight, reference.weight) and torch.equal(head.bias, reference.bias)
+    assert fresh(torch.randn(2, *shape)).shape == (2, 1)
 
 
 def test_unknown_model_name_is_a_config_error() -> None:

@@ -47,7 +47,19 @@ def _assert_exact_cover(parts: list[torch.Tensor], n: int) -> None:
 
 @pytest.mark.parametrize(
     ("spec", "num_clients"),
-    [(s, k) for s in ("iid", "dir:0.5", "dir:0.1", "classes:2", "classes:3") for k in (10, 7)]
+    [
+        (s, k)
+        for s in (
+            "iid",
+            "dir:0.5",
+            "dir:0.1",
+            "classes:2",
+            "classes:3",
+            "balanced-classes:2",
+            "balanced-classes:3",
+        )
+        for k in (10, 7)
+    ]
     + [("classes:1", 10)],
 )
 def test_every_sample_assigned_exactly_once(labels: torch.Tensor, spec: str, num_clients: int) -> None:
@@ -57,10 +69,10 @@ def test_every_sample_assigned_exactly_once(labels: torch.Tensor, spec: str, num
 
 
 @pytest.mark.parametrize(("per_client", "num_clients"), [(1, 10), (1, 23), (2, 10), (3, 7), (5, 4), (10, 3)])
-def test_classes_gives_exactly_c_classes_split_evenly(
+def test_balanced_classes_gives_exactly_c_classes_split_evenly(
     labels: torch.Tensor, per_client: int, num_clients: int
 ) -> None:
-    parts = partition(labels, f"classes:{per_client}", num_clients, seed=1, num_classes=10)
+    parts = partition(labels, f"balanced-classes:{per_client}", num_clients, seed=1, num_classes=10)
     counts = partition_stats(labels, parts, 10)
     assert ((counts > 0).sum(axis=1) == per_client).all()
     assert ((counts > 0).sum(axis=0) >= 1).all(), "every class is held by someone"
@@ -69,10 +81,100 @@ def test_classes_gives_exactly_c_classes_split_evenly(
         assert shares.max() - shares.min() <= 1, "a class is split evenly among its holders"
 
 
+def _niid_bench_label_rule(y: np.ndarray, n_parties: int, num: int, seed: int) -> list[np.ndarray]:
+    """NIID-Bench's "noniid-#label" branch of ``partition_data`` (Li et al., ICDE 2022, utils.py),
+    transcribed loop for loop with its ``random.randint(0, K-1)`` and ``np.random.shuffle`` replaced
+    by one seeded generator drawn in the same order. No redraw: a seed that leaves a class without a
+    holder makes NIID-Bench fail, and the seeds used here do not."""
+    rng = np.random.default_rng(seed)
+    k_classes = 10
+    times = [0] * k_classes
+    contain = []
+    for i in range(n_parties):
+        current = [i % k_classes]
+        times[i % k_classes] += 1
+        j = 1
+        while j < num:
+            ind = int(rng.integers(k_classes))
+            if ind not in current:
+                j += 1
+                current.append(ind)
+                times[ind] += 1
+        contain.append(current)
+    net_dataidx_map = {i: np.ndarray(0, dtype=np.int64) for i in range(n_parties)}
+    for i in range(k_classes):
+        idx_k = rng.permutation(np.where(y == i)[0])
+        split = np.array_split(idx_k, times[i])
+        ids = 0
+        for j in range(n_parties):
+            if i in contain[j]:
+                net_dataidx_map[j] = np.append(net_dataidx_map[j], split[ids])
+                ids += 1
+    return [np.sort(net_dataidx_map[i]) for i in range(n_parties)]
+
+
+@pytest.mark.parametrize(
+    ("per_client", "num_clients", "seed"), [(1, 10, 0), (2, 10, 0), (2, 10, 7), (3, 23, 1)]
+)
+def test_classes_is_niid_bench_label_rule(
+    labels: torch.Tensor, per_client: int, num_clients: int, seed: int
+) -> None:
+    """``classes:C`` is NIID-Bench's rule draw for draw (the same generator in the same order)."""
+    ours = partition(labels, f"classes:{per_client}", num_clients, seed=seed, num_classes=10)
+    theirs = _niid_bench_label_rule(labels.numpy(), num_clients, per_client, seed)
+    assert all(np.array_equal(a.numpy(), b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_classes_matches_niid_bench_rule_in_distribution(labels: torch.Tensor) -> None:
+    """The issue's check: the class count per client is exact, client sizes spread for C >= 2 (NIID-Bench
+    gives Fashion-MNIST C = 2 clients of roughly 3,800-8,900 samples), client k holds class k mod 10,
+    and its extra class is uniform over the other nine."""
+    extra = np.zeros((10, 10), dtype=np.int64)  # (client, class): how often the extra class was drawn
+    spreads = []
+    for seed in range(200):
+        counts = partition_stats(labels, partition(labels, "classes:2", 10, seed=seed, num_classes=10), 10)
+        held = counts > 0
+        assert (held.sum(axis=1) == 2).all(), "exactly C classes per client"
+        assert held[np.arange(10), np.arange(10)].all(), "client k holds class k mod 10"
+        assert held.any(axis=0).all()
+        sizes = counts.sum(axis=1)
+        assert sizes.sum() == labels.numel()
+        spreads.append(sizes.max() - sizes.min())
+        held[np.arange(10), np.arange(10)] = False
+        extra += held
+    assert min(spreads) > 0, "for C >= 2 client sizes vary"
+    assert np.diag(extra).sum() == 0
+    # Each client's extra class over 200 seeds: 200/9 ≈ 22.2 expected per other class; a count outside
+    # [5, 45] has probability < 1e-4 per cell under the uniform rule (binomial tails), so the rule is
+    # checked without a flaky bound.
+    off = extra[~np.eye(10, dtype=bool)]
+    assert off.min() >= 5 and off.max() <= 45, (off.min(), off.max())
+    # C = 1 draws nothing beyond the class k mod 10: the balanced layout, for every seed.
+    for seed in (0, 3):
+        a = partition(labels, "classes:1", 23, seed=seed, num_classes=10)
+        b = partition(labels, "balanced-classes:1", 23, seed=seed, num_classes=10)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_classes_redraws_until_every_class_has_a_holder(
+    labels: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fewer clients than classes: NIID-Bench would crash on a class without holder; we redraw."""
+    for seed in range(5):
+        counts = partition_stats(labels, partition(labels, "classes:3", 4, seed=seed, num_classes=10), 10)
+        assert ((counts > 0).sum(axis=1) == 3).all() and (counts > 0).any(axis=0).all()
+    monkeypatch.setattr(partition_module, "MAX_CLASS_SET_TRIES", 1)
+    with pytest.raises(
+        ConfigError, match="no draw in 1 gave every one of the 10 classes a holder.*balanced-classes:2"
+    ):
+        partition(labels, "classes:2", 5, seed=0, num_classes=10)
+
+
 def test_classes_one_with_ten_clients_gives_one_class_each(labels: torch.Tensor) -> None:
-    counts = partition_stats(labels, partition(labels, "classes:1", 10, seed=0, num_classes=10), 10)
-    assert sorted(counts.argmax(axis=1).tolist()) == list(range(10))
-    assert (counts.max(axis=1) == 6000).all() and (counts.sum(axis=1) == 6000).all()
+    for spec in ("classes:1", "balanced-classes:1"):
+        counts = partition_stats(labels, partition(labels, spec, 10, seed=0, num_classes=10), 10)
+        assert sorted(counts.argmax(axis=1).tolist()) == list(range(10))
+        assert (counts.max(axis=1) == 6000).all() and (counts.sum(axis=1) == 6000).all()
 
 
 def test_iid_sizes_are_balanced(labels: torch.Tensor) -> None:
@@ -80,7 +182,7 @@ def test_iid_sizes_are_balanced(labels: torch.Tensor) -> None:
     assert max(sizes) - min(sizes) <= 1
 
 
-@pytest.mark.parametrize("spec", ["iid", "dir:0.5", "classes:2"])
+@pytest.mark.parametrize("spec", ["iid", "dir:0.5", "classes:2", "balanced-classes:2"])
 def test_same_seed_same_partition_different_seed_different(small_labels: torch.Tensor, spec: str) -> None:
     a = partition(small_labels, spec, 10, seed=5, num_classes=10)
     b = partition(small_labels, spec, 10, seed=5, num_classes=10)
@@ -124,6 +226,7 @@ def test_parse_partition_spec() -> None:
     assert parse_partition_spec("iid") == ("iid", None)
     assert parse_partition_spec(" DIR:0.5 ") == ("dir", 0.5)
     assert parse_partition_spec("classes:2") == ("classes", 2)
+    assert parse_partition_spec("Balanced-Classes:3") == ("balanced-classes", 3)
     assert parse_partition_spec("natural") == ("natural", None)
 
 
@@ -145,6 +248,10 @@ def test_parse_partition_spec() -> None:
         ("classes:11", 10, {}, "C=11 exceeds the dataset's 10 classes"),
         ("classes:2", 4, {}, "not coverable with 4 clients"),
         ("classes:1", 9, {}, "some class would be held by nobody"),
+        ("balanced-classes:2", 4, {}, "held by nobody; use balanced-classes:3 or more"),
+        ("balanced-classes:11", 10, {}, "use balanced-classes:10 or fewer"),
+        ("balanced:2", 10, {}, "(did you mean 'balanced-classes'?)"),
+        ("balanced-classes", 10, {}, "write balanced-classes:C (e.g. balanced-classes:2)"),
         ("iid:3", 10, {}, "'iid' takes no parameter"),
         ("iid", 0, {}, "number of clients must be a whole number >= 1"),
         ("iid", 1001, {}, "1001 clients but only 1000 samples"),

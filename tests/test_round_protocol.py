@@ -24,7 +24,9 @@ def _sha(x: torch.Tensor) -> str:
 @pytest.mark.parametrize("algorithm", sorted(GOLDEN))
 def test_redesign_keeps_final_parameters_bit_identical(tmp_path: Path, algorithm: str) -> None:
     """Hashes recorded on the code before the redesign (float32 sums in client order on one rank);
-    the config is the recorded one, written in its legacy form, with ``reduction: float32``."""
+    the config is the recorded one, written in its legacy form, with ``reduction: float32``.
+    Issue 16 changed TCT's eNTK head on purpose: ``tct`` was re-recorded with the fresh 1-output
+    head, and ``tct-head-keep`` (``stage2.head: keep``) still matches the pre-redesign hash."""
     entry = GOLDEN[algorithm]
     cfg = config_from_dict({**entry["config"], "reduction": "float32"})
     result = run_experiment(cfg, tmp_path / "run")

@@ -72,6 +72,8 @@ def test_tct_stage2_rerun_reuses_features_and_refuses_feature_changes(tmp_path, 
     capsys.readouterr()
     assert main(["tct-stage2", str(run), "--set", "stage2.p=100"]) == 2
     assert "changes the features" in capsys.readouterr().err
+    assert main(["tct-stage2", str(run), "--set", "stage2.head=keep"]) == 2
+    assert "changes the features" in capsys.readouterr().err
 
 
 def test_diverging_stage2_learning_rate_is_refused_before_any_round(tmp_path, capsys):
@@ -87,6 +89,68 @@ def test_diverging_stage2_learning_rate_is_refused_before_any_round(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "diverges" in err and "use stage2.lr <" in err and "Traceback" not in err
     assert all(r["stage"] == "stage1" for r in _rows(tmp_path / "r"))
+
+
+def _dead_columns(model, x, p, seed=0, logit=0):
+    """Which of the p kept eNTK columns are zero for every input in ``x`` → bool (p,)."""
+    from hpcfl.entk import entk_features
+
+    z = entk_features(model, x, p=p, seed=seed, logit=logit)  # (n, p)
+    return (z == 0).all(dim=0)
+
+
+def test_no_kept_entk_coordinate_is_structurally_zero():
+    """Issue 16: stage 2 differentiates a fresh 1-output head, so no kept coordinate is a parameter
+    that cannot reach the differentiated output (the kept C-output head left the C−1 other rows'
+    weights and biases identically zero).
+
+    Why this is the structural check: a column can also be zero because of the data (a ReLU unit off
+    for every input). On the two-layer MLP at random init with 64 Gaussian images, a hidden unit is
+    off for all 64 with probability about 2^-64 and no input pixel is ever zero, so a column that is
+    zero for every input can only be one no input could make non-zero. With p = P every coordinate
+    is kept, so this covers every parameter; the legacy ``head: keep`` form shows exactly the
+    (C−1)·(hidden + 1) dead head columns the check is there to catch.
+    """
+    from hpcfl.algorithms.tct_params import Stage2Section
+    from hpcfl.entk import coordinate_set, num_params
+    from hpcfl.models import build_model, last_linear
+    from hpcfl.tct.features import convexified_model, differentiated_output, feature_meta
+
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 28, 28), 10)
+    x = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    fresh = convexified_model(model, Stage2Section())
+    assert last_linear(fresh).out_features == 1 and last_linear(model).out_features == 10, "a copy"
+    total = num_params(fresh)
+    assert total == num_params(model) - 9 * 101
+    assert feature_meta(fresh, Stage2Section(p=total)).head == "fresh1"
+    dead = _dead_columns(fresh, x, total, logit=differentiated_output(Stage2Section()))
+    assert not dead.any(), f"{int(dead.sum())} kept columns are zero for every input"
+
+    keep = Stage2Section(head="keep", logit=3)
+    legacy = convexified_model(model, keep)
+    dead = _dead_columns(legacy, x, num_params(legacy), logit=differentiated_output(keep))
+    head = last_linear(legacy)
+    rows = torch.ones(10, dtype=torch.bool)
+    rows[3] = False  # only row 3 reaches logit 3
+    expected = torch.cat(
+        [torch.zeros(num_params(legacy) - 1010, dtype=torch.bool), rows.repeat_interleave(100), rows]
+    )
+    assert head.weight.shape == (10, 100) and torch.equal(dead, expected)
+
+    # TCT's SimpleCNN with subsampled coordinates, as stage 2 keeps them. Here ReLU units can be off
+    # for every input, so a kept head column (weight j = hidden unit j's activation) may be zero from
+    # the data: each zero head column must be exactly a hidden unit that is off for all inputs.
+    cnn = build_model("simplecnn", (1, 28, 28), 10)
+    fresh = convexified_model(cnn, Stage2Section())
+    total, p = num_params(fresh), 20_000
+    kept = coordinate_set(total, p, 0)
+    in_head = kept >= total - 129  # the fresh head: 128 weights, then the bias
+    dead = _dead_columns(fresh, x[:16], p)
+    with torch.no_grad():
+        off = torch.cat([(cnn.features(x[:16]) == 0).all(dim=0), torch.tensor([False])])  # (129,)
+    assert in_head.sum() > 0
+    assert torch.equal(dead[in_head], off[kept[in_head] - (total - 129)])
 
 
 @pytest.mark.mpi

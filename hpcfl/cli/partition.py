@@ -23,7 +23,12 @@ partition specs:
   iid          uniform random split, equal sizes
   dir:ALPHA    per-class Dirichlet(ALPHA) shares (NIID-Bench labeldir); smaller ALPHA = more skew,
                redrawn until every client has >= --min-size samples
-  classes:C    every client holds exactly C classes, assigned round-robin, each class split evenly
+  classes:C    NIID-Bench's #C rule (TCT, FedPVR papers): client k holds class k mod #classes and C-1
+               more drawn at random; each class split evenly among its holders, so sizes vary
+               (redrawn until every class has a holder when there are fewer clients than classes)
+  balanced-classes:C
+               every client holds exactly C classes assigned round-robin, each class split evenly:
+               equal sizes (same as classes:C for C = 1)
   natural      one client per writer (femnist); --num-clients <= writers takes the first ones
 
 examples:
@@ -45,7 +50,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--dataset", required=True, metavar="NAME", help=f"dataset: {_DATASET_NAMES}")
     parser.add_argument(
-        "--partition", required=True, metavar="SPEC", help="iid, dir:ALPHA, classes:C or natural (see below)"
+        "--partition",
+        required=True,
+        metavar="SPEC",
+        help="iid, dir:ALPHA, classes:C, balanced-classes:C or natural (see below)",
     )
     parser.add_argument("--num-clients", required=True, type=int, metavar="K", help="number of clients")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")

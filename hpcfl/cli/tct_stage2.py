@@ -15,7 +15,7 @@ from hpcfl.config import Config, config_from_dict, merge, parse_overrides, read_
 from hpcfl.errors import ConfigError, RunDirError
 
 # stage-2 keys that change the features themselves: changing them needs a new run
-FEATURE_KEYS = ("p", "seed", "logit", "params", "features", "dtype")
+FEATURE_KEYS = ("p", "seed", "head", "logit", "params", "features", "dtype")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

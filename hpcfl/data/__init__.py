@@ -2,8 +2,9 @@
 
 ``load_dataset(name, data_root)`` returns normalised in-memory tensors read from the official files
 (checksum-verified, downloaded on demand); ``partition(labels, spec, num_clients, ...)`` splits a
-train set over clients (``iid``, ``dir:ALPHA``, ``classes:C``, ``natural``), reproducibly from a seed,
-and the helpers beside it save, reload, tabulate and plot the result.
+train set over clients (``iid``, ``dir:ALPHA``, ``classes:C`` — NIID-Bench's #C rule —,
+``balanced-classes:C``, ``natural``), reproducibly from a seed, and the helpers beside
+it save, reload, tabulate and plot the result.
 """
 
 from hpcfl.data.partition import PARTITION_KINDS as PARTITION_KINDS

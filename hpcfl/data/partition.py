@@ -1,4 +1,5 @@
-"""Federated partitions of a labelled train set: ``iid``, ``dir:ALPHA``, ``classes:C``, ``natural``.
+"""Federated partitions of a labelled train set: ``iid``, ``dir:ALPHA``, ``classes:C``,
+``balanced-classes:C``, ``natural``.
 
 Every partitioner is a pure function of (labels, spec, num_clients, seed): it draws from one
 ``np.random.default_rng(seed)`` in a fixed order, so the same inputs give identical partitions on
@@ -12,10 +13,17 @@ re-exported here.
   proportions over clients ~ Dir(α·1); clients already holding ≥ N/K samples get share 0, the rest
   are renormalised and the class is cut accordingly. The whole draw is repeated until every client
   holds ≥ ``min_size`` samples, at most :data:`MAX_DIRICHLET_TRIES` times. Smaller α = more skew.
-- ``classes:C``: client k holds classes ``(k·C + j) mod P`` for j < C (P = classes present), so
-  the class slots go round-robin and every class is held by ⌊KC/P⌋ or ⌈KC/P⌉ clients; each class
-  is shuffled and split evenly among its holders. The class layout is fixed (readable heatmaps);
-  the seed decides which samples go where.
+- ``classes:C``: NIID-Bench's "#C" rule ("noniid-#label", Li et al., ICDE 2022, ``partition_data``
+  in their ``utils.py``), the rule of the TCT and FedPVR papers. With P the classes present, client k
+  first gets class ``k mod P``, then C−1 further distinct classes drawn uniformly (a draw already
+  held is redrawn). Each class is shuffled and ``np.array_split`` among its holders in client order,
+  so client sizes vary with how many holders their classes drew. NIID-Bench crashes when a class
+  drew no holder (possible only with fewer clients than classes); here the class sets are redrawn,
+  at most :data:`MAX_CLASS_SET_TRIES` times, and then it is a ConfigError naming the fix.
+- ``balanced-classes:C``: client k holds classes ``(k·C + j) mod P`` for j < C, so the class slots go
+  round-robin and every class is held by ⌊KC/P⌋ or ⌈KC/P⌉ clients; each class is shuffled and split
+  evenly among its holders. The class layout is fixed (readable heatmaps); the seed decides which
+  samples go where. (For C = 1 both rules give the same partition for the same seed.)
 - ``natural``: the dataset's own writers (FEMNIST); the first ``num_clients`` writers in dataset
   order, unshuffled. Only with all writers is every sample assigned.
 """
@@ -35,14 +43,22 @@ from hpcfl.data.partition_io import plot_partition_heatmap as plot_partition_hea
 from hpcfl.data.partition_io import save_partition as save_partition
 from hpcfl.errors import ConfigError, suggest
 
-PARTITION_KINDS: tuple[str, ...] = ("iid", "dir", "classes", "natural")
-SPEC_FORMS = "iid, dir:ALPHA (e.g. dir:0.5), classes:C (e.g. classes:2), natural"
+PARTITION_KINDS: tuple[str, ...] = ("iid", "dir", "classes", "balanced-classes", "natural")
+SPEC_FORMS = (
+    "iid, dir:ALPHA (e.g. dir:0.5), classes:C (e.g. classes:2), balanced-classes:C (e.g. balanced-classes:2), "
+    "natural"
+)
 MAX_DIRICHLET_TRIES = 1000
+# With fewer clients than classes a random draw can leave a class without a holder; the class sets
+# are redrawn. 10,000 draws cost well under a second and make a failure of a coverable request rare
+# (5 clients x 2 of 10 classes, the hardest case, succeeds per draw with p = 5!/9^5 ≈ 0.002).
+MAX_CLASS_SET_TRIES = 10_000
 
 
 def parse_partition_spec(spec: str) -> tuple[str, float | int | None]:
     """Split ``spec`` into (kind, parameter): ``("iid", None)``, ``("dir", α)``, ``("classes", C)``,
-    ``("natural", None)``. Anything else is a ConfigError naming the problem and a valid form."""
+    ``("balanced-classes", C)``, ``("natural", None)``. Anything else is a ConfigError naming the
+    problem and a valid form."""
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"empty partition spec; use one of: {SPEC_FORMS}")
     kind, sep, param = spec.strip().partition(":")
@@ -55,7 +71,7 @@ def parse_partition_spec(spec: str) -> tuple[str, float | int | None]:
         if sep:
             raise ConfigError(f"partition {spec!r}: {kind!r} takes no parameter; write just {kind!r}")
         return kind, None
-    form = "dir:ALPHA (e.g. dir:0.5)" if kind == "dir" else "classes:C (e.g. classes:2)"
+    form = "dir:ALPHA (e.g. dir:0.5)" if kind == "dir" else f"{kind}:C (e.g. {kind}:2)"
     if not param:
         raise ConfigError(f"partition {spec!r} is missing its parameter; write {form}")
     if kind == "dir":
@@ -74,7 +90,7 @@ def parse_partition_spec(spec: str) -> tuple[str, float | int | None]:
         raise ConfigError(f"partition {spec!r}: C {param!r} is not a whole number; write {form}") from None
     if classes < 1:
         raise ConfigError(f"partition {spec!r}: C (classes per client) must be >= 1; write {form}")
-    return "classes", classes
+    return kind, classes
 
 
 def _as_label_array(labels: torch.Tensor | np.ndarray | Sequence[int], num_classes: int) -> np.ndarray:
@@ -148,31 +164,79 @@ def _dirichlet(
     )
 
 
-def _classes(
-    y: np.ndarray, num_clients: int, per_client: int, rng: np.random.Generator, spec: str, num_classes: int
-) -> list[np.ndarray]:
+def _check_classes(
+    y: np.ndarray, num_clients: int, per_client: int, spec: str, num_classes: int
+) -> np.ndarray:
+    """What both class rules rule out; returns the classes present (sorted)."""
+    kind = spec.strip().partition(":")[0].strip().lower()
     if per_client > num_classes:
         raise ConfigError(
             f"partition {spec!r}: C={per_client} exceeds the dataset's {num_classes} classes; "
-            f"use classes:{num_classes} or fewer"
+            f"use {kind}:{num_classes} or fewer"
         )
     present = np.unique(y)
     if per_client > present.size:
         raise ConfigError(
             f"partition {spec!r}: only {present.size} of the {num_classes} classes occur in these labels; "
-            f"use classes:{present.size} or fewer"
+            f"use {kind}:{present.size} or fewer"
         )
     if per_client * num_clients < present.size:
         need = math.ceil(present.size / num_clients)
         raise ConfigError(
             f"partition {spec!r} is not coverable with {num_clients} clients: {num_clients}x{per_client} class slots "
-            f"< {present.size} classes, so some class would be held by nobody; use classes:{need} or more, "
+            f"< {present.size} classes, so some class would be held by nobody; use {kind}:{need} or more, "
             f"or at least {math.ceil(present.size / per_client)} clients"
         )
+    return present
+
+
+def _niid_class_sets(
+    num_clients: int, per_client: int, num_present: int, rng: np.random.Generator, spec: str
+) -> list[list[int]]:
+    """NIID-Bench's "#C" class sets (slots into the present classes): client k gets ``k mod P`` and
+    then C−1 further distinct slots drawn uniformly, a repeat being redrawn. The whole draw is
+    repeated until every slot has a holder (NIID-Bench instead fails in ``np.array_split``)."""
+    for _ in range(MAX_CLASS_SET_TRIES):
+        sets: list[list[int]] = []
+        for k in range(num_clients):
+            current = [k % num_present]
+            while len(current) < per_client:
+                slot = int(rng.integers(num_present))
+                if slot not in current:
+                    current.append(slot)
+            sets.append(current)
+        held = np.zeros(num_present, dtype=bool)
+        for current in sets:
+            held[current] = True
+        if held.all():
+            return sets
+    raise ConfigError(
+        f"partition {spec!r}: no draw in {MAX_CLASS_SET_TRIES} gave every one of the {num_present} classes a holder "
+        f"with {num_clients} clients; use at least {num_present} clients (then every class has one), a larger C, "
+        f"or balanced-classes:{per_client} (round-robin, always covers)"
+    )
+
+
+def _classes(
+    y: np.ndarray,
+    num_clients: int,
+    per_client: int,
+    rng: np.random.Generator,
+    spec: str,
+    num_classes: int,
+    *,
+    balanced: bool,
+) -> list[np.ndarray]:
+    present = _check_classes(y, num_clients, per_client, spec, num_classes)
     holders: list[list[int]] = [[] for _ in range(present.size)]
-    for k in range(num_clients):
-        for j in range(per_client):
-            holders[(k * per_client + j) % present.size].append(k)
+    if balanced:
+        for k in range(num_clients):
+            for j in range(per_client):
+                holders[(k * per_client + j) % present.size].append(k)
+    else:
+        for k, current in enumerate(_niid_class_sets(num_clients, per_client, present.size, rng, spec)):
+            for slot in current:
+                holders[slot].append(k)  # client order, as NIID-Bench hands out the splits
     owner = np.empty(y.size, dtype=np.int64)
     for slot, cls in enumerate(present):
         idx = rng.permutation(np.flatnonzero(y == cls))
@@ -182,6 +246,7 @@ def _classes(
                 f"partition {spec!r}: class {int(cls)} has {idx.size} samples but {h} clients hold it; "
                 "use fewer clients"
             )
+        # np.array_split's sizes: the first idx.size % h holders get one more.
         counts = np.full(h, idx.size // h, dtype=np.int64)
         counts[: idx.size % h] += 1
         owner[idx] = np.repeat(holders[slot], counts)
@@ -192,7 +257,7 @@ def _natural(n: int, num_clients: int, natural: Sequence[torch.Tensor] | None) -
     if natural is None:
         raise ConfigError(
             "partition 'natural' needs a dataset with writers (e.g. femnist) and this one has none; "
-            "use iid, dir:ALPHA or classes:C"
+            "use iid, dir:ALPHA, classes:C or balanced-classes:C"
         )
     if num_clients > len(natural):
         raise ConfigError(
@@ -247,7 +312,9 @@ def partition(
             parts = _dirichlet(y, num_clients, param, rng, min_size, spec, num_classes)
         else:
             assert isinstance(param, int)
-            parts = _classes(y, num_clients, param, rng, spec, num_classes)
+            parts = _classes(
+                y, num_clients, param, rng, spec, num_classes, balanced=kind == "balanced-classes"
+            )
     return [torch.from_numpy(np.sort(p).astype(np.int64)) for p in parts]
 
 

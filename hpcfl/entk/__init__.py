@@ -6,8 +6,9 @@ Public API:
   :class:`EntkMethod`).
 - :func:`coordinate_set` — the sorted kept coordinates (the paper's ``randperm(P)[:p]`` set).
 - :func:`num_params` / :func:`scope_parameters` — the index space (``params="all"|"features"``).
-- :func:`reinit_last_layer` — re-exported from :mod:`hpcfl.models` (TCT re-initialises the last
-  layer from a fixed seed before extracting features).
+- :func:`reinit_last_layer` — re-exported from :mod:`hpcfl.models` (the legacy ``stage2.head: keep``
+  form; stage 2 now takes features through ``hpcfl.models.with_fresh_head``, a fresh seeded
+  1-output classifier, as TCT's code does).
 """
 
 from hpcfl.entk.api import entk_features as entk_features

@@ -84,8 +84,10 @@ def entk_features(
     flags of all submodules are restored afterwards), keeping the p coordinates of
     :func:`~hpcfl.entk.coords.coordinate_set` — columns in sorted coordinate order (see
     :mod:`hpcfl.entk.coords` for the exact index space of ``params="all"`` / ``"features"``). TCT
-    re-initialises the last layer first: call :func:`hpcfl.models.reinit_last_layer` (re-exported
-    here) before this.
+    first replaces the classifier by a fresh seeded 1-output layer and takes logit 0: pass
+    ``hpcfl.models.with_fresh_head(model, seed)`` (what stage 2 does,
+    :func:`hpcfl.tct.features.convexified_model`). On a C-output model the gradient of one logit
+    is identically zero on the other C−1 rows of the classifier.
 
     Args:
         model: returns logits (B, C); its parameters fix the compute device and dtype (inputs
@@ -93,7 +95,7 @@ def entk_features(
         inputs: (n, ...) samples.
         p: kept coordinates, 1 ≤ p ≤ P (p = P is the full eNTK).
         seed: seed of the coordinate draw.
-        logit: which output's gradient (TCT: the first, 0).
+        logit: which output's gradient (TCT: 0, the fresh head's only output).
         params: ``"all"`` or ``"features"`` (all but the last layer).
         method: an :class:`EntkMethod` or its value; ``"auto"`` = fused when supported.
         batch_size: samples per forward/backward (vmap uses smaller chunks when 2**26 / P is).

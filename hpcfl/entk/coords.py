@@ -7,7 +7,7 @@ Algorithm 3 of the TCT paper concatenates ``param.grad.flatten()``:
 - ``params="all"``: every parameter of ``model.parameters()`` — with or without
   ``requires_grad`` (the gradient is taken w.r.t. all of them; the paper's models train them all).
 - ``params="features"``: the same list **minus the weight and bias of the last layer**
-  (``hpcfl.models.last_linear(model)``, the classifier that TCT re-initialises), i.e. ∇_φ of
+  (``hpcfl.models.last_linear(model)``, the classifier TCT replaces by a fresh head), i.e. ∇_φ of
   Section 4.1 / Appendix A, where θ = φ ∘ ω. For every model of :mod:`hpcfl.models` the
   classifier's parameters are the last two of ``model.parameters()``, so this index space is a
   prefix of the ``"all"`` one.

@@ -45,6 +45,10 @@ class FeatureMeta:
     dtype: str
     coords_hash: str
     num_params: int
+    # the classifier the features were taken through: "fresh1" (a fresh seeded 1-output head, the
+    # default since issue 16), "keep" (the C-output head re-initialised, output ``logit``), or "-"
+    # (last-layer features, which do not go through the head)
+    head: str
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -60,8 +64,10 @@ class FeatureMeta:
         logit: int = 0,
         params: str = "all",
         dtype: str = "float32",
+        head: str = "fresh1",
     ) -> FeatureMeta:
-        """The meta of features :func:`hpcfl.entk.entk_features` computes for these arguments."""
+        """The meta of features :func:`hpcfl.entk.entk_features` computes for these arguments
+        (``model`` with the head ``head`` says it has: its hash and parameter count are taken as given)."""
         from hpcfl.entk import coordinate_set, coords_hash, num_params
 
         total = num_params(model, params)
@@ -74,6 +80,7 @@ class FeatureMeta:
             dtype=dtype,
             coords_hash=coords_hash(coordinate_set(total, int(p), int(seed))),
             num_params=total,
+            head=head,
         )
 
     @property
@@ -87,7 +94,15 @@ class FeatureMeta:
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> FeatureMeta:
-        """Inverse of :meth:`to_attrs` (unknown keys are ignored, missing ones raise KeyError)."""
+        """Inverse of :meth:`to_attrs` (unknown keys are ignored, missing ones raise KeyError).
+
+        Stores written before ``head`` was recorded were taken through the kept C-output head (eNTK)
+        or no head at all (last-layer features): they read back as ``"keep"`` or ``"-"``, so an
+        old eNTK store never matches the default ``"fresh1"`` features and is recomputed.
+        """
+        attrs = dict(attrs)
+        if "head" not in attrs and "params" in attrs:
+            attrs["head"] = "-" if attrs["params"] == "last_layer" else "keep"
         return cls(**{f.name: attrs[f.name] for f in fields(cls)})
 
     def mismatches(self, other: FeatureMeta) -> list[str]:

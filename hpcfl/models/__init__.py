@@ -14,7 +14,8 @@ vgg11       VGG-11, no dropout (FedPVR)                           ``batch_norm``
 Every model built here has the same small interface, which the algorithms rely on:
 
 - ``model(x)`` → logits ``(B, C)``;
-- ``model.classifier``: the last ``nn.Linear`` (what TCT re-initialises, FedPVR variance-reduces);
+- ``model.classifier``: the last ``nn.Linear`` (what TCT replaces by a fresh 1-output layer, FedPVR
+  variance-reduces);
 - ``model.features(x)`` → the representation fed to the classifier, and
   ``model.forward_with_repr(x)`` → ``(logits, representation)`` in one pass (for ``cnn-proj`` the
   representation is the 256-d projection MOON's contrastive loss uses, ``model.projection``);
@@ -27,6 +28,7 @@ in force when :func:`build_model` runs.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -43,7 +45,7 @@ from hpcfl.models.resnet import NORMS, resnet8, resnet18
 from hpcfl.models.simplecnn import SimpleCNN
 from hpcfl.models.vgg import vgg11
 
-__all__ = ["MODELS", "build_model", "last_linear", "reinit_last_layer"]
+__all__ = ["MODELS", "build_model", "last_linear", "reinit_last_layer", "with_fresh_head"]
 
 
 def _norm_option(model: str, value: Any) -> str:
@@ -133,7 +135,8 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, 
 def last_linear(model: nn.Module) -> nn.Linear:
     """The classifier layer: ``model.classifier`` if it is an ``nn.Linear``, else the last one registered.
 
-    This is the layer TCT re-initialises before computing eNTK features (stage 1 → stage 2).
+    This is the layer TCT replaces by a fresh 1-output layer before computing eNTK features (stage 1 →
+    stage 2, :func:`with_fresh_head`).
 
     Raises:
         TypeError: the model has no ``nn.Linear`` layer at all.
@@ -147,19 +150,9 @@ def last_linear(model: nn.Module) -> nn.Linear:
     return linears[-1]
 
 
-def reinit_last_layer(model: nn.Module, seed: int) -> None:
-    """Re-initialise the classifier's weight and bias from ``seed``, in place.
-
-    TCT (Yu et al., NeurIPS 2022, Section 4.1) computes the eNTK of the stage-1 model "with the last
-    layer re-initialised"; the draw must be the same on every rank and every resumed run, so it
-    depends on ``seed`` alone: a private CPU ``torch.Generator`` draws PyTorch's default ``nn.Linear``
-    init (Kaiming-uniform with a = √5 for the weight, U(±1/√fan_in) for the bias) in float32, and the
-    values are copied into the existing tensors. Hence the global RNG state is untouched, the values
-    are the same on CPU and GPU (up to the cast to the layer's dtype), they equal
-    ``torch.manual_seed(seed); layer.reset_parameters()`` on CPU, and views into the parameters
-    (a flat parameter buffer) stay valid.
-    """
-    layer = last_linear(model)
+def _seeded_default_init(layer: nn.Linear, seed: int) -> None:
+    """PyTorch's default ``nn.Linear`` init drawn from a private CPU generator seeded with ``seed``,
+    in float32, copied into the layer's tensors (in place; views of them stay valid)."""
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int(seed))
     weight = torch.empty(layer.weight.shape, dtype=torch.float32)
@@ -172,3 +165,45 @@ def reinit_last_layer(model: nn.Module, seed: int) -> None:
             bias = torch.empty(layer.bias.shape, dtype=torch.float32)
             nn.init.uniform_(bias, -bound, bound, generator=gen)
             layer.bias.copy_(bias)
+
+
+def reinit_last_layer(model: nn.Module, seed: int) -> None:
+    """Re-initialise the classifier's weight and bias from ``seed``, in place.
+
+    TCT (Yu et al., NeurIPS 2022, Section 4.1) computes the eNTK of the stage-1 model "with the last
+    layer re-initialised"; the draw must be the same on every rank and every resumed run, so it
+    depends on ``seed`` alone: a private CPU ``torch.Generator`` draws PyTorch's default ``nn.Linear``
+    init (Kaiming-uniform with a = √5 for the weight, U(±1/√fan_in) for the bias) in float32, and the
+    values are copied into the existing tensors. Hence the global RNG state is untouched, the values
+    are the same on CPU and GPU (up to the cast to the layer's dtype), they equal
+    ``torch.manual_seed(seed); layer.reset_parameters()`` on CPU, and views into the parameters
+    (a flat parameter buffer) stay valid. (Stage 2 now uses :func:`with_fresh_head`; this is its
+    ``stage2.head: keep`` legacy form.)
+    """
+    _seeded_default_init(last_linear(model), seed)
+
+
+def with_fresh_head(model: nn.Module, seed: int, outputs: int = 1) -> nn.Module:
+    """A copy of ``model`` whose classifier (:func:`last_linear`) is a fresh ``nn.Linear(in, outputs)``.
+
+    TCT's public code takes the eNTK of the stage-1 model with its classifier replaced by a new
+    one-output layer, so every parameter of the head reaches the differentiated output (keeping the
+    C-output head and differentiating logit 0 leaves the other C−1 rows' gradients identically
+    zero). The new layer gets PyTorch's default init from a generator seeded with ``seed`` alone
+    (as :func:`reinit_last_layer`: same on every rank and resume, global RNG untouched), on the old
+    layer's device and dtype; it takes the old one's place in the module tree, so its parameters
+    stay last in ``parameters()`` order. ``model`` itself is not changed.
+    """
+    old = last_linear(model)
+    fresh = copy.deepcopy(model)
+    name = next(n for n, m in model.named_modules() if m is old)
+    parent_name, _, attr = name.rpartition(".")
+    parent = fresh.get_submodule(parent_name)
+    # built on the meta device: nn.Linear's own init would draw from (and advance) the global RNG
+    layer = nn.Linear(
+        old.in_features, outputs, bias=old.bias is not None, device="meta", dtype=old.weight.dtype
+    )
+    layer = layer.to_empty(device=old.weight.device)
+    _seeded_default_init(layer, seed)
+    setattr(parent, attr, layer)
+    return fresh

@@ -3,12 +3,19 @@
 ``features.zarr`` holds one array per training client, written by the rank that owns the client;
 ``features_test.zarr`` holds the test set cut into ``num_clients`` fixed shards (rank r owns
 shards s with s mod R = r), so the stores do not depend on the number of ranks. A store that is
-complete and matches the model / seed / p / logit / scope / dtype is reused as it is, which is
-what makes ``hpcfl tct-stage2`` and resumed runs skip the extraction.
+complete and matches the model / seed / p / head / logit / scope / dtype is reused as it is, which
+is what makes ``hpcfl tct-stage2`` and resumed runs skip the extraction.
+
+The features are taken of :func:`convexified_model`: a copy of the stage-1 model whose classifier
+is a fresh seeded 1-output layer (``stage2.head: fresh1``, TCT's public code), or, in the legacy
+``stage2.head: keep`` form, the C-output classifier re-initialised and differentiated at
+``stage2.logit``. The head is part of the store's meta (and of its model hash), so features of the
+one form are never reused for the other.
 """
 
 from __future__ import annotations
 
+import copy
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -35,8 +42,30 @@ from hpcfl.training.evaluate import shard_range
 EXTRACT_ROWS = 2048  # samples per extraction call: bounds host memory to 2048·p floats
 
 
+def convexified_model(model: nn.Module, cfg2: Stage2Section) -> nn.Module:
+    """The model stage 2 takes features of: a copy of the stage-1 ``model`` (left unchanged) with its
+    classifier replaced by a fresh ``nn.Linear(in, 1)`` drawn from ``stage2.seed`` (``head: fresh1``),
+    or with the C-output classifier re-initialised from that seed (``head: keep``, and last-layer
+    features, which do not read the classifier), in eval mode."""
+    from hpcfl.models import reinit_last_layer, with_fresh_head
+
+    if cfg2.features == "entk" and cfg2.head == "fresh1":
+        out = with_fresh_head(model, cfg2.seed, outputs=1)
+    else:
+        out = copy.deepcopy(model)
+        reinit_last_layer(out, cfg2.seed)
+    return out.eval()
+
+
+def differentiated_output(cfg2: Stage2Section) -> int:
+    """The output of :func:`convexified_model` whose gradient is the feature: the fresh head's only one,
+    or ``stage2.logit`` of the kept head."""
+    return cfg2.logit if cfg2.head == "keep" else 0
+
+
 def feature_meta(model: nn.Module, cfg2: Stage2Section) -> FeatureMeta:
-    """What the stage-2 features are computed from (checked against any existing store)."""
+    """What the stage-2 features are computed from (checked against any existing store); ``model``
+    is the :func:`convexified_model`."""
     if cfg2.features == "last_layer":
         width = model.classifier.in_features  # type: ignore[union-attr]
         return FeatureMeta(
@@ -48,12 +77,19 @@ def feature_meta(model: nn.Module, cfg2: Stage2Section) -> FeatureMeta:
             dtype=cfg2.dtype,
             coords_hash="-",
             num_params=width,
+            head="-",
         )
     from hpcfl.entk import num_params
 
     total = num_params(model, cfg2.params)
     return FeatureMeta.for_model(
-        model, p=min(cfg2.p, total), seed=cfg2.seed, logit=cfg2.logit, params=cfg2.params, dtype=cfg2.dtype
+        model,
+        p=min(cfg2.p, total),
+        seed=cfg2.seed,
+        logit=differentiated_output(cfg2),
+        params=cfg2.params,
+        dtype=cfg2.dtype,
+        head=cfg2.head,
     )
 
 
@@ -80,7 +116,7 @@ def compute_features(
                 xb,
                 p=meta.p,
                 seed=cfg2.seed,
-                logit=cfg2.logit,
+                logit=differentiated_output(cfg2),
                 params=cfg2.params,
                 method=cfg2.method,
                 batch_size=cfg2.batch_size,
@@ -176,7 +212,7 @@ def check_features_fit(fed: Any, run_dir: Path, *, note: bool = True, free: int 
     if cfg2.features == "last_layer":
         p = int(model.classifier.in_features)
     else:
-        total = num_params(model, cfg2.params)
+        total = num_params(convexified_model(model, cfg2), cfg2.params)  # P of the head features go through
         p = min(cfg2.p, total)
         if note and cfg2.p > total:
             print(

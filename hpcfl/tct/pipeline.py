@@ -1,9 +1,10 @@
 """TCT stage 2 end to end on one rank: convexify, features, standardise, solve, evaluate.
 
-Algorithm 2 of the TCT paper: re-initialise the last layer from a fixed seed, take per-sample
-features of the bootstrapped model (eNTK of one logit, or the last-layer representation of
-Table 12), standardise them with statistics from one allreduce, then run SCAFFOLD (or a variant)
-over ψ = (φ, b) from zero with the round loop every algorithm uses.
+Algorithm 2 of the TCT paper: replace the classifier by a fresh 1-output layer drawn from a fixed
+seed (as the paper's code does; ``stage2.head: keep`` re-initialises the C-output one instead), take
+per-sample features of the bootstrapped model (eNTK of that output, or the last-layer
+representation of Table 12), standardise them with statistics from one allreduce, then run SCAFFOLD
+(or a variant) over ψ = (φ, b) from zero with the round loop every algorithm uses.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from hpcfl.algorithms.tct_params import Stage2Section
 from hpcfl.errors import StoreError
 from hpcfl.features import open_feature_store
 from hpcfl.files import atomic_torch_save, load_torch_file
-from hpcfl.models import reinit_last_layer
 from hpcfl.runner.federation import Federation
 from hpcfl.runner.rounds import RoundPlan
 from hpcfl.runner.stages import StageInput, StagePlan
-from hpcfl.tct.features import check_features_fit, ensure_store, feature_meta, test_shards
+from hpcfl.tct.features import check_features_fit, convexified_model, ensure_store, feature_meta, test_shards
 from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
 from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver
 from hpcfl.tct.stage2 import Stage2, Stage2Params, auto_lr, check_stability, spectrum
@@ -69,11 +69,9 @@ def prepare_stage2(
     ``stop()`` is polled during the extraction (see :func:`hpcfl.tct.features.ensure_store`).
     """
     comm, ds = fed.comm, fed.dataset
-    # 1. convexify: the bootstrapped model with its last layer re-initialised from a fixed seed
+    # 1. convexify: a copy of the bootstrapped model with a fresh 1-output head from a fixed seed
     fed.flat.load(theta)
-    model = fed.flat.model
-    reinit_last_layer(model, cfg2.seed)
-    model.eval()
+    model = convexified_model(fed.flat.model, cfg2)
     meta = feature_meta(model, cfg2)
     # 2. features of every owned client and test shard, into Zarr (reused when complete)
     K = len(fed.parts)
