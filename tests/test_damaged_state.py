@@ -9,6 +9,7 @@ import os
 import stat
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,6 +212,26 @@ def test_resume_without_config_or_latest_refuses(tmp_path, capsys):
         f"with: echo round_000001 > {run2 / 'checkpoints' / 'LATEST'}"
     )
     assert [json.loads(line)["round"] for line in _rows(run2)] == [1]  # nothing restarted
+
+
+def test_resume_refuses_a_run_whose_partition_was_drawn_differently(tmp_path, capsys):
+    """A run started by an hpcfl whose classes:C was round-robin (now balanced-classes:C) must not
+    resume on the NIID-Bench split: simulated by writing the old layout into partition.json."""
+    from hpcfl.data import load_partition, partition, save_partition
+
+    cfg_path = synthetic_config(tmp_path, rounds=2, partition="classes:2", num_clients=5)
+    run = tmp_path / "run"
+    assert main(["run", str(cfg_path), "--run-dir", str(run), "--set", "rounds=1"]) == 0
+    saved = load_partition(run)
+    labels = torch.cat([torch.full((int(c),), k) for k, c in enumerate(saved.counts.sum(0))])
+    old = partition(labels, "balanced-classes:2", 5, seed=7, num_classes=saved.counts.shape[1])
+    save_partition(
+        run, old, "classes:2", 7, np.stack([np.bincount(labels[p].numpy(), minlength=10) for p in old])
+    )
+    err = _one_line_error(capsys, ["run", str(cfg_path), "--run-dir", str(run), "--resume"])
+    assert "now gives a different split from the run's partition.json" in err
+    assert "balanced-classes:2" in err and "--overwrite" in err
+    assert [json.loads(line)["round"] for line in _rows(run)] == [1]  # nothing trained
 
 
 def test_resume_with_other_threads_says_it_is_not_bit_identical(tmp_path, capsys):

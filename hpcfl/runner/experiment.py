@@ -103,6 +103,34 @@ def _write_partition(fed: Federation, run_dir: Path) -> None:
     plot_partition_heatmap(counts, run_dir / "partition.png")
 
 
+def _check_same_partition(fed: Federation, run_dir: Path) -> None:
+    """A resume must train on the split the run started with: refuse when the partition computed
+    now differs from the run's ``partition.json`` (a run started by an hpcfl whose partitioner
+    drew differently, e.g. ``classes:C`` before it followed NIID-Bench's rule)."""
+    from hpcfl.data import load_partition
+    from hpcfl.errors import DataError
+
+    try:
+        saved = load_partition(run_dir / "partition.json")
+    except DataError:  # missing or damaged: nothing to compare, and it is rewritten below
+        return
+    same = len(saved.parts) == len(fed.parts) and all(
+        torch.equal(a, b.to(a.dtype)) for a, b in zip(saved.parts, fed.parts, strict=True)
+    )
+    if not same:
+        hint = (
+            f" (classes:C now follows NIID-Bench's rule; the round-robin layout of earlier versions is "
+            f"balanced-{fed.cfg.partition})"
+            if fed.cfg.partition.startswith("classes:")
+            else ""
+        )
+        raise RunDirError(
+            f"{run_dir}: partition {fed.cfg.partition!r} (seed {fed.cfg.seed}) now gives a different split "
+            f"from the run's partition.json{hint}, so resuming would change the clients' data; start over "
+            "with --overwrite"
+        )
+
+
 def set_threads(cfg: Config, comm: Communicator) -> None:
     """Torch threads per rank: the config's, else this node's cores shared among its ranks.
 
@@ -221,6 +249,8 @@ def _run_locked(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)
     )
     fed = build_federation(cfg, comm)
+    if has_state:
+        _collective_check(comm, lambda: _check_same_partition(fed, run_dir))
     stages = run_stages(cfg)
     for stage in stages[1:]:  # what a later stage can refuse from the config alone (TCT: disk space)
         if stage.check is not None and stage.rounds > 0:
