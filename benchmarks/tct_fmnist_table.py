@@ -125,7 +125,7 @@ def budget(args: argparse.Namespace) -> str:
     return (
         f"Fashion-MNIST, SimpleCNN, {args.clients} clients, seed {args.seed}. Baselines: R = {args.rounds} rounds × "
         f"{local}, lr {args.lr}, momentum 0, weight decay 1e-5, FedProx μ = {args.mu}. TCT: T1 = "
-        f"{args.stage1_rounds} rounds of the same FedAvg, eNTK features (logit 0, p = {args.p}), T2 = "
+        f"{args.stage1_rounds} rounds of the same FedAvg, eNTK features of a fresh seeded 1-output head (p = {args.p}), T2 = "
         f"{args.stage2_rounds} stage-2 rounds of SCAFFOLD with M = {args.stage2_steps} local steps "
         f"(closed form), η2 = stage2.auto_lr (half the largest stable rate). "
         f"{args.jobs} run(s) at a time × {args.threads} thread(s)."
