@@ -72,6 +72,20 @@ def test_deleted_chunk_of_a_complete_store_gives_one_line(tct_run, tmp_path, cap
     )
 
 
+def test_tct_stage2_applies_its_settings_to_a_saved_run(tct_run, tmp_path, capsys):
+    """The saved config keeps stage 2 under ``params:``; the re-solve's --set must still win."""
+    _, src = tct_run
+    run = _copy(src, tmp_path / "run")
+    assert (
+        main(["tct-stage2", str(run), "--set", "stage2.rounds=3", "stage2.auto_lr=false", "stage2.lr=1e-4"])
+        == 0
+    )
+    out = run / "stage2" / "auto_lr=False,lr=1e-4,rounds=3" / "metrics.jsonl"
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    stage2 = [r for r in rows if r.get("stage") == "stage2"]
+    assert len(stage2) == 3 and all(r["stage2_lr"] == 1e-4 for r in stage2)
+
+
 def test_flipped_bit_in_a_chunk_gives_one_line(tct_run, tmp_path, capsys):
     _, src = tct_run
     run = _copy(src, tmp_path / "run")

@@ -55,7 +55,9 @@ def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
         raise ConfigError(
             f"stage2.{frozen[0]} changes the features themselves; run `hpcfl run` with it instead of tct-stage2"
         )
-    cfg = config_from_dict(merge(saved, overrides))
+    # a saved config keeps stage 2 under params:, which outranks a top-level (legacy) stage2: section
+    changes = {"params": {"stage2": changed}} if isinstance(saved.get("params"), dict) else overrides
+    cfg = config_from_dict(merge(saved, changes))
     if cfg.algorithm != "tct":
         raise ConfigError(f"{run_dir} is a {cfg.algorithm} run; tct-stage2 needs a TCT run")
     tag = ",".join(f"{k}={v}" for k, v in sorted(changed.items())) or "as-configured"
