@@ -59,6 +59,27 @@ def mpiexec_cmd(n: int, *args: str) -> list[str]:
     return [str(launcher), "-n", str(n), *hpcfl_cmd(*args)]
 
 
+def run_mpi_program(name: str, ranks: int = 2, timeout: float = 120) -> str:
+    """Run ``tests/mpi_programs/NAME`` on ``ranks`` MPI ranks; asserts every rank printed OK and
+    returns its stdout."""
+    proc = subprocess.run(
+        [
+            str(VENV_BIN / "mpiexec"),
+            "-n",
+            str(ranks),
+            str(VENV_BIN / "python"),
+            str(REPO / "tests/mpi_programs" / name),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("OK") == ranks, proc.stdout
+    return proc.stdout
+
+
 def final_state(run_dir: Path) -> torch.Tensor:
     """The server state vector of the newest checkpoint of a run."""
     ckpt = run_dir / "checkpoints"

@@ -5,7 +5,6 @@ guard, resume, and a short Fashion-MNIST check against FedAvg."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from hpcfl.ntk.memory import RoundShape, check_round_memory, round_memory_bytes
 from hpcfl.runner.rounds import _nbytes
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import LocalSchedule
-from tests.helpers import REPO, VENV_BIN, client_ctx, simulate, synthetic_config
+from tests.helpers import REPO, client_ctx, run_mpi_program, simulate, synthetic_config
 
 
 def _mlp(d_in: int = 6, classes: int = 3, dtype: torch.dtype = torch.float64, seed: int = 0) -> FlatModel:
@@ -143,21 +142,7 @@ def test_ce_evolution_is_euler_on_the_softmax_residual():
 
 @pytest.mark.mpi
 def test_kernel_assembled_on_two_ranks_equals_the_single_process_kernel():
-    proc = subprocess.run(
-        [
-            str(VENV_BIN / "mpiexec"),
-            "-n",
-            "2",
-            str(VENV_BIN / "python"),
-            str(REPO / "tests/mpi_programs/ntk_kernel.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("OK") == 2, proc.stdout
+    run_mpi_program("ntk_kernel.py")
 
 
 def test_kernel_blocks_shared_among_ranks_sum_to_the_kernel():

@@ -12,7 +12,7 @@ import torch
 from hpcfl.cli.main import main
 from hpcfl.config import load_config
 from hpcfl.runner import StopRequest, run_experiment
-from tests.helpers import REPO, VENV_BIN, synthetic_config
+from tests.helpers import REPO, VENV_BIN, run_mpi_program, synthetic_config
 
 
 class StopAfter(StopRequest):
@@ -155,21 +155,7 @@ def test_no_kept_entk_coordinate_is_structurally_zero():
 
 @pytest.mark.mpi
 def test_federated_standardisation_over_two_mpi_ranks():
-    proc = subprocess.run(
-        [
-            str(VENV_BIN / "mpiexec"),
-            "-n",
-            "2",
-            str(VENV_BIN / "python"),
-            str(REPO / "tests/mpi_programs/standardize.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("OK") == 2, proc.stdout
+    run_mpi_program("standardize.py")
 
 
 @pytest.mark.mpi
