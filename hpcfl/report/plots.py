@@ -74,7 +74,8 @@ def plot_drift(runs: list[RunSummary], path: Path) -> Path:
         ax.set_xticks(range(0, len(rounds), max(1, len(rounds) // 6)))
         ax.set_xticklabels([str(rounds[i]) for i in range(0, len(rounds), max(1, len(rounds) // 6))])
         ax.set_yticks(range(len(layers)))
-        ax.set_yticklabels(layers, fontsize=7)
+        same_rows = ax is not axes[0][0] and layers == tables[0][1]  # one label column serves all
+        ax.set_yticklabels([] if same_rows else layers, fontsize=7)
     axes[0][0].set_ylabel("layer (input → output)")
     fig.colorbar(image, ax=axes[0].tolist(), label="log10 drift diversity ξ")
     return save_figure(fig, path, dpi=120)
