@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._runs import run_cached  # noqa: E402
+from hpcfl.report.targets import cumulative_bytes  # noqa: E402
 
 
 def _base(args: argparse.Namespace, alpha: float) -> dict[str, Any]:
@@ -73,13 +74,11 @@ def _methods(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _curve(rows: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
-    """(round, test accuracy, cumulative uplink MB) of every evaluated round."""
-    out, mb = [], 0.0
-    for r in rows:
-        mb += r.get("bytes_up", 0) / 1e6
-        if "test_accuracy" in r:
-            out.append((int(r["round"]), float(r["test_accuracy"]), mb))
-    return out
+    """(round, test accuracy, cumulative uplink MB) of every evaluated round (Table 1 counts the
+    uplink; every round between evaluations is charged, as in ``hpcfl report``)."""
+    rows = [r for r in rows if "test_accuracy" in r]
+    spent = cumulative_bytes(rows, keys=("bytes_up",))
+    return [(int(r["round"]), float(r["test_accuracy"]), b / 1e6) for r, b in zip(rows, spent, strict=True)]
 
 
 def _reach(curve: list[tuple[int, float, float]], target: float) -> tuple[int | None, float | None]:

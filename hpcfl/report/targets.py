@@ -28,12 +28,13 @@ class TargetRow:
     baseline: str | None  # the FedAvg run compared against
 
 
-def cumulative_bytes(rows: list[dict]) -> list[float]:
-    """Traffic (up + down) summed to each logged row, charging every round in between."""
+def cumulative_bytes(rows: list[dict], keys: tuple[str, ...] = ("bytes_up", "bytes_down")) -> list[float]:
+    """Traffic (the ``keys`` of each row: up + down by default) summed to each logged row, charging
+    every round in between."""
     total, last, out = 0.0, 0, []
     for row in rows:
         rnd = int(row["round"])
-        per_round = float(row.get("bytes_up", 0.0)) + float(row.get("bytes_down", 0.0))
+        per_round = sum(float(row.get(key, 0.0)) for key in keys)
         total += per_round * max(rnd - last, 0)
         last = rnd
         out.append(total)
