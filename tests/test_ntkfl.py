@@ -17,7 +17,7 @@ from hpcfl.algorithms.cp_ntkfl import CPNTKFL, CPNTKFLParams, densify, sparsify
 from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
 from hpcfl.algorithms.participation import Population
-from hpcfl.entk.jacobian import per_sample_jacobian
+from hpcfl.entk.jacobian import FactoredJacobian, factored_jacobian, per_sample_jacobian
 from hpcfl.errors import ConfigError
 from hpcfl.models.mlp import MLP
 from hpcfl.ntk.evolution import evolve, kernel, weight_updates
@@ -69,6 +69,49 @@ def test_fused_jacobian_equals_vmap_jacrev_for_every_output_and_parameter():
     # row b is ∂f(x_b)/∂θ in the flat vector's order
     grads = torch.autograd.grad(flat.model(x[2:3])[0, 1], list(flat.model.parameters()))
     assert torch.allclose(fused[2, 1], torch.cat([g.flatten() for g in grads]), rtol=1e-12, atol=1e-14)
+
+
+def test_factored_jacobian_is_the_dense_one_and_its_products_are_exact():
+    """The Linear-layer factors expand to vmap(jacrev)'s Jacobian; the Gram matrix and the
+    transposed product computed from the factors equal the dense ones; rows/cat/split regroup."""
+    flat = _mlp(d_in=7, classes=4)
+    g = torch.Generator().manual_seed(5)
+    xa, xb = (
+        torch.randn(6, 7, generator=g, dtype=torch.float64),
+        torch.randn(4, 7, generator=g, dtype=torch.float64),
+    )
+    fa, fb = factored_jacobian(flat.model, xa), factored_jacobian(flat.model, xb)
+    Ja, Jb = (
+        per_sample_jacobian(flat.model, xa, method="vmap"),
+        per_sample_jacobian(flat.model, xb, method="vmap"),
+    )
+    assert fa.shape == Ja.shape == (6, 4, flat.num_params)
+    assert torch.allclose(fa.dense(), Ja, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(fa.gram(fb), Ja.reshape(6, -1) @ Jb.reshape(4, -1).T, rtol=1e-12, atol=1e-12)
+    S = torch.randn(3, 6, 4, generator=g, dtype=torch.float64)
+    assert torch.allclose(
+        fa.transposed_product(S), S.reshape(3, 24) @ Ja.reshape(24, -1), rtol=1e-12, atol=1e-12
+    )
+    both = FactoredJacobian.cat([fa, fb])
+    perm = torch.randperm(10, generator=g)
+    assert torch.equal(both.rows(perm).dense(), torch.cat([fa.dense(), fb.dense()])[perm])
+    back = both.split([6, 4])
+    assert torch.equal(back[1].dense(), fb.dense())
+    # ~C·P / (Σ in + C·Σ out) fewer numbers on the wire
+    assert _nbytes(fa) < Ja.nbytes / 5
+
+
+def test_factored_and_dense_uploads_give_the_same_round():
+    flat = _mlp()
+    clients = _clients([7, 4, 9])
+    x0 = flat.vector.clone()
+    dense, m_dense = _round(_algo(NTKFL, flat, upload="dense", grid=(5, 50, 200), eta=0.5), flat, clients)
+    flat.load(x0)
+    fact, m_fact = _round(_algo(NTKFL, flat, upload="factored", grid=(5, 50, 200), eta=0.5), flat, clients)
+    assert torch.allclose(fact.x, dense.x, rtol=1e-10, atol=1e-12)
+    assert m_fact["t_star"] == m_dense["t_star"]
+    assert m_fact["kernel_cond"] == pytest.approx(m_dense["kernel_cond"], rel=1e-8)
+    assert not torch.equal(fact.x, x0)
 
 
 # -- the closed form -----------------------------------------------------------------------------
@@ -240,6 +283,10 @@ def test_hyper_parameters_are_validated():
         NTKFLParams(select="test")
     with pytest.raises(ConfigError, match="ce_dt"):
         NTKFLParams(loss="ce", ce_dt=30)
+    with pytest.raises(ConfigError, match="params.upload"):
+        NTKFLParams(upload="zip")
+    with pytest.raises(ConfigError, match="params.upload"):
+        CPNTKFLParams(upload="factored", keep=0.5)
     assert NTKFLParams(grid=[1, 2]).grid == (1, 2)
 
 
@@ -282,11 +329,24 @@ def test_memory_guard_refuses_an_oversized_round_naming_what_fits():
     )
 
 
+def test_memory_guard_counts_factored_uploads_by_their_factors():
+    """The paper's round (20 × 200 samples, MLP-100 on 784 inputs) needs ~25 GB dense but fits
+    a laptop when the Jacobians travel as layer factors."""
+    dense = RoundShape(samples=4000, outputs=10, params=79510, grid=20)
+    factored = RoundShape(samples=4000, outputs=10, params=79510, grid=20, per_sample=784 + 100 + 10 * 110)
+    assert round_memory_bytes(dense) > 24e9
+    assert round_memory_bytes(factored) < 2**30
+    common = dict(sizes=[200] * 300, per_round=20, beta=1.0, input_dim=784, first_layer=None)
+    check_round_memory("ntkfl", factored, 2**30, **common)
+    with pytest.raises(ConfigError):
+        check_round_memory("ntkfl", dense, 2**30, **common)
+
+
 def test_memory_guard_fires_before_the_first_round(tmp_path: Path):
     from hpcfl.config import load_config
     from hpcfl.runner import run_experiment
 
-    cfg = synthetic_config(tmp_path, algorithm="ntkfl", params={"memory_budget": "2GB"})
+    cfg = synthetic_config(tmp_path, algorithm="ntkfl", params={"memory_budget": "2GB", "upload": "dense"})
     with pytest.raises(ConfigError, match="params.beta|clients_per_round"):
         run_experiment(load_config(cfg), tmp_path / "run")
     assert (

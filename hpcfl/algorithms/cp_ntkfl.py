@@ -28,12 +28,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from hpcfl.algorithms.base import Aggregate, ClientContext, ClientData, ServerContext
 from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
+from hpcfl.entk.jacobian import FactoredJacobian
 from hpcfl.errors import ConfigError
-from hpcfl.ntk.evolution import Rows
+from hpcfl.ntk.evolution import Jacobian, Rows
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class CPNTKFLParams(NTKFLParams):
             )
         if not 0 < self.keep <= 1:
             raise ConfigError(f"config key 'params.keep' must be in (0, 1], got {self.keep}")
+        if self.keep < 1 and self.upload == "factored":
+            raise ConfigError(
+                "config key 'params.upload: factored' cannot be sparsified: set params.keep: 1 or params.upload: auto"
+            )
 
 
 def projection_matrix(d_in: int, d_out: int, seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -103,7 +108,9 @@ def permute_rows(rows: Rows, perm: Tensor) -> Rows:
     chunks are what ranks share out; a chunk is no longer one client's data)."""
     sizes = rows.sizes
 
-    def apply(parts: list[Tensor]) -> list[Tensor]:
+    def apply(parts: list[Any]) -> list[Any]:
+        if isinstance(parts[0], FactoredJacobian):
+            return FactoredJacobian.cat(parts).rows(perm).split(sizes)
         return list(torch.cat(parts)[perm.to(parts[0].device)].split(sizes))
 
     return Rows(
@@ -130,10 +137,14 @@ class CPNTKFL(NTKFL):
         pick = torch.randperm(n, generator=ctx.generator)[:m].sort().values.to(data.y.device)
         return data.x[pick], data.y[pick]
 
-    def encode(self, jacobian: Tensor) -> Any:
-        return jacobian if self.params.keep >= 1 else sparsify(jacobian, self.params.keep)
+    def factored(self, model: nn.Module) -> bool:
+        return self.params.keep >= 1 and super().factored(model)
 
-    def decode(self, uploaded: Any) -> Tensor:
+    def jacobian(self, model: nn.Module, x: Tensor) -> Any:
+        J = super().jacobian(model, x)
+        return J if self.params.keep >= 1 else sparsify(J, self.params.keep)
+
+    def decode(self, uploaded: Any) -> Jacobian:
         return densify(uploaded) if isinstance(uploaded, dict) else uploaded
 
     def rows(self, aggregate: Aggregate, ctx: ServerContext) -> Rows:

@@ -53,9 +53,11 @@ from hpcfl.algorithms.base import (
     Upload,
 )
 from hpcfl.entk._common import eval_mode
-from hpcfl.entk.jacobian import JACOBIAN_METHODS, per_sample_jacobian
+from hpcfl.entk.jacobian import JACOBIAN_METHODS, factored_jacobian, fusable, per_sample_jacobian
 from hpcfl.errors import ConfigError
-from hpcfl.ntk.evolution import Rows, balance, evolve, kernel, weight_updates
+from hpcfl.ntk.evolution import Jacobian, Rows, balance, evolve, kernel, weight_updates
+
+UPLOADS = ("auto", "dense", "factored")
 
 
 def _choice(key: str, value: str, choices: Sequence[str]) -> None:
@@ -77,6 +79,12 @@ class NTKFLParams(HyperParams):
     - ``select``: ``train`` (Eq. 11a: the real network's training loss on the round's samples) or
       ``kernel`` (the closed-form outputs' loss; no inputs leave the clients);
     - ``jacobian``: ``auto`` | ``fused`` | ``vmap`` (:mod:`hpcfl.entk.jacobian`);
+    - ``upload``: ``auto`` | ``dense`` | ``factored``: how the Jacobians travel and are held. Dense is
+      the paper's N_m × C × d tensor; factored sends the same Jacobian losslessly as each Linear
+      layer's inputs and output gradients (:class:`~hpcfl.entk.jacobian.FactoredJacobian`; for the
+      MLP-100 ~420× fewer numbers), and the server builds the same kernel and update from the
+      factors without expanding them. ``auto``: factored when every parametrised layer is a Linear
+      (and, in CP-NTK-FL, nothing is sparsified), dense otherwise;
     - ``memory_budget``: ``auto`` (80 % of this node's available memory over its ranks) or bytes per
       rank; a round that cannot fit is refused before the first round (:mod:`hpcfl.ntk.memory`).
     """
@@ -88,6 +96,7 @@ class NTKFLParams(HyperParams):
     ce_dt: int = 10
     select: str = "train"
     jacobian: str = "auto"
+    upload: str = "auto"
     memory_budget: str = "auto"
 
     def __post_init__(self) -> None:
@@ -109,6 +118,9 @@ class NTKFLParams(HyperParams):
         _choice("loss", self.loss, ("mse", "ce"))
         _choice("select", self.select, ("train", "kernel"))
         _choice("jacobian", self.jacobian, JACOBIAN_METHODS)
+        _choice("upload", self.upload, UPLOADS)
+        if self.upload == "factored" and self.jacobian == "vmap":
+            raise ConfigError("config key 'params.upload: factored' needs params.jacobian: auto or fused")
         if self.ce_dt < 1:
             raise ConfigError(f"config key 'params.ce_dt' must be >= 1, got {self.ce_dt}")
         if self.loss == "ce" and any(t % self.ce_dt for t in steps):
@@ -157,9 +169,17 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         """The samples this participant computes Jacobians of (all of them; CP-NTK-FL subsamples)."""
         return data.x, data.y
 
-    def encode(self, jacobian: Tensor) -> Any:
-        """The Jacobian as uploaded (dense here; CP-NTK-FL sparsifies)."""
-        return jacobian
+    def factored(self, model: nn.Module) -> bool:
+        """Whether this run's Jacobians travel as Linear-layer factors (``params.upload``)."""
+        if self.params.upload == "auto":
+            return self.params.jacobian != "vmap" and fusable(model)
+        return self.params.upload == "factored"
+
+    def jacobian(self, model: nn.Module, x: Tensor) -> Any:
+        """This participant's Jacobian as uploaded: factored or dense (CP-NTK-FL may sparsify)."""
+        if self.factored(model):
+            return factored_jacobian(model, x)
+        return per_sample_jacobian(model, x, method=self.params.jacobian)  # (n, C, P)
 
     def client_update(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
@@ -170,12 +190,12 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         model = trainer.flat.model
         x, y = self.local_rows(data, ctx)
         t0 = time.perf_counter()
-        J = per_sample_jacobian(model, x, method=self.params.jacobian)  # (n, C, P)
+        J = self.jacobian(model, x)
         seconds = time.perf_counter() - t0
         with torch.no_grad(), eval_mode(model):
             f0 = model(x)  # (n, C)
         Y = F.one_hot(y, f0.shape[1]).to(f0.dtype)
-        gathered: dict[str, Any] = {"jacobian": self.encode(J), "output": f0, "label": y}
+        gathered: dict[str, Any] = {"jacobian": J, "output": f0, "label": y}
         if self.params.select == "train":
             gathered["input"] = x
         loss = float(_loss(f0.unsqueeze(0), Y, self.params.loss)[0])
@@ -187,8 +207,8 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         ), client
 
     # -- server ------------------------------------------------------------------------------
-    def decode(self, uploaded: Any) -> Tensor:
-        """Inverse of :meth:`encode`."""
+    def decode(self, uploaded: Any) -> Jacobian:
+        """An uploaded Jacobian as the server computes with it (CP-NTK-FL densifies top-k uploads)."""
         return uploaded
 
     def rows(self, aggregate: Aggregate, ctx: ServerContext) -> Rows:

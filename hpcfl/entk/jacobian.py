@@ -18,7 +18,8 @@ Two implementations behind one signature, the simplest the reference the other i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -95,8 +96,134 @@ def _vmap(model: nn.Module, named: list[tuple[str, nn.Parameter]], x: Tensor, ou
 
 
 def _fused(model: nn.Module, named: list[tuple[str, nn.Parameter]], x: Tensor, out: Tensor) -> None:
-    """Forward once recording each Linear's input a (B, in) and output z (B, out); C backwards give
-    δ_c = ∂Σ_b f_c(x_b)/∂z (B, out); weight block = δ_c ⊗ a, bias block = δ_c."""
+    """The dense Jacobian expanded from :func:`factored_jacobian`'s per-layer factors."""
+    factored_jacobian(model, x, named=named).dense(out=out)
+
+
+@dataclass
+class LinearFactor:
+    """One ``nn.Linear``'s part of every sample's Jacobian: J[b, c, weight] = δ[b, c] ⊗ a[b] and
+    J[b, c, bias] = δ[b, c]; ``weight``/``bias`` are the blocks' offsets in the parameter vector
+    (None: not trainable / no bias)."""
+
+    a: Tensor  # (n, in) the layer's inputs
+    delta: Tensor  # (n, C, out) ∂f_c/∂z of the layer's outputs z
+    weight: int | None
+    bias: int | None
+
+
+@dataclass
+class FactoredJacobian:
+    """The per-sample Jacobian J (n, C, P) of a model made of ``nn.Linear`` layers, kept as the
+    layers' factors (inputs a and output gradients δ): lossless, and n·(Σ in + C·Σ out) numbers
+    instead of n·C·P (for the paper's MLP-100 on 784 inputs: 1,884 vs 795,100 per sample).
+
+    Inner products and transposed products never expand it:
+    ⟨J_i, J_j⟩ = Σ_layers (⟨a_i, a_j⟩ + [bias]) · Σ_c ⟨δ_ic, δ_jc⟩ and
+    Σ_i Σ_c S_ic J_ic = per layer (Σ_c S_c δ_c)ᵀ a (weight) and Σ_i Σ_c S_ic δ_ic (bias).
+    """
+
+    layers: list[LinearFactor]
+    num_params: int
+
+    @property
+    def n(self) -> int:
+        return int(self.layers[0].a.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(n, C, P): the dense Jacobian's shape."""
+        return (self.n, int(self.layers[0].delta.shape[1]), self.num_params)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].a.dtype
+
+    def dense(self, out: Tensor | None = None) -> Tensor:
+        """The (n, C, P) Jacobian (zeros for parameters no layer factor covers)."""
+        n, C, P = self.shape
+        if out is None:
+            out = torch.zeros(n, C, P, dtype=self.dtype, device=self.layers[0].a.device)
+        for f in self.layers:
+            o = f.delta.shape[2]
+            if f.weight is not None:
+                block = out[:, :, f.weight : f.weight + o * f.a.shape[1]].view(n, C, o, f.a.shape[1])
+                torch.mul(f.delta.unsqueeze(3), f.a.unsqueeze(1).unsqueeze(2), out=block)
+            if f.bias is not None:
+                out[:, :, f.bias : f.bias + o].copy_(f.delta)
+        return out
+
+    def gram(self, other: FactoredJacobian) -> Tensor:
+        """G (n, m) with G_ij = Σ_c ⟨J_ic, J'_jc⟩, in the factors' dtype."""
+        G = torch.zeros(self.n, other.n, dtype=self.dtype, device=self.layers[0].a.device)
+        for f, g in zip(self.layers, other.layers, strict=True):
+            if f.weight is None and f.bias is None:
+                continue
+            dd = f.delta.reshape(f.delta.shape[0], -1) @ g.delta.reshape(g.delta.shape[0], -1).T
+            aa = f.a @ g.a.T if f.weight is not None else torch.zeros_like(dd)
+            G += dd * (aa + 1.0) if f.bias is not None else dd * aa
+        return G
+
+    def transposed_product(self, S: Tensor) -> Tensor:
+        """Σ_i Σ_c S[ψ, i, c] J[i, c, :] for every ψ: S (Ψ, n, C) → (Ψ, P), in the factors' dtype."""
+        out = torch.zeros(S.shape[0], self.num_params, dtype=self.dtype, device=S.device)
+        S = S.to(self.dtype)
+        for f in self.layers:
+            e = torch.einsum("pnc,nco->pno", S, f.delta)  # (Ψ, n, out)
+            o = f.delta.shape[2]
+            if f.weight is not None:
+                out[:, f.weight : f.weight + o * f.a.shape[1]] = torch.einsum("pno,ni->poi", e, f.a).flatten(
+                    1
+                )
+            if f.bias is not None:
+                out[:, f.bias : f.bias + o] = e.sum(1)
+        return out
+
+    def rows(self, index: Tensor) -> FactoredJacobian:
+        """The Jacobian of the samples ``index`` (in that order)."""
+        return FactoredJacobian(
+            [LinearFactor(f.a[index], f.delta[index], f.weight, f.bias) for f in self.layers], self.num_params
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[FactoredJacobian]) -> FactoredJacobian:
+        """The samples of ``parts`` stacked in order (they must come from the same model)."""
+        first = parts[0]
+        layers = [
+            LinearFactor(
+                torch.cat([p.layers[i].a for p in parts]),
+                torch.cat([p.layers[i].delta for p in parts]),
+                f.weight,
+                f.bias,
+            )
+            for i, f in enumerate(first.layers)
+        ]
+        return FactoredJacobian(layers, first.num_params)
+
+    def split(self, sizes: Sequence[int]) -> list[FactoredJacobian]:
+        """Consecutive chunks of ``sizes`` samples."""
+        out, start = [], 0
+        for n in sizes:
+            out.append(self.rows(torch.arange(start, start + n, device=self.layers[0].a.device)))
+            start += n
+        return out
+
+
+def factored_jacobian(
+    model: nn.Module, x: Tensor, *, named: list[tuple[str, nn.Parameter]] | None = None
+) -> FactoredJacobian:
+    """The per-sample Jacobian of a model whose parametrised layers are all ``nn.Linear`` on 2-d
+    inputs, as layer factors: forward once recording each Linear's input a (B, in) and output z,
+    then C backwards of Σ_b f_c(x_b) give δ_c = ∂f_c/∂z per sample (the model runs in eval mode, so
+    samples are independent). Exact; no per-sample autograd and nothing of size n·C·P.
+
+    Raises:
+        ConfigError: the model has a non-Linear parametrised layer, or calls a Linear twice / on
+            inputs that are not 2-d.
+    """
+    if not fusable(model):
+        raise ConfigError("the fused Jacobian path needs a model whose parametrised layers are all nn.Linear")
+    named = named if named is not None else _trainable(model)
     offsets: dict[int, int] = {}
     at = 0
     for _, p in named:
@@ -112,25 +239,27 @@ def _fused(model: nn.Module, named: list[tuple[str, nn.Parameter]], x: Tensor, o
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     handles = [m.register_forward_hook(hook) for m in linears]
     try:
-        with torch.enable_grad():
+        with eval_mode(model), torch.enable_grad():
             logits = model(x)  # (B, C)
     finally:
         for h in handles:
             h.remove()
-    B, C = logits.shape
+    C = logits.shape[1]
     zs = [seen[m][1] for m in linears]
+    deltas: list[list[Tensor]] = [[] for _ in linears]
     for c in range(C):
         grad = torch.zeros_like(logits)
         grad[:, c] = 1.0
-        deltas = torch.autograd.grad(logits, zs, grad_outputs=grad, retain_graph=c + 1 < C, allow_unused=True)
-        for m, delta in zip(linears, deltas, strict=True):
-            a = seen[m][0]  # (B, in)
-            if delta is None:
-                delta = torch.zeros_like(seen[m][1])
-            if m.weight.requires_grad:
-                o = offsets[id(m.weight)]
-                block = out[:, c, o : o + m.weight.numel()].view(B, m.out_features, m.in_features)
-                torch.mul(delta.unsqueeze(2), a.unsqueeze(1), out=block)  # (B, out, in)
-            if m.bias is not None and m.bias.requires_grad:
-                o = offsets[id(m.bias)]
-                out[:, c, o : o + m.bias.numel()].copy_(delta)
+        got = torch.autograd.grad(logits, zs, grad_outputs=grad, retain_graph=c + 1 < C, allow_unused=True)
+        for i, (z, d) in enumerate(zip(zs, got, strict=True)):
+            deltas[i].append(torch.zeros_like(z) if d is None else d.detach())
+    layers = [
+        LinearFactor(
+            seen[m][0],
+            torch.stack(deltas[i], dim=1),  # (B, C, out)
+            offsets.get(id(m.weight)) if m.weight.requires_grad else None,
+            offsets.get(id(m.bias)) if m.bias is not None and m.bias.requires_grad else None,
+        )
+        for i, m in enumerate(linears)
+    ]
+    return FactoredJacobian(layers, at)

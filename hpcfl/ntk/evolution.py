@@ -34,6 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hpcfl.entk.jacobian import FactoredJacobian
+
+Jacobian = Tensor | FactoredJacobian
+"""A group of rows' per-sample Jacobians: dense (n, C, P) or as Linear-layer factors (same values)."""
+
 
 @dataclass
 class Rows:
@@ -44,7 +49,7 @@ class Rows:
     (None when it is chosen otherwise).
     """
 
-    jacobians: list[Tensor]
+    jacobians: list[Jacobian]
     outputs: list[Tensor]
     labels: list[Tensor]
     inputs: list[Tensor] | None = None
@@ -71,7 +76,27 @@ def balance(costs: Sequence[float], world: int) -> list[int]:
     return owner
 
 
-def kernel(jacobians: Sequence[Tensor], rank: int, world: int, reduce: Callable[[Tensor], Tensor]) -> Tensor:
+def gram(a: Jacobian, b: Jacobian) -> Tensor:
+    """G_ij = Σ_c ⟨J_ic, J'_jc⟩ (n_a, n_b) in the Jacobians' dtype: one matrix product when dense,
+    the layer factors' Gram matrices when factored."""
+    if isinstance(a, FactoredJacobian) and isinstance(b, FactoredJacobian):
+        return a.gram(b)
+    if isinstance(a, FactoredJacobian) or isinstance(b, FactoredJacobian):
+        raise TypeError("a round's Jacobians must be all dense or all factored")
+    return a.reshape(a.shape[0], -1) @ b.reshape(b.shape[0], -1).T
+
+
+def transposed_product(J: Jacobian, S: Tensor) -> Tensor:
+    """Σ_i Σ_c S[ψ, i, c] J[i, c, :] for every ψ: S (Ψ, n, C) → (Ψ, P) in the Jacobian's dtype."""
+    if isinstance(J, FactoredJacobian):
+        return J.transposed_product(S)
+    n, C, P = J.shape
+    return S.reshape(S.shape[0], n * C).to(J.dtype) @ J.reshape(n * C, P)
+
+
+def kernel(
+    jacobians: Sequence[Jacobian], rank: int, world: int, reduce: Callable[[Tensor], Tensor]
+) -> Tensor:
     """H (N, N) float64, H_ij = (1/C)⟨J_i, J_j⟩, blocks shared among ranks and summed by ``reduce``.
 
     Each block is computed in the Jacobians' dtype by one matrix product (the same product on
@@ -82,14 +107,14 @@ def kernel(jacobians: Sequence[Tensor], rank: int, world: int, reduce: Callable[
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + n)
-    flat = [j.reshape(j.shape[0], -1) for j in jacobians]  # (n_m, C·P)
     pairs = [(m, l) for m in range(len(sizes)) for l in range(m, len(sizes))]
     owner = balance([float(sizes[m] * sizes[l]) for m, l in pairs], world)
-    H = torch.zeros(starts[-1], starts[-1], dtype=torch.float64, device=flat[0].device)
+    device = jacobian_device(jacobians[0])
+    H = torch.zeros(starts[-1], starts[-1], dtype=torch.float64, device=device)
     for (m, l), r in zip(pairs, owner, strict=True):
         if r != rank:
             continue
-        block = (flat[m] @ flat[l].T).to(torch.float64) / C  # (n_m, n_l)
+        block = gram(jacobians[m], jacobians[l]).to(torch.float64) / C  # (n_m, n_l)
         H[starts[m] : starts[m + 1], starts[l] : starts[l + 1]] = block
         if l != m:
             H[starts[l] : starts[l + 1], starts[m] : starts[m + 1]] = block.T
@@ -158,7 +183,12 @@ def _evolve_ce(H: Tensor, f0: Tensor, Y: Tensor, *, lr: float, grid: Sequence[in
     return Evolution(sums=sums, outputs=outputs, eigenvalues=torch.linalg.eigvalsh(H).clamp_min(0.0))
 
 
-def weight_updates(jacobians: Sequence[Tensor], sums: Tensor, mine: Sequence[int], *, lr: float) -> Tensor:
+def jacobian_device(J: Jacobian) -> torch.device:
+    """The device a Jacobian's numbers live on."""
+    return J.layers[0].a.device if isinstance(J, FactoredJacobian) else J.device
+
+
+def weight_updates(jacobians: Sequence[Jacobian], sums: Tensor, mine: Sequence[int], *, lr: float) -> Tensor:
     """This rank's part of Δw(t) = −(η/(N·C)) Σ_m J_mᵀ S_m(t) for every grid point → (Ψ, P) float64,
     over the clients ``mine`` (sum the parts of all ranks for the update)."""
     Psi, N, C = sums.shape
@@ -171,7 +201,5 @@ def weight_updates(jacobians: Sequence[Tensor], sums: Tensor, mine: Sequence[int
         start += int(j.shape[0])
     for m in mine:
         a, b = bounds[m]
-        J = jacobians[m].reshape((b - a) * C, P)  # (n_m·C, P)
-        S = sums[:, a:b].reshape(Psi, (b - a) * C).to(J.dtype)  # (Ψ, n_m·C)
-        out += (S @ J).to(torch.float64)
+        out += transposed_product(jacobians[m], sums[:, a:b]).to(torch.float64)
     return out * (-lr / (N * C))

@@ -1,6 +1,7 @@
 """The memory guard: refuse an NTK-FL round that cannot fit, before any round runs.
 
-Every rank holds the whole round after the allgather: the N·C·P Jacobian entries (twice: the
+Every rank holds the whole round after the allgather: the N·C·P Jacobian entries, or the
+N·(Σ in + C·Σ out) numbers of their Linear-layer factors when they travel factored (twice: the
 received buffers and the decoded tensors), the N × N kernel in float64 three times (this rank's
 blocks, the reduced sum, the eigenvectors) and the Ψ × P candidate updates in float64 twice (local
 part and reduced sum). The estimate uses the round's largest possible N (the largest clients).
@@ -24,12 +25,14 @@ class RoundShape:
     params: int  # P
     grid: int  # Ψ
     itemsize: int = 4  # bytes per Jacobian entry
+    per_sample: int | None = None  # numbers per sample when factored (None: dense, C·P)
 
 
 def round_memory_bytes(shape: RoundShape) -> int:
     """Peak bytes one rank needs for a round of this shape (see the module docstring)."""
     N, C, P = shape.samples, shape.outputs, shape.params
-    return 2 * N * C * P * shape.itemsize + 3 * N * N * 8 + 2 * shape.grid * P * 8
+    per_sample = C * P if shape.per_sample is None else shape.per_sample
+    return 2 * N * per_sample * shape.itemsize + 3 * N * N * 8 + 2 * shape.grid * P * 8
 
 
 def largest_round(sizes: Sequence[int], per_round: int, beta: float = 1.0) -> int:
@@ -87,5 +90,10 @@ def check_round_memory(
 
 def _with(shape: RoundShape, samples: int, params: int | None = None) -> RoundShape:
     return RoundShape(
-        samples, shape.outputs, shape.params if params is None else params, shape.grid, shape.itemsize
+        samples,
+        shape.outputs,
+        shape.params if params is None else params,
+        shape.grid,
+        shape.itemsize,
+        shape.per_sample,
     )

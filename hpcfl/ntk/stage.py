@@ -51,12 +51,17 @@ def check_memory(fed: Federation, algo: NTKFL, flat: FlatModel, input_dim: int) 
     if fed.cfg.model == "mlp":
         hidden = flat.model.fc1.out_features  # type: ignore[union-attr]
         first = (hidden, algo.num_params - hidden * input_dim)
+    per_sample = None
+    if algo.factored(flat.model):
+        linears = [m for m in flat.model.modules() if isinstance(m, torch.nn.Linear)]
+        per_sample = sum(m.in_features + C * m.out_features for m in linears)
     shape = RoundShape(
         samples=largest_round(sizes, per_round, beta),
         outputs=C,
         params=algo.num_params,
         grid=len(params.grid),
         itemsize=flat.vector.element_size(),
+        per_sample=per_sample,
     )
     check_round_memory(
         algo.name,

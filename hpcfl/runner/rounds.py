@@ -20,7 +20,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -204,6 +204,8 @@ def _nbytes(obj: Any) -> int:
         return sum(_nbytes(o) for o in obj)
     if isinstance(obj, dict):
         return sum(_nbytes(o) for o in obj.values())
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return sum(_nbytes(getattr(obj, f.name)) for f in fields(obj))
     return len(pickle.dumps(obj))
 
 
