@@ -175,8 +175,10 @@ def test_bad_options_are_config_errors() -> None:
         ConfigError, match=r"unknown option 'norm' for model 'vgg11'.*valid options: batch_norm"
     ):
         build_model("vgg11", (3, 32, 32), 10, norm="gn")
-    with pytest.raises(ConfigError, match=r"model 'mlp'; valid options: none"):
+    with pytest.raises(ConfigError, match=r"model 'mlp'; valid options: init"):
         build_model("mlp", (1, 28, 28), 10, hidden=200)
+    with pytest.raises(ConfigError, match=r"init for model 'mlp'.*default, kaiming"):
+        build_model("mlp", (1, 28, 28), 10, init="xavier")
     with pytest.raises(ConfigError, match=r"unknown norm for model 'resnet8' 'ln'.*bn, gn"):
         build_model("resnet8", (3, 32, 32), 10, norm="ln")
     with pytest.raises(ConfigError, match=r"'batch_norm' of model 'vgg11' must be true or false"):
@@ -195,3 +197,12 @@ def test_bad_options_are_config_errors() -> None:
 def test_bad_shapes_are_config_errors(name: str, shape: tuple, classes: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build_model(name, shape, classes)
+
+
+def test_mlp_kaiming_init_is_he_normal_with_zero_biases() -> None:
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 28, 28), 10, init="kaiming")
+    w = model.fc1.weight
+    assert torch.count_nonzero(model.fc1.bias) == 0 and torch.count_nonzero(model.classifier.bias) == 0
+    assert abs(float(w.std()) - (2 / 784) ** 0.5) < 0.02 * (2 / 784) ** 0.5  # 78,400 draws
+    assert float(w.abs().max()) > 1 / 784**0.5  # not PyTorch's U(±1/√fan_in)

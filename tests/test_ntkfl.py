@@ -180,6 +180,23 @@ def test_ce_evolution_is_euler_on_the_softmax_residual():
         acc, f = acc + 2 * r, f - (2 * 0.2 / 6) * H @ r
 
 
+def test_ce_weight_update_of_one_euler_step_is_a_cross_entropy_gradient_step():
+    """With ``loss="ce"`` the first grid step dt moves the weights by −η·dt·∇ mean_i CE(f(x_i), y_i),
+    the reference code's update (no 1/C); the MSE update keeps the paper's 1/C."""
+    flat = _mlp(d_in=5, classes=4)
+    c = _clients([9], d_in=5, classes=4)[0]
+    J = per_sample_jacobian(flat.model, c.x)
+    f0 = flat.model(c.x).detach()
+    Y = F.one_hot(c.y, 4).double()
+    H = kernel([J], 0, 1, lambda t: t)
+    evo = evolve(H, f0, Y, lr=0.3, grid=[0, 5, 10], loss="ce", dt=5)
+    dw = weight_updates([J], evo.sums[1:2], [0], lr=0.3, per_output=False)[0]
+    grads = torch.autograd.grad(F.cross_entropy(flat.model(c.x), c.y), list(flat.model.parameters()))
+    assert torch.allclose(dw, -0.3 * 5 * torch.cat([g.flatten() for g in grads]), rtol=1e-10, atol=1e-12)
+    mse = weight_updates([J], evo.sums[1:2], [0], lr=0.3)[0]
+    assert torch.allclose(mse * 4, dw)
+
+
 # -- across ranks --------------------------------------------------------------------------------
 
 

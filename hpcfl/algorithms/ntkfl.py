@@ -75,7 +75,8 @@ class NTKFLParams(HyperParams):
     - ``evolution``: ``flow`` (Eq. 9a's exp(−ηtH/N), the paper) or ``discrete`` ((I − ηH/N)ᵗ,
       exactly gradient descent of the linearised network; diverges when ηλ_max/N > 2);
     - ``loss``: ``mse`` (the paper's analysis, closed form) or ``ce`` (the reference code's
-      cross-entropy evolution, Euler steps of ``ce_dt`` time units; grid points multiples of it);
+      cross-entropy evolution, Euler steps of ``ce_dt`` time units; grid points multiples of it;
+      its weight update is −(η/N) Σ Jᵀ S, without the MSE's 1/C, as in the reference code);
     - ``select``: ``train`` (Eq. 11a: the real network's training loss on the round's samples) or
       ``kernel`` (the closed-form outputs' loss; no inputs leave the clients);
     - ``jacobian``: ``auto`` | ``fused`` | ``vmap`` (:mod:`hpcfl.entk.jacobian`);
@@ -240,7 +241,8 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         t2 = time.perf_counter()
         owner = balance([float(n) for n in rows.sizes], ctx.world)
         mine = [m for m, r in enumerate(owner) if r == ctx.rank]
-        dw = reduce(weight_updates(rows.jacobians, evo.sums, mine, lr=p.eta))  # (Ψ, P), ONE reduce
+        dw = weight_updates(rows.jacobians, evo.sums, mine, lr=p.eta, per_output=p.loss == "mse")
+        dw = reduce(dw)  # (Ψ, P), ONE reduce
         t3 = time.perf_counter()
         candidates = server.x[:P].to(torch.float64) + dw  # (Ψ, P)
         losses = self.selection_losses(candidates.to(server.x.dtype), rows, evo.outputs)

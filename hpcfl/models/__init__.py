@@ -22,8 +22,9 @@ Every model built here has the same small interface, which the algorithms rely o
 - only standard layers held as module attributes (Conv2d, Linear, BatchNorm2d, GroupNorm, ReLU with
   ``inplace=False``, pools), so forward hooks see every parametrised op and its unmodified input.
 
-Initialisation is PyTorch's default for every layer, so a model is a function of the global seed
-in force when :func:`build_model` runs.
+Initialisation is PyTorch's default for every layer (``mlp`` also takes ``init: kaiming``, the
+NTK-FL reference code's), so a model is a function of the global seed in force when
+:func:`build_model` runs.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from torch import nn
 
 from hpcfl.errors import ConfigError, suggest, unknown
 from hpcfl.models.cnn_proj import CNNProj
-from hpcfl.models.mlp import MLP
+from hpcfl.models.mlp import INITS, MLP
 from hpcfl.models.resnet import NORMS, resnet8, resnet18
 from hpcfl.models.simplecnn import SimpleCNN
 from hpcfl.models.vgg import vgg11
@@ -63,6 +64,12 @@ def _bool_option(option: str) -> Callable[[str, Any], bool]:
     return check
 
 
+def _init_option(model: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in INITS:
+        raise unknown(f"init for model {model!r}", str(value), INITS)
+    return value
+
+
 @dataclass(frozen=True)
 class _Spec:
     """How to build one model: the constructor, its options' validators, the smallest input side."""
@@ -74,7 +81,7 @@ class _Spec:
 
 _SPECS: dict[str, _Spec] = {
     "simplecnn": _Spec(SimpleCNN),
-    "mlp": _Spec(MLP),
+    "mlp": _Spec(MLP, {"init": _init_option}),
     "cnn-proj": _Spec(CNNProj, min_side=16),  # two unpadded 5×5 convs and two 2×2 pools
     "resnet8": _Spec(resnet8, {"norm": _norm_option}),
     "resnet18": _Spec(resnet18, {"norm": _norm_option}),

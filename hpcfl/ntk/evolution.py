@@ -20,8 +20,10 @@ under H ⊗ I_C; for C = 1 this is exactly gradient descent of the linearised ne
 
 ``loss="ce"`` is the reference code's cross-entropy evolution, df/dt = −(η/N) H (softmax(f) − Y),
 integrated by explicit Euler steps of ``dt`` time units (S accumulates dt·R at each step); its
-weight update uses the same Δw formula, i.e. the cross entropy is averaged over the C outputs as
-the paper's MSE is.
+weight update is the reference code's −(η/N) Σ Jᵀ S, gradient descent on the per-sample cross
+entropy (summed over outputs). The flow it is paired with uses H = ⟨J, J⟩/C as the reference
+does, so the weights move C times further than the linearised flow predicts; t* is then chosen
+by the real network's loss, which absorbs the factor.
 """
 
 from __future__ import annotations
@@ -188,9 +190,13 @@ def jacobian_device(J: Jacobian) -> torch.device:
     return J.layers[0].a.device if isinstance(J, FactoredJacobian) else J.device
 
 
-def weight_updates(jacobians: Sequence[Jacobian], sums: Tensor, mine: Sequence[int], *, lr: float) -> Tensor:
+def weight_updates(
+    jacobians: Sequence[Jacobian], sums: Tensor, mine: Sequence[int], *, lr: float, per_output: bool = True
+) -> Tensor:
     """This rank's part of Δw(t) = −(η/(N·C)) Σ_m J_mᵀ S_m(t) for every grid point → (Ψ, P) float64,
-    over the clients ``mine`` (sum the parts of all ranks for the update)."""
+    over the clients ``mine`` (sum the parts of all ranks for the update). ``per_output=False`` drops
+    the 1/C: −(η/N) Σ Jᵀ S, gradient descent on the cross entropy summed over outputs (the reference
+    code's update for ``loss="ce"``)."""
     Psi, N, C = sums.shape
     P = int(jacobians[0].shape[2])
     out = torch.zeros(Psi, P, dtype=torch.float64, device=sums.device)
@@ -202,4 +208,4 @@ def weight_updates(jacobians: Sequence[Jacobian], sums: Tensor, mine: Sequence[i
     for m in mine:
         a, b = bounds[m]
         out += transposed_product(jacobians[m], sums[:, a:b]).to(torch.float64)
-    return out * (-lr / (N * C))
+    return out * (-lr / (N * C if per_output else N))
