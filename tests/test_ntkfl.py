@@ -251,6 +251,42 @@ def test_weight_update_is_invariant_to_the_shuffling_permutation():
     assert not torch.equal(plain.x, x0)
 
 
+def test_validation_select_holds_clients_out_and_picks_t_by_their_loss():
+    """select: validation: the held-out clients never train, and t* is the grid point whose
+    candidate has the smallest real-network loss on their samples."""
+    from hpcfl.algorithms.ntkfl import batched_losses
+    from hpcfl.runner.rounds import round_generator
+
+    flat = _mlp()
+    algo = _algo(NTKFL, flat, select="validation", validation_clients=3, grid=(5, 50, 200, 800), eta=0.5)
+    population = Population((10,) * 12)
+    held = algo.held_out(population)
+    assert len(held) == 3 and held == algo.held_out(population)  # a pure function of the seed
+    algo.participation = type(algo.participation)(count=4)
+    for rnd in range(50):
+        who = algo.participants(rnd, population, round_generator(0, 0, rnd))
+        assert len(who) == 4 and not set(who) & set(held)
+    val = _clients([15], seed=9)[0]
+    algo.attach(flat.model, (val.x, val.y))
+    x0 = flat.vector.clone()
+    clients = _clients([7, 4, 9])
+    out, metrics = _round(algo, flat, clients)
+    assert "input" not in algo.exchange().gathers  # nothing but J, f and Y leaves the clients
+    flat.load(x0)
+    plain, _ = _round(_algo(NTKFL, flat, grid=(5, 50, 200, 800), eta=0.5, select="kernel"), flat, clients)
+    # the kernel selection picks the last grid point; rebuild every candidate from it to compare
+    candidates = []
+    for t in (5, 50, 200, 800):
+        flat.load(x0)
+        c, _ = _round(_algo(NTKFL, flat, grid=(t,), eta=0.5, select="kernel"), flat, clients)
+        candidates.append(c.x)
+    losses = batched_losses(flat.model, torch.stack(candidates), val.x, F.one_hot(val.y, 3).double(), "mse")
+    best = int(torch.argmin(losses))
+    assert metrics["t_star"] == (5, 50, 200, 800)[best]
+    assert torch.allclose(out.x, candidates[best], rtol=1e-9, atol=1e-12)
+    assert torch.allclose(plain.x, candidates[-1], rtol=1e-9, atol=1e-12)
+
+
 def test_cp_ntkfl_without_its_tools_is_ntkfl_bit_for_bit():
     flat = _mlp(dtype=torch.float32)
     clients = _clients([6, 9, 5, 8], dtype=torch.float32)
@@ -300,6 +336,12 @@ def test_hyper_parameters_are_validated():
         NTKFLParams(select="test")
     with pytest.raises(ConfigError, match="ce_dt"):
         NTKFLParams(loss="ce", ce_dt=30)
+    with pytest.raises(ConfigError, match="params.validation_clients"):
+        NTKFLParams(select="validation")
+    with pytest.raises(ConfigError, match="params.validation_clients"):
+        NTKFLParams(validation_clients=3)
+    with pytest.raises(ConfigError, match="leaves no client"):
+        _algo(NTKFL, _mlp(), select="validation", validation_clients=4).held_out(Population((5,) * 4))
     with pytest.raises(ConfigError, match="params.upload"):
         NTKFLParams(upload="zip")
     with pytest.raises(ConfigError, match="params.upload"):
@@ -393,7 +435,11 @@ def _small_cfg(tmp_path: Path, algorithm: str, **extra) -> Path:
 
 @pytest.mark.parametrize(
     ("algorithm", "params"),
-    [("ntkfl", {}), ("cp-ntkfl", {"beta": 0.5, "projection_dim": 30, "keep": 0.2})],
+    [
+        ("ntkfl", {}),
+        ("ntkfl", {"select": "validation", "validation_clients": 2}),
+        ("cp-ntkfl", {"beta": 0.5, "projection_dim": 30, "keep": 0.2}),
+    ],
 )
 def test_stopped_and_resumed_run_equals_an_uninterrupted_one(tmp_path: Path, algorithm: str, params: dict):
     from hpcfl.config import load_config

@@ -23,7 +23,10 @@ receives beside the Jacobians (``select: train``; they are counted in ``bytes_up
 Jacobians for the MLP; a deployment would instead broadcast the Ψ candidates and collect Ψ losses).
 ``select: kernel`` chooses t* by the loss of the closed-form f⁽ᵗ⁾ instead, so nothing but J, f and
 Y leaves a client (with MSE it then picks the largest t of the grid, since the kernel flow decreases
-the loss monotonically). Metrics: ``t_star``, ``kernel_cond`` (λ_max/λ_min of H), the selected
+the loss monotonically). ``select: validation`` (Section 4.1: "a validation dataset ... obtained
+from held-out clients") holds ``validation_clients`` clients out of training for the whole run (a
+seeded draw) and picks t* by the real network's loss on their data, which the server holds.
+Metrics: ``t_star``, ``kernel_cond`` (λ_max/λ_min of H), the selected
 loss, and the server step's time split; ``bytes_up`` counts the gathered tensors as sent.
 """
 
@@ -34,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -52,6 +56,7 @@ from hpcfl.algorithms.base import (
     Stage,
     Upload,
 )
+from hpcfl.algorithms.participation import Population
 from hpcfl.entk._common import eval_mode
 from hpcfl.entk.jacobian import JACOBIAN_METHODS, factored_jacobian, fusable, per_sample_jacobian
 from hpcfl.errors import ConfigError
@@ -77,8 +82,10 @@ class NTKFLParams(HyperParams):
     - ``loss``: ``mse`` (the paper's analysis, closed form) or ``ce`` (the reference code's
       cross-entropy evolution, Euler steps of ``ce_dt`` time units; grid points multiples of it;
       its weight update is −(η/N) Σ Jᵀ S, without the MSE's 1/C, as in the reference code);
-    - ``select``: ``train`` (Eq. 11a: the real network's training loss on the round's samples) or
-      ``kernel`` (the closed-form outputs' loss; no inputs leave the clients);
+    - ``select``: ``train`` (Eq. 11a: the real network's training loss on the round's samples),
+      ``kernel`` (the closed-form outputs' loss; no inputs leave the clients) or ``validation``
+      (the real network's loss on ``validation_clients`` held-out clients, drawn once from
+      ``validation_seed``; they never train);
     - ``jacobian``: ``auto`` | ``fused`` | ``vmap`` (:mod:`hpcfl.entk.jacobian`);
     - ``upload``: ``auto`` | ``dense`` | ``factored``: how the Jacobians travel and are held. Dense is
       the paper's N_m × C × d tensor; factored sends the same Jacobian losslessly as each Linear
@@ -96,6 +103,8 @@ class NTKFLParams(HyperParams):
     loss: str = "mse"
     ce_dt: int = 10
     select: str = "train"
+    validation_clients: int = 0
+    validation_seed: int = 0
     jacobian: str = "auto"
     upload: str = "auto"
     memory_budget: str = "auto"
@@ -117,7 +126,12 @@ class NTKFLParams(HyperParams):
         object.__setattr__(self, "grid", steps)
         _choice("evolution", self.evolution, ("flow", "discrete"))
         _choice("loss", self.loss, ("mse", "ce"))
-        _choice("select", self.select, ("train", "kernel"))
+        _choice("select", self.select, ("train", "kernel", "validation"))
+        if self.validation_clients < 0 or (self.select == "validation") != (self.validation_clients > 0):
+            raise ConfigError(
+                "config key 'params.validation_clients' must be >= 1 with params.select: validation "
+                f"and 0 otherwise, got {self.validation_clients} with select: {self.select}"
+            )
         _choice("jacobian", self.jacobian, JACOBIAN_METHODS)
         _choice("upload", self.upload, UPLOADS)
         if self.upload == "factored" and self.jacobian == "vmap":
@@ -151,10 +165,36 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
     Params = NTKFLParams
 
     network: nn.Module | None = None  # the model the server evaluates candidates with (attach)
+    validation: tuple[Tensor, Tensor] | None = None  # held-out clients' (x, y) (select: validation)
 
-    def attach(self, network: nn.Module) -> None:
-        """The network whose real loss picks t* (the stage plan attaches the run's model)."""
+    def attach(self, network: nn.Module, validation: tuple[Tensor, Tensor] | None = None) -> None:
+        """The network whose real loss picks t* (the stage plan attaches the run's model) and, for
+        ``select: validation``, the held-out clients' samples (x, y)."""
         self.network = network
+        self.validation = validation
+
+    def held_out(self, population: Population) -> list[int]:
+        """The clients kept out of training to choose t* (``select: validation``), sorted; a pure
+        function of the population size and ``validation_seed``."""
+        V = self.params.validation_clients
+        if V == 0:
+            return []
+        if V >= population.size:
+            raise ConfigError(
+                f"params.validation_clients: {V} leaves no client to train among {population.size}"
+            )
+        seed = np.random.SeedSequence([self.params.validation_seed, 0x7A1]).generate_state(1)[0]
+        order = torch.randperm(population.size, generator=torch.Generator().manual_seed(int(seed)))
+        return sorted(int(k) for k in order[:V])
+
+    def participants(self, rnd: int, population: Population, generator: torch.Generator) -> list[int]:
+        """The run's participation rule over the clients that are not held out."""
+        held = set(self.held_out(population))
+        if not held:
+            return super().participants(rnd, population, generator)
+        others = [k for k in range(population.size) if k not in held]
+        sub = Population(tuple(population.sizes[k] for k in others))
+        return [others[i] for i in self.participation.sample(sub, generator)]
 
     def stages(self) -> Sequence[Stage]:
         from hpcfl.ntk.stage import enter_ntk
@@ -269,10 +309,17 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
 
     def selection_losses(self, candidates: Tensor, rows: Rows, outputs: Tensor) -> Tensor:
         """The loss of each candidate (Ψ,): the real network on the round's inputs (``select:
-        train``), or the closed-form outputs f⁽ᵗ⁾ (``select: kernel``)."""
+        train``) or on the held-out clients (``select: validation``), or the closed-form outputs
+        f⁽ᵗ⁾ (``select: kernel``)."""
         Y = torch.cat(rows.labels)
         if self.params.select == "kernel":
             return _loss(outputs, Y.to(outputs.dtype), self.params.loss)
+        if self.params.select == "validation":
+            if self.network is None or self.validation is None:
+                raise RuntimeError("NTK-FL's server needs attach(model, validation) for select: validation")
+            vx, vy = self.validation
+            vY = F.one_hot(vy, Y.shape[1]).to(Y.dtype)
+            return batched_losses(self.network, candidates, vx, vY, self.params.loss)
         if self.network is None or rows.inputs is None:
             raise RuntimeError("NTK-FL's server needs attach(model) and the round's inputs for select: train")
         return batched_losses(self.network, candidates, torch.cat(rows.inputs), Y, self.params.loss)

@@ -133,7 +133,12 @@ def enter_ntk(entry: StageInput) -> StagePlan:
             plan, algorithm=algo, data=data, trainer=Trainer(flat, schedule_of(cfg)), evaluate=evaluate_server
         )
         input_dim = d_out
-    algo.attach(flat.model)
+    held = algo.held_out(fed.population)
+    validation = None
+    if held:
+        parts = [plan.data(k) for k in held]
+        validation = (torch.cat([d.x for d in parts]), torch.cat([d.y for d in parts]))
+    algo.attach(flat.model, validation)
     check_memory(fed, algo, flat, input_dim)
     plan.stage_index = entry.stage_index
     plan.client_metrics = ("loss", "jacobian_s")
