@@ -53,6 +53,8 @@ def _assert_exact_cover(parts: list[torch.Tensor], n: int) -> None:
             "iid",
             "dir:0.5",
             "dir:0.1",
+            "client-dir:0.1",
+            "client-dir:1",
             "classes:2",
             "classes:3",
             "balanced-classes:2",
@@ -182,7 +184,7 @@ def test_iid_sizes_are_balanced(labels: torch.Tensor) -> None:
     assert max(sizes) - min(sizes) <= 1
 
 
-@pytest.mark.parametrize("spec", ["iid", "dir:0.5", "classes:2", "balanced-classes:2"])
+@pytest.mark.parametrize("spec", ["iid", "dir:0.5", "client-dir:0.5", "classes:2", "balanced-classes:2"])
 def test_same_seed_same_partition_different_seed_different(small_labels: torch.Tensor, spec: str) -> None:
     a = partition(small_labels, spec, 10, seed=5, num_classes=10)
     b = partition(small_labels, spec, 10, seed=5, num_classes=10)
@@ -222,7 +224,24 @@ def test_natural_takes_the_first_writers() -> None:
         partition(y, "natural", 4, seed=0, num_classes=3, natural=writers)
 
 
+def test_client_dirichlet_gives_equal_sizes_and_per_client_label_skew(labels: torch.Tensor) -> None:
+    """Hsu et al. (2019): N/K samples each; with α = 0.1 a client is dominated by a class or two,
+    with α = 100 every client is near the uniform mix; the first clients' class counts follow
+    their own Dirichlet draw (a class's mean share over clients is 1/10)."""
+    skewed = partition(labels, "client-dir:0.1", 300, seed=0, num_classes=10)
+    assert {len(p) for p in skewed} == {200}
+    counts = partition_stats(labels, skewed, 10)
+    top = counts.max(axis=1) / counts.sum(axis=1)
+    assert np.median(top[:200]) > 0.6
+    flat = partition_stats(labels, partition(labels, "client-dir:100", 300, seed=0, num_classes=10), 10)
+    assert (flat[:250].max(axis=1) / flat[:250].sum(axis=1)).max() < 0.3  # the last take what is left
+    share = counts[:200].sum(axis=0) / counts[:200].sum()
+    assert np.all(np.abs(share - 0.1) < 0.05)  # 200 clients' Dirichlet draws average out
+    assert len({len(p) for p in partition(labels, "client-dir:0.5", 7, seed=0, num_classes=10)}) == 2
+
+
 def test_parse_partition_spec() -> None:
+    assert parse_partition_spec("client-dir:0.3") == ("client-dir", 0.3)
     assert parse_partition_spec("iid") == ("iid", None)
     assert parse_partition_spec(" DIR:0.5 ") == ("dir", 0.5)
     assert parse_partition_spec("classes:2") == ("classes", 2)
@@ -243,6 +262,8 @@ def test_parse_partition_spec() -> None:
         ("dir:-1", 10, {}, "ALPHA must be a positive"),
         ("dir:nan", 10, {}, "ALPHA must be a positive"),
         ("dir:inf", 10, {}, "ALPHA must be a positive"),
+        ("client-dir", 10, {}, "missing its parameter; write client-dir:ALPHA"),
+        ("client-dir:0", 10, {}, "ALPHA must be a positive"),
         ("classes:0", 10, {}, "C (classes per client) must be >= 1"),
         ("classes:1.5", 10, {}, "C '1.5' is not a whole number"),
         ("classes:11", 10, {}, "C=11 exceeds the dataset's 10 classes"),

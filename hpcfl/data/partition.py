@@ -1,5 +1,5 @@
-"""Federated partitions of a labelled train set: ``iid``, ``dir:ALPHA``, ``classes:C``,
-``balanced-classes:C``, ``natural``.
+"""Federated partitions of a labelled train set: ``iid``, ``dir:ALPHA``, ``client-dir:ALPHA``,
+``classes:C``, ``balanced-classes:C``, ``natural``.
 
 Every partitioner is a pure function of (labels, spec, num_clients, seed): it draws from one
 ``np.random.default_rng(seed)`` in a fixed order, so the same inputs give identical partitions on
@@ -13,6 +13,11 @@ re-exported here.
   proportions over clients ~ Dir(α·1); clients already holding ≥ N/K samples get share 0, the rest
   are renormalised and the class is cut accordingly. The whole draw is repeated until every client
   holds ≥ ``min_size`` samples, at most :data:`MAX_DIRICHLET_TRIES` times. Smaller α = more skew.
+- ``client-dir:ALPHA``: Hsu, Qi & Brown (2019)'s per-client label Dirichlet, the NTK-FL paper's
+  setup: every client holds N/K samples (sizes differ by ≤ 1) and draws its class proportions
+  q ~ Dir(α·1); its class counts are a multinomial draw of its size from q, and what a class can no
+  longer supply is redrawn from q over the classes that still can. Clients are served in id
+  order, so the last ones get what is left (the draw keeps every sample assigned).
 - ``classes:C``: NIID-Bench's "#C" rule ("noniid-#label", Li et al., ICDE 2022, ``partition_data``
   in their ``utils.py``), the rule of the TCT and FedPVR papers. With P the classes present, client k
   first gets class ``k mod P``, then C−1 further distinct classes drawn uniformly (a draw already
@@ -43,9 +48,9 @@ from hpcfl.data.partition_io import plot_partition_heatmap as plot_partition_hea
 from hpcfl.data.partition_io import save_partition as save_partition
 from hpcfl.errors import ConfigError, suggest
 
-PARTITION_KINDS: tuple[str, ...] = ("iid", "dir", "classes", "balanced-classes", "natural")
+PARTITION_KINDS: tuple[str, ...] = ("iid", "dir", "client-dir", "classes", "balanced-classes", "natural")
 SPEC_FORMS = (
-    "iid, dir:ALPHA (e.g. dir:0.5), classes:C (e.g. classes:2), balanced-classes:C (e.g. balanced-classes:2), "
+    "iid, dir:ALPHA (e.g. dir:0.5), client-dir:ALPHA (e.g. client-dir:0.1), classes:C (e.g. classes:2), balanced-classes:C (e.g. balanced-classes:2), "
     "natural"
 )
 MAX_DIRICHLET_TRIES = 1000
@@ -71,10 +76,10 @@ def parse_partition_spec(spec: str) -> tuple[str, float | int | None]:
         if sep:
             raise ConfigError(f"partition {spec!r}: {kind!r} takes no parameter; write just {kind!r}")
         return kind, None
-    form = "dir:ALPHA (e.g. dir:0.5)" if kind == "dir" else f"{kind}:C (e.g. {kind}:2)"
+    form = f"{kind}:ALPHA (e.g. {kind}:0.5)" if kind in ("dir", "client-dir") else f"{kind}:C (e.g. {kind}:2)"
     if not param:
         raise ConfigError(f"partition {spec!r} is missing its parameter; write {form}")
-    if kind == "dir":
+    if kind in ("dir", "client-dir"):
         try:
             alpha = float(param)
         except ValueError:
@@ -83,7 +88,7 @@ def parse_partition_spec(spec: str) -> tuple[str, float | int | None]:
             raise ConfigError(
                 f"partition {spec!r}: ALPHA must be a positive finite number (smaller = more skewed); write {form}"
             )
-        return "dir", alpha
+        return kind, alpha
     try:
         classes = int(param)
     except ValueError:
@@ -162,6 +167,33 @@ def _dirichlet(
         f"partition {spec!r}: no draw in {MAX_DIRICHLET_TRIES} gave each of {num_clients} clients >= {min_size} "
         "samples; use a larger ALPHA, fewer clients, or a smaller --min-size"
     )
+
+
+def _client_dirichlet(
+    y: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Hsu et al. (2019): each client draws q ~ Dir(α) and takes its N/K samples by class ∝ q."""
+    present = np.unique(y)
+    pools = [rng.permutation(np.flatnonzero(y == c)) for c in present]
+    left = np.array([p.size for p in pools], dtype=np.int64)
+    taken = np.zeros(present.size, dtype=np.int64)
+    sizes = [part.size for part in np.array_split(np.arange(y.size), num_clients)]
+    parts = []
+    for size in sizes:
+        q = rng.dirichlet(np.full(present.size, alpha))
+        counts = np.zeros(present.size, dtype=np.int64)
+        need = size
+        while need > 0:
+            w = np.where(left - counts > 0, q, 0.0)
+            if not w.sum() > 0:  # q's classes are exhausted: fall back to what is left, uniformly
+                w = (left - counts > 0).astype(np.float64)
+            draw = rng.multinomial(need, w / w.sum())
+            counts += np.minimum(draw, left - counts)
+            need = size - int(counts.sum())
+        parts.append(np.concatenate([pools[c][taken[c] : taken[c] + counts[c]] for c in range(present.size)]))
+        taken += counts
+        left -= counts
+    return parts
 
 
 def _check_classes(
@@ -310,6 +342,9 @@ def partition(
         elif kind == "dir":
             assert isinstance(param, float)
             parts = _dirichlet(y, num_clients, param, rng, min_size, spec, num_classes)
+        elif kind == "client-dir":
+            assert isinstance(param, float)
+            parts = _client_dirichlet(y, num_clients, param, rng)
         else:
             assert isinstance(param, int)
             parts = _classes(
