@@ -6,8 +6,9 @@ The round: ``--clients`` participants × ``--samples`` samples (the issue: 20 ×
 builds the round's gathered Jacobians itself (the state after the runner's allgather) and runs
 NTK-FL's server step; the split is the step's own metrics:
 
-- ``jacobians``: the fused per-sample Jacobians of one client (what each participant computes),
-  and the vmap(jacrev) baseline on the same samples → samples/s of each;
+- ``jacobians``: every participant's per-sample Jacobians as it uploads them (``--upload factored``,
+  the default: the Linear layers' factors; ``dense``: the fused (n, C, P) tensor), and the
+  vmap(jacrev) baseline on the same samples → samples/s of each;
 - ``kernel``: this rank's kernel blocks (reduce excluded); ``eigh``: the eigendecomposition;
   ``grid``: the closed-form evolution over the t-grid + the batched real-network selection;
   ``update``: the local Σ J_mᵀS_m products; ``allreduce``: the two reducer calls.
@@ -17,8 +18,9 @@ Kernel-step scaling = kernel(1 rank) / kernel(2 ranks) (required ≥ 1.8×).
     python benchmarks/ntkfl_server_time.py --out benchmarks/results/ntkfl_server_time
     python benchmarks/ntkfl_server_time.py --clients 4 --samples 50 --out /tmp/ntk_time   # smoke
 
-Memory: every rank holds N·C·P·4 bytes of Jacobians (12.7 GB at 20 × 200), so the 2-rank run needs
-~2 × 14 GB on one node. Writes ``ntkfl_server_time.json`` and ``.csv``.
+Memory: with ``--upload dense`` every rank holds N·C·P·4 bytes of Jacobians (12.7 GB at 20 × 200,
+so the 2-rank run needs ~2 × 14 GB on one node); factored, ~30 MB. Writes ``ntkfl_server_time.json``
+and ``.csv``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
     from hpcfl.algorithms.participation import Population
     from hpcfl.comm.mpi import MPIComm
-    from hpcfl.entk.jacobian import per_sample_jacobian
+    from hpcfl.entk.jacobian import factored_jacobian, per_sample_jacobian
     from hpcfl.models import build_model
     from hpcfl.training.flat import FlatModel
 
@@ -58,18 +60,23 @@ def worker(args: argparse.Namespace) -> None:
     ys = [torch.randint(0, 10, (args.samples,), generator=g) for _ in range(args.clients)]
     result: dict[str, float] = {}
     t0 = time.perf_counter()
-    jac = [per_sample_jacobian(flat.model, x, method="fused") for x in xs]
+    if args.upload == "factored":
+        jac = [factored_jacobian(flat.model, x) for x in xs]
+    else:
+        jac = [per_sample_jacobian(flat.model, x, method="fused") for x in xs]
     fused_s = time.perf_counter() - t0
     result["jacobian_fused_samples_per_s"] = args.clients * args.samples / fused_s
     n_base = min(args.baseline_samples, args.samples)
     t0 = time.perf_counter()
     base = per_sample_jacobian(flat.model, xs[0][:n_base], method="vmap", batch_size=args.baseline_batch)
     result["jacobian_vmap_samples_per_s"] = n_base / (time.perf_counter() - t0)
-    result["jacobian_max_abs_diff"] = float((base - jac[0][:n_base]).abs().max())
+    first = jac[0].dense()[:n_base] if args.upload == "factored" else jac[0][:n_base]
+    result["jacobian_max_abs_diff"] = float((base - first).abs().max())
+    del first
     del base
     with torch.no_grad():
         outs = [flat.model(x) for x in xs]
-    algo = NTKFL(NTKFLParams(), layout=StateLayout.of_model(flat.model))
+    algo = NTKFL(NTKFLParams(upload=args.upload), layout=StateLayout.of_model(flat.model))
     algo.attach(flat.model)
     agg = Aggregate(
         sums={},
@@ -121,6 +128,12 @@ def main() -> None:
     ap.add_argument("--baseline-samples", type=int, default=200, help="samples for the vmap(jacrev) baseline")
     ap.add_argument("--baseline-batch", type=int, default=16)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument(
+        "--upload",
+        choices=["factored", "dense"],
+        default="factored",
+        help="how the Jacobians travel (params.upload); dense needs ~14 GB per rank at 20 × 200",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -146,6 +159,8 @@ def main() -> None:
             str(args.baseline_samples),
             "--baseline-batch",
             str(args.baseline_batch),
+            "--upload",
+            args.upload,
         ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -165,7 +180,7 @@ def main() -> None:
                 "jacobian_max_abs_diff": first["jacobian_max_abs_diff"],
             }
         )
-    summary = {"clients": args.clients, "samples": args.samples, "table": table}
+    summary = {"clients": args.clients, "samples": args.samples, "upload": args.upload, "table": table}
     if 1 in runs and 2 in runs:
         k1 = next(t for t in table if t["ranks"] == 1)["kernel_compute"]
         k2 = next(t for t in table if t["ranks"] == 2)["kernel_compute"]
@@ -179,7 +194,7 @@ def main() -> None:
         print(
             f"ranks={row['ranks']}: "
             + ", ".join(f"{p}={row[p]:.3f}s" for p in parts)
-            + f"; Jacobians fused {row['jacobian_fused_samples_per_s']:.0f}/s vs vmap(jacrev) "
+            + f"; Jacobians ({args.upload}) {row['jacobian_fused_samples_per_s']:.0f}/s vs vmap(jacrev) "
             f"{row['jacobian_vmap_samples_per_s']:.0f}/s"
         )
     if "kernel_scaling_1_to_2" in summary:
