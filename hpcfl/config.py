@@ -30,7 +30,7 @@ class Config:
     data_root: str | None = None  # else $HPCFL_DATA, else ~/.cache/hpcfl
     download: bool = True
     dataset_options: dict[str, Any] = field(default_factory=dict)  # e.g. synthetic sizes
-    partition: str = "iid"  # iid | dir:ALPHA | classes:C | balanced-classes:C | natural
+    partition: str = "iid"  # iid | dir:ALPHA | client-dir:ALPHA | classes:C | balanced-classes:C | natural
     num_clients: int = 10
     min_client_size: int = 10  # dir:ALPHA redraws until every client has this many samples
     model: str = "simplecnn"

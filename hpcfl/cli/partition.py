@@ -23,6 +23,9 @@ partition specs:
   iid          uniform random split, equal sizes
   dir:ALPHA    per-class Dirichlet(ALPHA) shares (NIID-Bench labeldir); smaller ALPHA = more skew,
                redrawn until every client has >= --min-size samples
+  client-dir:ALPHA
+               per-client Dirichlet(ALPHA) class shares, N/K samples each (Hsu et al. 2019; the
+               NTK-FL paper's setup); the last clients take what the others left
   classes:C    NIID-Bench's #C rule (TCT, FedPVR papers): client k holds class k mod #classes and C-1
                more drawn at random; each class split evenly among its holders, so sizes vary
                (redrawn until every class has a holder when there are fewer clients than classes)
@@ -53,7 +56,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--partition",
         required=True,
         metavar="SPEC",
-        help="iid, dir:ALPHA, classes:C, balanced-classes:C or natural (see below)",
+        help="iid, dir:ALPHA, client-dir:ALPHA, classes:C, balanced-classes:C or natural (see below)",
     )
     parser.add_argument("--num-clients", required=True, type=int, metavar="K", help="number of clients")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")
