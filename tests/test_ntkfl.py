@@ -325,6 +325,11 @@ def test_sparsify_roundtrip_keeps_the_largest_entries():
     J = torch.tensor([[0.1, -5.0, 0.2], [3.0, 0.0, -0.3]])
     s = sparsify(J, 0.5)
     assert torch.equal(densify(s), torch.tensor([[0.0, -5.0, 0.0], [3.0, 0.0, -0.3]]))
+    # more entries kept than nonzeros: ties at |0| fill up to exactly k, every nonzero kept
+    Z = torch.tensor([0.0, 2.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0])
+    z = sparsify(Z, 0.5)
+    assert z["value"].numel() == 4 and torch.equal(densify(z), Z)
+    assert z["index"].tolist() == [0, 1, 2, 4]
 
 
 def test_hyper_parameters_are_validated():
