@@ -72,6 +72,20 @@ def _methods(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         ),
         ("cp-ntkfl", {"algorithm": "cp-ntkfl", "rounds": args.rounds, "params": cp}),
     ]
+    if args.validation_clients:
+        val = {**ntk, "select": "validation", "validation_clients": args.validation_clients}
+        out.insert(
+            1,
+            (
+                "ntkfl-val",
+                {
+                    "algorithm": "ntkfl",
+                    "rounds": args.rounds,
+                    "params": val,
+                    "clients_per_round": args.ntkfl_per_round or args.per_round,
+                },
+            ),
+        )
     for s in args.fedavg_steps:
         out.append((f"fedavg-{s}", {"algorithm": "fedavg", "rounds": args.fedavg_rounds, "local_steps": s}))
     return out
@@ -125,6 +139,12 @@ def main() -> None:
     ap.add_argument(
         "--loss", choices=["ce", "mse"], default="ce", help="NTK evolution (ce: the reference code's)"
     )
+    ap.add_argument(
+        "--validation-clients",
+        type=int,
+        default=10,
+        help="also run NTK-FL with t* chosen on this many held-out clients (select: validation; 0: skip)",
+    )
     ap.add_argument("--beta", type=float, default=0.3)
     ap.add_argument("--projection-dim", type=int, default=200)
     ap.add_argument("--keep", type=float, default=0.1)
@@ -170,12 +190,16 @@ def main() -> None:
         entry: dict[str, Any] = {"table": table, "fedavg_best": best}
         if best is not None and per.get("ntkfl"):
             goal = fedavgs[best][-1][1]
-            ntk_rounds, _ = _reach(per["ntkfl"], goal)
             fed_rounds, _ = _reach(fedavgs[best], goal)
             entry["fedavg_final"] = goal
-            entry["ntkfl_rounds_to_fedavg_final"] = ntk_rounds
             entry["fedavg_rounds_to_its_final"] = fed_rounds
-            entry["round_ratio"] = (fed_rounds / ntk_rounds) if ntk_rounds and fed_rounds else None
+            for name in ("ntkfl", "ntkfl-val", "cp-ntkfl"):
+                if per.get(name):
+                    rounds, _ = _reach(per[name], goal)
+                    key = name.replace("-", "_")
+                    entry[f"{key}_rounds_to_fedavg_final"] = rounds
+                    entry[f"{key}_round_ratio"] = (fed_rounds / rounds) if rounds and fed_rounds else None
+            entry["round_ratio"] = entry["ntkfl_round_ratio"]
         summary["alphas"][alpha] = entry
         print(f"\nα = {alpha}: target {args.target:.0%}  (FedAvg = {best})")
         print(f"{'method':14s} {'final acc':>9s} {'rounds':>7s} {'MB':>10s}")
@@ -184,11 +208,14 @@ def main() -> None:
             rnd = row["rounds_to_target"] if row["rounds_to_target"] is not None else "-"
             mb = f"{row['mb_to_target']:.1f}" if row["mb_to_target"] is not None else "-"
             print(f"{name:14s} {acc:>9s} {rnd!s:>7s} {mb:>10s}")
-        if "round_ratio" in entry:
-            print(
-                f"NTK-FL reaches FedAvg's final {entry['fedavg_final']:.4f} in {entry['ntkfl_rounds_to_fedavg_final']} "
-                f"rounds vs {entry['fedavg_rounds_to_its_final']} (ratio {entry['round_ratio']})"
-            )
+        for name in ("ntkfl", "ntkfl-val", "cp-ntkfl"):
+            key = name.replace("-", "_")
+            if f"{key}_round_ratio" in entry:
+                print(
+                    f"{name} reaches FedAvg's final {entry['fedavg_final']:.4f} in "
+                    f"{entry[f'{key}_rounds_to_fedavg_final']} rounds vs FedAvg's "
+                    f"{entry['fedavg_rounds_to_its_final']} (ratio {entry[f'{key}_round_ratio']})"
+                )
     (args.out / "ntkfl_reproduction.json").write_text(json.dumps(summary, indent=2))
     _plot(curves, args.out / "ntkfl_reproduction.png")
 
