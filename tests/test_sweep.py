@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from hpcfl.cli.main import main
 from hpcfl.errors import ConfigError
@@ -351,10 +352,14 @@ def _last(run_dir: Path) -> dict:
 
 
 @pytest.mark.slurm
-def test_slurm_sweep_is_one_job_array_of_mpi_tasks(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """Two points queued as ONE array (ids ARRAY_0, ARRAY_1), each task a 2-rank MPI job; status
-    follows them to done, and a re-run queues nothing."""
-    cfg = synthetic_config(tmp_path, rounds=3)
+def test_slurm_sweep_is_one_job_array_of_mpi_tasks_that_requeue(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """Two points queued as ONE array (ids ARRAY_0, ARRAY_1), each task a 2-rank MPI job. SLURM's
+    stop signal to task 1 mid-run: it checkpoints, requeues itself and finishes every round, as a
+    single submitted run does. Status follows both to done; a re-run queues nothing."""
+    rounds = 40
+    cfg = synthetic_config(tmp_path, rounds=rounds)
     out = tmp_path / "sweep"
     argv = ["sweep", str(cfg), "--out", str(out), "--grid", "lr=0.02,0.05", "--executor", "slurm"]
     argv += ["--ntasks-per-node", "2", "-c", "1", "--time", "10", "--array-parallelism", "2"]
@@ -363,17 +368,63 @@ def test_slurm_sweep_is_one_job_array_of_mpi_tasks(slurm_cluster: SlurmCluster, 
     array_id = proc.stdout.strip()
     assert "submitted job array" in proc.stderr and "(2 tasks)" in proc.stderr
     runs = out / "runs"
-    deadline = time.monotonic() + 300
-    while not all((runs / f"lr={lr}" / "DONE").exists() for lr in ("0.02", "0.05")):
-        assert time.monotonic() < deadline, slurm_cluster.log_tails()
-        time.sleep(0.5)
+
+    def wait(check, what: str) -> None:
+        deadline = time.monotonic() + 300
+        while not check():
+            assert time.monotonic() < deadline, f"{what}\n{slurm_cluster.log_tails()}"
+            time.sleep(0.2)
+
+    second = runs / "lr=0.05"
+    wait(
+        lambda: (second / "metrics.jsonl").exists() and len(_rows_if_any(second)) >= 2, "two rounds of task 1"
+    )
+    slurm_cluster.run("scancel", "--signal=USR2", f"{array_id}_1")
+    wait(lambda: all((runs / f"lr={lr}" / "DONE").exists() for lr in ("0.02", "0.05")), "both points done")
+    log = (out / "slurm" / f"{array_id}_1_0_log.err").read_text()
+    assert "stopped by a signal after round" in log, log
     for task, lr in enumerate(("0.02", "0.05")):
         record = json.loads((runs / f"lr={lr}" / "slurm" / "jobs.jsonl").read_text().splitlines()[-1])
         assert record["job_id"] == f"{array_id}_{task}" and record["ranks"] == 2
         assert (out / "slurm" / f"{array_id}_{task}_1_log.out").exists()  # the task's second rank ran
+        assert [r[0] for r in _rows(runs / f"lr={lr}")] == list(range(1, rounds + 1))
     script = next((out / "slurm").glob(f"{array_id}_submission.sh")).read_text()
     assert "#SBATCH --array=0-1%2" in script and "#SBATCH --ntasks-per-node=2" in script
     status = run_cli("status", str(out), env=slurm_cluster.env)
     assert status.returncode == 0 and "2 done" in status.stdout, status.stdout
     again = run_cli(*argv, env=slurm_cluster.env, timeout=120)
     assert again.returncode == 0 and "2 already finished, 0 to run" in again.stderr, again.stderr
+
+
+def _rows_if_any(run_dir: Path) -> list[str]:
+    return [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# N at a time, and hpcfl compare on the same runner
+
+
+def test_points_run_two_at_a_time_equal_one_at_a_time(tmp_path: Path) -> None:
+    cfg = synthetic_config(tmp_path, rounds=2, algorithm="fedavg")  # threads: 1, so bit-identical
+    argv = ["sweep", str(cfg), "--grid", "lr=0.02,0.05", "partition=dir:0.5,iid"]
+    assert main([*argv, "--out", str(tmp_path / "one")]) == 0
+    assert main([*argv, "--out", str(tmp_path / "two"), "-j", "2"]) == 0
+    for point in (tmp_path / "one" / "runs").iterdir():
+        assert _rows(tmp_path / "two" / "runs" / point.name) == _rows(point)
+
+
+def test_compare_runs_its_configs_as_points_and_reuses_finished_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = synthetic_config(tmp_path, name="a", rounds=2, algorithm="fedavg")
+    b = write_config(
+        tmp_path / "b.yaml", **{**yaml.safe_load(a.read_text()), "name": "b", "algorithm": "scaffold"}
+    )
+    out = tmp_path / "cmp"
+    assert main(["compare", str(a), str(b), "--out", str(out)]) == 0
+    first = capsys.readouterr().out
+    assert "a: running (fedavg, dir:0.5)" in first and (out / "b" / "DONE").exists()
+    assert main(["compare", str(a), str(b), "--out", str(out)]) == 0
+    again = capsys.readouterr().out
+    assert f"a: already finished in {out / 'a'}, reusing it" in again
+    assert again.splitlines()[-4:] == first.splitlines()[-4:]  # the same table

@@ -234,6 +234,8 @@ def mean_curve(runs: list[RunSummary]) -> tuple[list[int], list[float], list[flo
 
 def plot_bands(cells: list[Cell], path: Path) -> Path:
     """One panel per column, one line per method: mean test accuracy with a ± std band."""
+    from matplotlib.ticker import MaxNLocator
+
     from hpcfl.files import save_figure
     from hpcfl.report.plots import _pyplot
 
@@ -254,6 +256,7 @@ def plot_bands(cells: list[Cell], path: Path) -> Path:
             )
             ax.fill_between(rounds, lo, hi, color=colour, alpha=0.2, lw=0)
         ax.set_title(col, fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("communication round")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("test accuracy (%), mean ± std over seeds")

@@ -37,8 +37,8 @@ class PointStatus:
             text = f"{self.state} round {self.rounds_done}/{total}"
         else:
             text = self.state
-        if self.state == "failed" and self.error:
-            text += f": {self.error}"
+        if self.error:  # failed: the error; queued: SLURM's reason; ended early: the job's state
+            text += f": {self.error}" if self.state == "failed" else f" ({self.error})"
         return text
 
 
@@ -65,17 +65,22 @@ def point_status(point: SweepPoint, rounds_total: int | None) -> PointStatus:
     if (point.run_dir / "slurm" / "jobs.jsonl").exists():
         from hpcfl.launch import run_status
 
+        from hpcfl.launch.status import ACTIVE, PENDING_HINTS
+
         job = run_status(point.run_dir)
         status.job_id = job.job_id
         if job.failed:
             status.state, status.error = "failed", job.error or f"job {job.job_id} {job.state}"
-        elif job.state in ("PENDING", "REQUEUED", "CONFIGURING"):
-            status.state = "queued"
-            status.error = job.reason
         elif job.state in ("RUNNING", "COMPLETING"):
             status.state = "running"
-        else:
+        elif job.state in ACTIVE:
+            status.state = "queued"
+            if job.reason:
+                hint = PENDING_HINTS.get(job.reason)
+                status.error = f"{job.reason}: {hint}" if hint else job.reason
+        else:  # the job is gone without finishing the run: a re-run of the sweep queues it again
             status.state = "stopped" if rounds else "not started"
+            status.error = f"job {job.job_id} {job.state}; hpcfl sweep again to queue it"
         return status
     if lock_holder(point.run_dir) is not None:
         status.state = "running"
