@@ -428,3 +428,24 @@ def test_compare_runs_its_configs_as_points_and_reuses_finished_ones(
     again = capsys.readouterr().out
     assert f"a: already finished in {out / 'a'}, reusing it" in again
     assert again.splitlines()[-4:] == first.splitlines()[-4:]  # the same table
+
+
+def test_status_and_report_of_an_unusable_sweep_dir_say_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = synthetic_config(tmp_path)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(cfg), "--out", str(out), "--grid", "lr=0.1,0.2", "--dry-run"]) == 0
+    assert not out.exists()  # a dry run writes nothing
+    out.mkdir()
+    (out / "sweep.json").write_text(
+        '{"name": "x", "axes": [], "points": [{"name": "lr=0.1", "values": {}, "run_dir": "runs/lr=0.1"}]}'
+    )
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    assert "no point has finished yet" in capsys.readouterr().err
+    (out / "sweep.json").write_text('{"name": "x", "axes": [')
+    for command in ("status", "report"):
+        assert main([command, str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "sweep.json is damaged" in err and err.count("\n") == 1, err

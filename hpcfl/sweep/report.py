@@ -152,7 +152,7 @@ def write_sweep_report(sweep: Sweep, out: Path, *, target: float | None = None) 
         f"# Sweep {sweep.name}",
         "",
         f"Mean ± sample standard deviation over seeds ({'/'.join(map(str, seeds))} finished seeds per cell)"
-        + (f"; {missing} unfinished points left out." if missing else "."),
+        + (f"; {missing} points not finished (failed or still to run) left out." if missing else "."),
     ]
     if sweep.search:
         md.append(

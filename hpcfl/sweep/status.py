@@ -64,7 +64,6 @@ def point_status(point: SweepPoint, rounds_total: int | None) -> PointStatus:
         return status
     if (point.run_dir / "slurm" / "jobs.jsonl").exists():
         from hpcfl.launch import run_status
-
         from hpcfl.launch.status import ACTIVE, PENDING_HINTS
 
         job = run_status(point.run_dir)
