@@ -11,8 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcfl.errors import EXIT_RESUMABLE, ConfigError
+
+if TYPE_CHECKING:
+    from hpcfl.sweep.local import PointOutcome
+    from hpcfl.sweep.plan import Sweep, SweepPoint
 
 _EPILOG = """\
 examples:
@@ -95,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build_sweep(args: argparse.Namespace):  # -> Sweep
+def build_sweep(args: argparse.Namespace) -> Sweep:
     """Axes from the options, then the validated plan (nothing runs yet)."""
     from hpcfl.cli._config import load_cli_config
     from hpcfl.sweep.grid import combine_axes, parse_grid_arg, read_grid_file
@@ -159,14 +164,14 @@ def run(args: argparse.Namespace) -> int:
     return _run_local(args, sweep, todo)
 
 
-def _run_local(args: argparse.Namespace, sweep, todo) -> int:
+def _run_local(args: argparse.Namespace, sweep: Sweep, todo: list[SweepPoint]) -> int:
     from hpcfl.runner import StopRequest
     from hpcfl.sweep.local import run_points
 
     stop = StopRequest()
     stop.install()
 
-    def said(name: str, outcome) -> None:
+    def said(name: str, outcome: PointOutcome) -> None:
         print(f"hpcfl: {name}: {outcome.status} ({outcome.seconds:.0f} s)", file=sys.stderr, flush=True)
 
     outcomes = run_points(
@@ -186,7 +191,7 @@ def _run_local(args: argparse.Namespace, sweep, todo) -> int:
     return 0
 
 
-def _queue(args: argparse.Namespace, sweep, todo) -> int:
+def _queue(args: argparse.Namespace, sweep: Sweep, todo: list[SweepPoint]) -> int:
     from hpcfl.cli.submit import options_from_args
     from hpcfl.runner.lock import lock_holder
     from hpcfl.sweep.array import queued_elsewhere, submit_array
