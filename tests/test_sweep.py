@@ -358,7 +358,7 @@ def test_slurm_sweep_is_one_job_array_of_mpi_tasks_that_requeue(
     """Two points queued as ONE array (ids ARRAY_0, ARRAY_1), each task a 2-rank MPI job. SLURM's
     stop signal to task 1 mid-run: it checkpoints, requeues itself and finishes every round, as a
     single submitted run does. Status follows both to done; a re-run queues nothing."""
-    rounds = 40
+    rounds = 24
     cfg = synthetic_config(tmp_path, rounds=rounds)
     out = tmp_path / "sweep"
     argv = ["sweep", str(cfg), "--out", str(out), "--grid", "lr=0.02,0.05", "--executor", "slurm"]
