@@ -57,6 +57,7 @@ class Config:
     )
     conformal: bool = False  # split-conformal LAC/APS coverage and set size (1-α = 0.9/0.95/0.99) per row
     conformal_calibration: float = 0.5  # fraction of the test set that calibrates; the rest measures
+    validation: float = 0.0  # share of each client's training samples held out (seeded) as val_accuracy
     clients_per_round: int | None = None  # partial participation: N clients sampled per round
     participation: float | None = None  # or a fraction of the clients per round (rounded, >= 1)
     participation_weighting: str = "uniform"  # uniform | size (probability proportional to n_k)
@@ -306,12 +307,29 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides."""
+def nest(values: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1, "c": 2}`` → ``{"a": {"b": 1}, "c": 2}`` (dotted keys as ``--set`` reads them)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key {key}: {part!r} is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, values: dict[str, Any] | None = None
+) -> Config:
+    """Load a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides,
+    then ``values`` (already-typed ``{dotted key: value}``, e.g. a sweep point's)."""
     data = read_yaml(path) if path is not None else {}
     if path is not None and "name" not in data:
         data["name"] = Path(path).stem
-    extra = parse_overrides(overrides)
+    extra = merge(parse_overrides(overrides), nest(values or {}))
     algorithm = str(extra.get("algorithm", data.get("algorithm", Config.algorithm)))
     return config_from_dict(merge(migrate(data, algorithm), migrate(extra, algorithm)))
 
@@ -353,6 +371,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'conformal_calibration' must be in (0, 1) (the test-set fraction that calibrates), "
             f"got {cfg.conformal_calibration}"
+        )
+    if not 0 <= cfg.validation < 1:
+        raise ConfigError(
+            f"config key 'validation' must be in [0, 1) (the share of each client's training data held "
+            f"out), got {cfg.validation}"
         )
     if cfg.participation is not None and not 0 < cfg.participation <= 1:
         raise ConfigError(f"config key 'participation' must be in (0, 1], got {cfg.participation}")

@@ -36,6 +36,7 @@ def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
         ("partition=classes:11", ("11",)),
         ("partition=classes:1", ("not coverable",)),
         ("lr=-1", ("lr",)),
+        ("validation=1.5", ("'validation' must be in [0, 1)",)),
         ("lrr=0.1", ("unknown config key 'lrr'", "did you mean 'lr'")),
         ("stage2.solverr=primal", ("stage2.solverr", "stage2.solver")),
     ],

@@ -12,10 +12,11 @@ from importlib import resources
 from pathlib import Path
 
 from hpcfl.cli._config import load_cli_config
-from hpcfl.errors import EXIT_RESUMABLE, StoppedError
+from hpcfl.errors import EXIT_RESUMABLE
 from hpcfl.report import markdown_table, write_report
-from hpcfl.runner import StopRequest, run_experiment
+from hpcfl.runner import StopRequest
 from hpcfl.runner.rundir import DONE
+from hpcfl.sweep.local import run_point, same_config
 
 DEFAULT_CONFIGS = ("compare_fedavg.yaml", "compare_tct.yaml")
 
@@ -61,19 +62,15 @@ def run(args: argparse.Namespace) -> int:
     stop = StopRequest()
     stop.install()
     run_dirs = []
-    for cfg in cfgs:
+    for cfg in cfgs:  # each config is a point of a one-axis grid, run as hpcfl sweep runs points
         run_dir = args.out / cfg.name
         run_dirs.append(run_dir)
-        if (run_dir / DONE).exists():
+        if (run_dir / DONE).exists() and same_config(run_dir, cfg):
             print(f"{cfg.name}: already finished in {run_dir}, reusing it")
             continue
         print(f"{cfg.name}: running ({cfg.algorithm}, {cfg.partition}) -> {run_dir}")
-        try:
-            result = run_experiment(cfg, run_dir, resume=True, stop=stop)
-        except StoppedError as err:
-            print(f"{err}; run the same command again to continue ({run_dir})")
-            return EXIT_RESUMABLE
-        if not result.finished:
+        outcome = run_point(cfg, run_dir, record_failures=False, stop=stop)
+        if outcome.stopped:
             print(f"stopped by signal; run the same command again to continue ({run_dir})")
             return EXIT_RESUMABLE
     runs = write_report(run_dirs, args.out)

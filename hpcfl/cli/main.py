@@ -37,6 +37,7 @@ _USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM,
 _COMMANDS = (
     "run",
     "compare",
+    "sweep",
     "partition",
     "tct_stage2",
     "report",

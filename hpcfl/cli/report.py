@@ -18,12 +18,19 @@ def register(sub: argparse._SubParsersAction) -> None:
             "target test accuracy with the speed-up over the FedAvg run of the same partition "
             "(FedPVR Table 2's form); with drift_diversity: true, a layers x rounds heatmap "
             "(drift_diversity.png); with conformal: true, coverage vs set size of the final model "
-            "(conformal.png/.csv). Also report.csv, targets.csv and accuracy.png."
+            "(conformal.png/.csv). Also report.csv, targets.csv and accuracy.png. For a sweep directory "
+            "(hpcfl sweep): tables in the papers' layout, one row per method and one column per grid "
+            "value, of final and best accuracy and rounds to the target as mean ± std over seeds "
+            "(report.md, summary.csv) and curves with a ± std band (curves.png), in SWEEP_DIR/report."
         ),
     )
-    p.add_argument("run_dirs", nargs="+", type=Path, help="run directories to compare")
     p.add_argument(
-        "--out", type=Path, help="where to write (default: RUN_DIR/plots for one run, ./report otherwise)"
+        "run_dirs", nargs="+", type=Path, help="run directories to compare, or one sweep directory"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="where to write (default: RUN_DIR/plots for one run, SWEEP_DIR/report, ./report otherwise)",
     )
     p.add_argument(
         "--target",
@@ -36,10 +43,28 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = args.out or (args.run_dirs[0] / "plots" if len(args.run_dirs) == 1 else Path("report"))
+    from hpcfl.sweep.plan import is_sweep_dir
+
     if args.target is not None and not 0 < args.target <= 100:
         raise ConfigError(f"--target is a test accuracy in percent, in (0, 100]; got {args.target:g}")
+    if any(is_sweep_dir(d) for d in args.run_dirs):
+        if len(args.run_dirs) != 1:
+            raise ConfigError("give one sweep directory at a time (or run directories only)")
+        return _sweep(args)
+    out = args.out or (args.run_dirs[0] / "plots" if len(args.run_dirs) == 1 else Path("report"))
     write_report(args.run_dirs, out, target=None if args.target is None else args.target / 100)
     print((out / "report.md").read_text(), end="")
     print(f"plots and tables in {out}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from hpcfl.sweep.plan import read_sweep
+    from hpcfl.sweep.report import write_sweep_report
+
+    sweep = read_sweep(args.run_dirs[0])
+    out = args.out or sweep.sweep_dir / "report"
+    text = write_sweep_report(sweep, out, target=None if args.target is None else args.target / 100)
+    print(text, end="")
+    print(f"tables and curves in {out}")
     return 0

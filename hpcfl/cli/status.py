@@ -17,12 +17,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="state of submitted runs: SLURM job state, rounds done, the error of a failed job",
         description=(
             "Where submitted runs stand: SLURM job state (with the reason a job waits), rounds done, "
-            "the error of a failed job and its log. Exit 1 when a job ended without finishing its run."
+            "the error of a failed job and its log. For a sweep directory: a table of its points "
+            "(queued, running round r/R, done, failed with the error) and an ETA. Exit 1 when a job "
+            "ended without finishing its run (a sweep: when a point failed)."
         ),
         epilog="example: hpcfl status runs/fmnist_fedavg --json",
     )
     p.add_argument(
-        "run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories given to hpcfl submit"
+        "run_dirs",
+        nargs="+",
+        type=Path,
+        metavar="RUN_DIR",
+        help="run directories given to hpcfl submit, or sweep directories of hpcfl sweep",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per run instead of text")
     p.set_defaults(func=run)
@@ -32,9 +38,13 @@ def run(args: argparse.Namespace) -> int:
     """Print the status of each run directory."""
     from hpcfl.launch import format_status, run_status
     from hpcfl.launch.status import status_json
+    from hpcfl.sweep.plan import is_sweep_dir
 
     failed = False
     for i, run_dir in enumerate(args.run_dirs):
+        if is_sweep_dir(run_dir):
+            failed |= _sweep(run_dir, args.json, i)
+            continue
         status = run_status(run_dir.resolve())
         failed |= status.failed
         if args.json:
@@ -42,3 +52,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(("\n" if i else "") + format_status(status))
     return 1 if failed else 0
+
+
+def _sweep(sweep_dir: Path, as_json: bool, index: int) -> bool:
+    """Print a sweep's table (or JSON lines); True when a point failed."""
+    from hpcfl.sweep.plan import read_sweep
+    from hpcfl.sweep.status import format_sweep_status, status_json, sweep_status
+
+    sweep = read_sweep(sweep_dir)
+    statuses = sweep_status(sweep)
+    print(
+        status_json(statuses) if as_json else ("\n" if index else "") + format_sweep_status(sweep, statuses)
+    )
+    return any(s.state == "failed" for s in statuses)

@@ -55,27 +55,8 @@ def _key_value(text: str) -> tuple[str, str]:
     return key.lstrip("-"), value
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add the ``submit`` sub-command."""
-    p = sub.add_parser(
-        "submit",
-        help="queue a run on SLURM (one MPI rank per task; requeues itself on preemption)",
-        description=(
-            "Queue a run on SLURM through submitit, one MPI rank per task. The config and the request "
-            "are checked first; the job requeues itself on preemption or at its time limit and "
-            "resumes from its last round checkpoint."
-        ),
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("config", nargs="?", help="YAML config (omit to use the built-in defaults)")
-    p.add_argument(
-        "--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help="override config keys"
-    )
-    p.add_argument("--data-root", help="dataset directory, as the compute nodes see it")
-    p.add_argument(
-        "--run-dir", type=Path, help="output directory on a shared file system (default: runs/<name>)"
-    )
+def add_resource_options(p: argparse.ArgumentParser) -> None:
+    """The SLURM request options (``hpcfl submit`` and ``hpcfl sweep --executor slurm``)."""
     g = p.add_argument_group("resources (sbatch's meaning; unset: the cluster's default)")
     g.add_argument("-p", "--partition")
     g.add_argument("-N", "--nodes", type=int, default=1)
@@ -105,6 +86,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=20,
         help="reruns after hitting --time (default 20; preemptions are free)",
     )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``submit`` sub-command."""
+    p = sub.add_parser(
+        "submit",
+        help="queue a run on SLURM (one MPI rank per task; requeues itself on preemption)",
+        description=(
+            "Queue a run on SLURM through submitit, one MPI rank per task. The config and the request "
+            "are checked first; the job requeues itself on preemption or at its time limit and "
+            "resumes from its last round checkpoint."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", help="YAML config (omit to use the built-in defaults)")
+    p.add_argument(
+        "--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help="override config keys"
+    )
+    p.add_argument("--data-root", help="dataset directory, as the compute nodes see it")
+    p.add_argument(
+        "--run-dir", type=Path, help="output directory on a shared file system (default: runs/<name>)"
+    )
+    add_resource_options(p)
     p.add_argument(
         "--executor", default="slurm", choices=("slurm", "local"), help="local: run in a local process"
     )
@@ -113,7 +118,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _options(args: argparse.Namespace) -> Any:
+def options_from_args(args: argparse.Namespace, executor: str | None = None) -> Any:
+    """The :class:`~hpcfl.launch.SubmitOptions` of the parsed resource options."""
     from hpcfl.launch import SubmitOptions
 
     return SubmitOptions(
@@ -131,7 +137,7 @@ def _options(args: argparse.Namespace) -> Any:
         signal_delay_s=args.signal_delay,
         job_name=args.job_name,
         sbatch=dict(args.sbatch),
-        executor=args.executor,
+        executor=executor or args.executor,
         max_requeues=args.max_requeues,
     )
 
@@ -163,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_cli_config(args.config, args.set, args.data_root)
     run_dir = (args.run_dir or default_run_dir(cfg)).resolve()
-    options = _options(args)
+    options = options_from_args(args)
     if args.dry_run:
         check_options(options, cfg)
         check_run_dir(run_dir, cfg)

@@ -39,20 +39,20 @@ def error_path(folder: Path, job_id: str, rank: int = 0) -> Path:
     return Path(folder) / f"{job_id}_{rank}_error.json"
 
 
-def _record_error(run_dir: Path, err: BaseException) -> None:
-    """Write ``{"error": "Type: first line"}`` beside submitit's files (best effort)."""
+def _record_error(err: BaseException) -> None:
+    """Write ``{"error": "Type: first line"}`` beside submitit's files (best effort): the job's
+    folder, ``RUN_DIR/slurm`` for one run, the sweep's ``slurm/`` for an array task."""
     from hpcfl.files import atomic_write_text
-    from hpcfl.launch.submit import SLURM_DIR
 
     try:
         env = submitit.JobEnvironment()
-        job_id, rank = str(env.job_id), env.global_rank
-    except RuntimeError:  # not inside a submitit job
+        job_id, rank, folder = str(env.job_id), env.global_rank, env.paths.folder
+    except (RuntimeError, KeyError):  # not inside a submitit job
         return
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     message = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
     try:
-        atomic_write_text(error_path(run_dir / SLURM_DIR, job_id, rank), json.dumps({"error": message}))
+        atomic_write_text(error_path(folder, job_id, rank), json.dumps({"error": message}))
     except OSError:
         pass
 
@@ -78,7 +78,7 @@ class HpcflJob(submitit.helpers.Checkpointable):
         try:
             return self._run()
         except Exception as err:
-            _record_error(Path(self.run_dir), err)
+            _record_error(err)
             raise
 
     def _run(self) -> dict[str, Any]:

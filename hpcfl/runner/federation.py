@@ -40,6 +40,7 @@ class Federation:
     dataset: Dataset
     parts: list[torch.Tensor]  # train indices of every client (all ranks know all of them)
     owned: list[int]  # the clients this rank trains under full participation (static placement)
+    validation: torch.Tensor | None  # train indices held out from every client (cfg.validation), or None
     flat: FlatModel
     algorithm: Algorithm
     trainer: Trainer
@@ -119,6 +120,9 @@ def model_evaluator(fed: Federation) -> Evaluator:
             )
         else:
             row["test_accuracy"], row["test_loss"] = evaluate(model, ds.test.x, ds.test.y, fed.comm)
+        if fed.validation is not None:
+            idx = fed.validation
+            row["val_accuracy"], row["val_loss"] = evaluate(model, ds.train.x[idx], ds.train.y[idx], fed.comm)
         if fed.cfg.eval_train:
             row["train_accuracy"], row["train_loss"] = evaluate(model, ds.train.x, ds.train.y, fed.comm)
         return row
@@ -173,6 +177,28 @@ def make_algorithm(cfg: Config, model: torch.nn.Module) -> Algorithm:
     return cls(params, layout=StateLayout.of_model(model), participation=participation_of(cfg))
 
 
+def hold_out(
+    parts: list[torch.Tensor], fraction: float, seed: int
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Move a seeded ``fraction`` of every client's samples (at least one, never its last) into a
+    validation set: (the clients' remaining indices, in their order; the validation indices).
+
+    Per client, so the validation set follows the clients' label skew, as FedPVR's 1% split does;
+    the clients never train on it, and it is drawn from the training split, never the test set.
+    """
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x76616C]))  # "val"
+    kept, held = [], []
+    for part in parts:
+        n = int(part.numel())
+        m = min(n - 1, max(1, round(fraction * n)))
+        chosen = np.zeros(n, dtype=bool)
+        chosen[rng.permutation(n)[:m]] = True
+        mask = torch.from_numpy(chosen)
+        kept.append(part[~mask])
+        held.append(part[mask])
+    return kept, torch.cat(held) if held else torch.empty(0, dtype=torch.long)
+
+
 def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = None) -> Federation:
     """Load, partition and place; build the model from the seed (identical on every rank)."""
     device = resolve_device(cfg, comm)
@@ -187,6 +213,9 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         natural=dataset.natural_clients,
         min_size=cfg.min_client_size,
     )
+    validation = None
+    if cfg.validation > 0:
+        parts, validation = hold_out(parts, cfg.validation, cfg.seed)
     owned = place_clients([int(p.numel()) for p in parts], comm.size)[comm.rank]
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, dataset.input_shape, dataset.num_classes, **cfg.model_options).to(device)
@@ -199,6 +228,7 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         dataset=dataset,
         parts=parts,
         owned=owned,
+        validation=validation,
         flat=flat,
         algorithm=algorithm,
         trainer=Trainer(flat, schedule_of(cfg)),

@@ -34,6 +34,8 @@ RUN_ENTRIES = (
     "features.zarr",
     "features_test.zarr",
     "stage2",
+    "FAILED",  # a sweep point's recorded error (hpcfl.sweep.local)
+    "WALL_SECONDS",
 )
 _RUN_SIGNS = ("config.yaml", "checkpoints", DONE)
 

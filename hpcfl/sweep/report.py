@@ -1,0 +1,265 @@
+"""``hpcfl report SWEEP_DIR``: a sweep in the papers' table layout, mean ± std over seeds.
+
+One row per method (the ``algorithm`` axis, with an algorithm's own hyper-parameter values beside
+it: ``fedprox (mu=0.01)``), one column per value of the other axes (``dir:0.1``, ``dir:0.5``);
+each cell the mean ± sample standard deviation over the seeds of the finished points. Tables of
+final and best test accuracy and rounds to a target accuracy, in ``report.md`` and one long
+``summary.csv``; ``curves.png`` draws the mean test accuracy per round with a band of ± one
+standard deviation. With a ``--search``, each cell uses only the value chosen on the validation
+split (``selection.csv`` lists every candidate's validation accuracy).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcfl.errors import RunDirError
+from hpcfl.files import atomic_write_text
+from hpcfl.report.summary import RunSummary, summarise
+from hpcfl.report.targets import default_target, rounds_to_target
+from hpcfl.runner.rundir import DONE
+from hpcfl.sweep.grid import SEED, Axis
+from hpcfl.sweep.plan import Sweep
+from hpcfl.sweep.select import METRIC, Choice, choose
+
+
+@dataclass
+class Cell:
+    """The finished seeds of one (row, column) of the table."""
+
+    row: str
+    column: str
+    runs: list[RunSummary] = field(default_factory=list)
+    choice: Choice | None = None  # with --search: the chosen value
+
+    @property
+    def n(self) -> int:
+        return len(self.runs)
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n − 1; NaN for a single value)."""
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def _fmt(values: Sequence[float], scale: float = 100.0, digits: int = 2) -> str:
+    if not values:
+        return "—"
+    mean, std = mean_std(values)
+    text = f"{scale * mean:.{digits}f}"
+    return text + (f" ± {scale * std:.{digits}f}" if not math.isnan(std) else "")
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def layout(sweep: Sweep) -> tuple[str | None, list[Axis], list[Axis]]:
+    """(the row axis, the algorithm-scoped axes shown beside it, the column axes)."""
+    search = (sweep.search or {}).get("key")
+    free = [a for a in sweep.axes if a.key not in (SEED, search)]
+    scoped = [a for a in free if a.algorithm is not None]
+    plain = [a for a in free if a.algorithm is None]
+    row = "algorithm" if any(a.key == "algorithm" for a in plain) else (plain[0].key if plain else None)
+    return row, scoped, [a for a in plain if a.key != row]
+
+
+def _labels(values: dict[str, Any], row: str | None, scoped: list[Axis], cols: list[Axis]) -> tuple[str, str]:
+    label = _show(values[row]) if row is not None else "run"
+    extra = [f"{a.key.partition('.')[2]}={_show(values[a.key])}" for a in scoped if a.key in values]
+    if extra:
+        label += f" ({', '.join(extra)})"
+    column = ", ".join(_show(values[a.key]) for a in cols) or "all"
+    return label, column
+
+
+def collect(sweep: Sweep) -> tuple[list[Cell], int]:
+    """The table's cells in grid order, and how many points are not finished (left out)."""
+    row, scoped, cols = layout(sweep)
+    search = (sweep.search or {}).get("key")
+    search_values = next((a.values for a in sweep.axes if a.key == search), ())
+    groups: dict[tuple[str, str], dict[int, list[RunSummary]]] = {}
+    missing = 0
+    for point in sweep.points:
+        key = _labels(point.values, row, scoped, cols)
+        by_value = groups.setdefault(key, {})
+        if not (point.run_dir / DONE).exists():
+            missing += 1
+            continue
+        index = search_values.index(point.values[search]) if search else 0
+        by_value.setdefault(index, []).append(summarise(point.run_dir))
+    cells = []
+    for (label, column), by_value in groups.items():
+        cell = Cell(label, column)
+        if search:
+            vals = {i: [_final_val(r) for r in runs] for i, runs in by_value.items()}
+            cell.choice = choose(
+                search_values, {i: [v for v in vs if v is not None] for i, vs in vals.items()}
+            )
+            if cell.choice is not None:
+                cell.runs = by_value[search_values.index(cell.choice.value)]
+        else:
+            cell.runs = by_value.get(0, [])
+        cells.append(cell)
+    return cells, missing
+
+
+def _final_val(run: RunSummary) -> float | None:
+    rows = [r for r in run.rows if METRIC in r]
+    return float(rows[-1][METRIC]) if rows else None
+
+
+def _grid(cells: list[Cell], value: Any) -> list[str]:
+    """A markdown table: rows × columns, each cell ``value(cell)``."""
+    rows = list(dict.fromkeys(c.row for c in cells))
+    cols = list(dict.fromkeys(c.column for c in cells))
+    at = {(c.row, c.column): c for c in cells}
+    lines = ["| method | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for r in rows:
+        lines.append(f"| {r} | " + " | ".join(value(at[(r, c)]) if (r, c) in at else "" for c in cols) + " |")
+    return lines
+
+
+def _rounds(cell: Cell, target: float) -> str:
+    reached = [r for r in (rounds_to_target(run, target)[0] for run in cell.runs) if r is not None]
+    if not cell.runs:
+        return "—"
+    text = _fmt([float(r) for r in reached], scale=1.0, digits=1) if reached else "not reached"
+    return text + (f" ({len(reached)}/{cell.n})" if len(reached) != cell.n else "")
+
+
+def write_sweep_report(sweep: Sweep, out: Path, *, target: float | None = None) -> str:
+    """report.md, summary.csv, curves.png (and selection.csv with a search) into ``out``; returns
+    the markdown. ``target`` (a fraction) defaults to the level every finished run reaches."""
+    cells, missing = collect(sweep)
+    runs = [r for c in cells for r in c.runs]
+    if not runs:
+        raise RunDirError(f"{sweep.sweep_dir}: no point has finished yet (hpcfl status {sweep.sweep_dir})")
+    out.mkdir(parents=True, exist_ok=True)
+    level = default_target(runs) if target is None else target
+    pct = f"{100 * level:g}%"
+    seeds = sorted({c.n for c in cells})
+    md = [
+        f"# Sweep {sweep.name}",
+        "",
+        f"Mean ± sample standard deviation over seeds ({'/'.join(map(str, seeds))} finished seeds per cell)"
+        + (f"; {missing} points not finished (failed or still to run) left out." if missing else "."),
+    ]
+    if sweep.search:
+        md.append(
+            f"Each cell uses the {sweep.search['key']} chosen by final validation accuracy on a "
+            f"{100 * sweep.search['validation']:g}% split of the clients' training data (selection.csv); "
+            "the test set played no part in the choice."
+        )
+    md += [
+        "",
+        "Final test accuracy (%):",
+        "",
+        *_grid(cells, lambda c: _fmt([r.final_accuracy for r in c.runs])),
+    ]
+    md += [
+        "",
+        "Best test accuracy (%):",
+        "",
+        *_grid(cells, lambda c: _fmt([r.best_accuracy for r in c.runs])),
+    ]
+    md += ["", f"Rounds to {pct} test accuracy ((k/n): only k of n seeds reached it):", ""]
+    md += _grid(cells, lambda c: _rounds(c, level))
+    if sweep.search:
+        md += ["", f"Chosen {sweep.search['key']} (mean validation accuracy, %):", ""]
+        md += _grid(
+            cells,
+            lambda c: f"{_show(c.choice.value)} ({100 * c.choice.val_mean:.2f})" if c.choice else "—",
+        )
+        atomic_write_text(out / "selection.csv", _selection_csv(cells, sweep.search["key"]))
+    atomic_write_text(out / "summary.csv", summary_csv(cells, level))
+    plot_bands(cells, out / "curves.png")
+    md += ["", "Curves (mean ± std over seeds): curves.png; every number: summary.csv", ""]
+    text = "\n".join(md)
+    atomic_write_text(out / "report.md", text)
+    return text
+
+
+def summary_csv(cells: list[Cell], target: float) -> str:
+    """One line per cell: n, mean and std of final and best accuracy and of rounds to target."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(
+        ["method", "column", "n", "final_mean", "final_std", "best_mean", "best_std", "target",
+         "rounds_to_target_mean", "rounds_to_target_std", "reached", "chosen"]
+    )  # fmt: skip
+    for c in cells:
+        final = mean_std([r.final_accuracy for r in c.runs])
+        best = mean_std([r.best_accuracy for r in c.runs])
+        reached = [float(x) for x in (rounds_to_target(r, target)[0] for r in c.runs) if x is not None]
+        rounds = mean_std(reached)
+        chosen = _show(c.choice.value) if c.choice else ""
+        writer.writerow([c.row, c.column, c.n, *final, *best, target, *rounds, len(reached), chosen])
+    return buf.getvalue()
+
+
+def _selection_csv(cells: list[Cell], key: str) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["method", "column", key, "val_accuracy_mean", "chosen"])
+    for c in cells:
+        if c.choice is None:
+            continue
+        for value, mean in c.choice.candidates.items():
+            writer.writerow([c.row, c.column, value, mean, value == repr(c.choice.value)])
+    return buf.getvalue()
+
+
+def mean_curve(runs: list[RunSummary]) -> tuple[list[int], list[float], list[float]]:
+    """Rounds logged by every run, with the mean and sample std of test accuracy there."""
+    common = set.intersection(*({int(row["round"]) for row in r.rows} for r in runs))
+    rounds = sorted(common)
+    means, stds = [], []
+    for rnd in rounds:
+        accs = [next(float(row["test_accuracy"]) for row in r.rows if int(row["round"]) == rnd) for r in runs]
+        mean, std = mean_std(accs)
+        means.append(mean)
+        stds.append(0.0 if math.isnan(std) else std)
+    return rounds, means, stds
+
+
+def plot_bands(cells: list[Cell], path: Path) -> Path:
+    """One panel per column, one line per method: mean test accuracy with a ± std band."""
+    from matplotlib.ticker import MaxNLocator
+
+    from hpcfl.files import save_figure
+    from hpcfl.report.plots import _pyplot
+
+    plt = _pyplot()
+    cols = list(dict.fromkeys(c.column for c in cells))
+    rows = list(dict.fromkeys(c.row for c in cells))
+    fig, axes = plt.subplots(1, len(cols), figsize=(4.6 * len(cols) + 0.6, 3.8), squeeze=False, sharey=True)
+    for ax, col in zip(axes[0], cols, strict=True):
+        for i, cell in enumerate(c for c in cells if c.column == col):
+            if not cell.runs:
+                continue
+            rounds, mean, std = mean_curve(cell.runs)
+            colour = f"C{rows.index(cell.row) % 10}"
+            lo = [100 * (m - s) for m, s in zip(mean, std, strict=True)]
+            hi = [100 * (m + s) for m, s in zip(mean, std, strict=True)]
+            ax.plot(
+                rounds, [100 * m for m in mean], color=colour, label=f"{cell.row} (n={cell.n})", zorder=3 + i
+            )
+            ax.fill_between(rounds, lo, hi, color=colour, alpha=0.2, lw=0)
+        ax.set_title(col, fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("communication round")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test accuracy (%), mean ± std over seeds")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
