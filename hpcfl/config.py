@@ -506,6 +506,10 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
     """Keys whose values differ between two config dicts (resumable keys ignored)."""
     if not prefix:
         saved, current = migrate(saved), migrate(current)
+        # a key added to the schema after the run was saved reads as its default (older run
+        # directories stay resumable as long as the new key keeps that default)
+        defaults = Config().to_dict()
+        saved = {**{k: v for k, v in defaults.items() if k not in saved and k in current}, **saved}
     diffs: list[str] = []
     for key in sorted(set(saved) | set(current)):
         full = f"{prefix}{key}"

@@ -122,3 +122,16 @@ def test_fedavg_fashion_mnist_iid_passes_80_percent(data_root, tmp_path):
     result = run_experiment(cfg, tmp_path / "fm")
     print(f"FedAvg FMNIST IID: {result.metrics[-1]['test_accuracy']:.4f} in {time.perf_counter() - t0:.1f}s")
     assert result.metrics[-1]["test_accuracy"] > 0.80
+
+
+def test_a_key_added_to_the_schema_later_reads_as_its_default_when_resuming():
+    """A run directory saved before a config key existed stays resumable while the key keeps its
+    default, and is another config once it does not."""
+    from hpcfl.config import Config, config_differences
+
+    saved = Config().to_dict()
+    del saved["validation"]  # written by a version without the key
+    assert config_differences(saved, Config().to_dict()) == []
+    changed = Config().to_dict()
+    changed["validation"] = 0.1
+    assert config_differences(saved, changed) == ["validation"]
