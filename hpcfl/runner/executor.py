@@ -1,0 +1,175 @@
+"""How a rank trains its participants of a round: one by one, or in vectorised groups.
+
+``client_batch: 1`` (the default) calls :meth:`~hpcfl.algorithms.Algorithm.client_update` for each
+participant in turn, the reference every other setting is tested against. ``client_batch: N`` takes
+the participants in groups of N: each declares its :class:`~hpcfl.algorithms.base.LocalTask`, the
+group trains as one vectorised step per local step (:func:`~hpcfl.training.batched.batched_local_sgd`),
+and each task's ``finish`` makes its upload. Results equal the sequential ones to float32 rounding
+(tested to 1e-5 relative) and do not depend on N: every client draws its mini-batches from its own
+generator. ``auto`` picks N from the memory one client's step measurably needs (see
+:func:`auto_client_batch`). Algorithms that declare no local task (MOON, FedCKA, NTK-FL) train one by
+one, with one logged line saying why.
+
+When it wins: many small clients on one device (a small CNN's step at batch 64 is a few dozen tiny
+kernel launches, so K clients cost about one batched step); a large model already fills the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from hpcfl.algorithms import Algorithm, ClientData, ClientState, NonFiniteLoss, ServerState, Trainer
+from hpcfl.algorithms.base import ClientContext, LocalTask, Upload
+from hpcfl.runner.client_states import _local_ranks
+
+log = logging.getLogger("hpcfl.runner")
+
+#: largest group ``auto`` forms (per rank): beyond it the step is long enough to fill a GPU
+AUTO_MAX = 1024
+#: the share of the device's memory ``auto`` lets a group's training use
+AUTO_MEMORY_SHARE = 0.4
+
+# (k, upload or None when its loss became NaN/inf, new client state or None)
+Outcome = tuple[int, Upload | None, ClientState | None]
+
+
+class ClientExecutor:
+    """Trains a rank's participants of one round and yields each one's outcome in order."""
+
+    def __init__(self, setting: int | str = 1, *, rank: int = 0) -> None:
+        self.setting = setting
+        self.rank = rank
+        self._size: int | None = setting if isinstance(setting, int) else None
+        self._said: set[str] = set()
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0 and line not in self._said:
+            self._said.add(line)
+            log.warning("hpcfl: %s", line)
+
+    def group_size(self, algo: Algorithm, trainer: Trainer | None, data: ClientData) -> int:
+        """N for this run (``auto`` is resolved once, from the first participant's data)."""
+        if self._size is None:
+            assert trainer is not None
+            self._size, why = auto_client_batch(trainer, data, memory_share=AUTO_MEMORY_SHARE)
+            self._say(f"client_batch auto: {self._size} clients per vectorised step ({why})")
+        return self._size
+
+    def run(
+        self,
+        algo: Algorithm,
+        server: ServerState,
+        trainer: Trainer | None,
+        mine: list[int],
+        get: Callable[[int], ClientState],
+        data: Callable[[int], ClientData],
+        context: Callable[[int], ClientContext],
+    ) -> Iterator[Outcome]:
+        """Each participant's outcome, in ``mine`` order (``get`` reads a client state)."""
+        size = self.group_size(algo, trainer, data(mine[0])) if mine and self.setting != 1 else 1
+        if size == 1 or trainer is None:
+            for k in mine:
+                yield _one(algo, server, get(k), data(k), context(k))
+            return
+        for first in range(0, len(mine), size):
+            group = mine[first : first + size]
+            yield from self._group(algo, server, trainer, group, get, data, context)
+
+    def _group(
+        self,
+        algo: Algorithm,
+        server: ServerState,
+        trainer: Trainer,
+        group: list[int],
+        get: Callable[[int], ClientState],
+        data: Callable[[int], ClientData],
+        context: Callable[[int], ClientContext],
+    ) -> Iterator[Outcome]:
+        states = [get(k) for k in group]
+        datas = [data(k) for k in group]
+        ctxs = [context(k) for k in group]
+        tasks = [algo.local_task(server, s, d, c) for s, d, c in zip(states, datas, ctxs, strict=True)]
+        if any(t is None for t in tasks):
+            self._say(f"client_batch: {algo.name} trains its clients one by one ({algo.unbatched_reason})")
+            for s, d, c in zip(states, datas, ctxs, strict=True):
+                yield _one(algo, server, s, d, c)
+            return
+        declared: list[LocalTask] = [t for t in tasks if t is not None]
+        if len(group) == 1 or not trainer.can_batch(declared):
+            if len(group) > 1:
+                self._say(f"client_batch: {algo.name}'s local tasks bring their own loss; trained one by one")
+            for k, t, d, c in zip(group, declared, datas, ctxs, strict=True):
+                try:
+                    y, result = trainer.run(t, d, c.generator)
+                except NonFiniteLoss:
+                    yield k, None, None
+                    continue
+                yield (k, *t.finish(y, result))
+            return
+        trained = trainer.run_many(declared, datas, [c.generator for c in ctxs])
+        for k, t, (y, result) in zip(group, declared, trained, strict=True):
+            if not result.finite:
+                yield k, None, None
+            else:
+                yield (k, *t.finish(y, result))
+
+
+def _one(
+    algo: Algorithm, server: ServerState, state: ClientState, data: ClientData, ctx: ClientContext
+) -> Outcome:
+    try:
+        upload, new = algo.client_update(server, state, data, ctx)
+    except NonFiniteLoss:
+        return data.k, None, None
+    return data.k, upload, new
+
+
+def auto_client_batch(trainer: Trainer, data: ClientData, *, memory_share: float) -> tuple[int, str]:
+    """The group size ``auto`` chooses, and why: as many clients as fit ``memory_share`` of the
+    device's memory (a GPU's total memory; on the CPU the node's physical memory over the ranks on
+    it), with one client's need measured: its state vectors (parameters, gradient, direction,
+    momentum, correction: 5 × S floats), its samples, and the activations of one mini-batch (the
+    outputs of every module in a forward pass, kept twice for the backward). Fixed by the device
+    and model, so a resumed run groups clients as the uninterrupted one did."""
+    flat = trainer.flat
+    device = flat.vector.device
+    elem = flat.vector.element_size()
+    b = min(trainer.schedule.batch_size, data.n)
+    acts = _activation_numel(flat.model, data.x[:b]) * 2 * elem
+    per_client = 5 * flat.size * elem + data.x[0].numel() * data.x.element_size() * data.n + acts
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        total //= _local_ranks()
+    n = int(max(1, min(AUTO_MAX, memory_share * total // max(per_client, 1))))
+    return (
+        n,
+        f"{per_client / 2**20:.1f} MiB per client measured, {memory_share:.0%} of {total / 2**30:.0f} GiB",
+    )
+
+
+def _activation_numel(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Elements of every leaf module's output in one forward pass of ``x`` (no autograd)."""
+    count = [0]
+
+    def hook(_m: torch.nn.Module, _i: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            count[0] += out.numel()
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    training = model.training
+    try:
+        model.eval()  # no running-statistics update
+        with torch.no_grad():
+            model(x)
+    finally:
+        model.train(training)
+        for h in handles:
+            h.remove()
+    return count[0]
