@@ -176,14 +176,16 @@ def test_algorithms_without_a_local_task_fall_back_with_one_line(tmp_path: Path,
     assert len(lines) == 1 and "moon" in lines[0] and "previous" in lines[0], lines
 
 
-def test_auto_picks_a_group_size_and_matches_sequential(tmp_path: Path, caplog) -> None:
+def test_auto_on_the_cpu_trains_one_by_one_and_says_so(tmp_path: Path, caplog) -> None:
+    """Batching does not pay on the CPU (grouped convolutions): ``auto`` is the sequential path."""
     finals = {}
     with caplog.at_level(logging.WARNING, logger="hpcfl.runner"):
         for n in ("1", "auto"):
             cfg = _config(tmp_path, algorithm="scaffold", client_batch=n)
             finals[n] = run_experiment(cfg, tmp_path / f"r{n}").server.x
-    assert _rel(finals["auto"], finals["1"]) < RTOL
-    assert any("client_batch auto:" in r.getMessage() for r in caplog.records)
+    assert torch.equal(finals["auto"], finals["1"])
+    lines = [r.getMessage() for r in caplog.records if "client_batch auto:" in r.getMessage()]
+    assert len(lines) == 1 and "auto: groups of 1" in lines[0] and "CPU" in lines[0], lines
 
 
 def test_resumed_batched_run_is_bit_identical(tmp_path: Path) -> None:
@@ -194,3 +196,36 @@ def test_resumed_batched_run_is_bit_identical(tmp_path: Path) -> None:
     run_experiment(_config(tmp_path, rounds=2, **keys), tmp_path / "part")
     resumed = run_experiment(_config(tmp_path, rounds=4, **keys), tmp_path / "part", resume=True).server.x
     assert torch.equal(resumed, whole)
+
+
+@pytest.mark.mpi
+def test_two_ranks_each_batching_their_own_participants_equal_one_rank_sequential(tmp_path: Path) -> None:
+    """Under MPI each rank batches the participants placed on it (here 3 of 6 per rank, SCAFFOLD's
+    control-variate form with 4 of 6 sampled per round); the result equals sequential training on
+    one process to 1e-5."""
+    import os
+    import subprocess
+
+    from tests.helpers import REPO, final_state, mpiexec_cmd
+
+    keys = dict(algorithm="scaffold", partition="dir:0.5", momentum=0.5, clients_per_round=4, rounds=3)
+    one = run_experiment(_config(tmp_path, client_batch="1", **keys), tmp_path / "one").server.x
+    cfg = synthetic_config(
+        tmp_path,
+        num_clients=6,
+        local_epochs=1,
+        batch_size=32,
+        dataset_options={"n_train": 600, "n_test": 100, "seed": 3},
+        eval_every=2,
+        client_batch="3",
+        **keys,
+    )
+    proc = subprocess.run(
+        mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(tmp_path / "two")),
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert _rel(final_state(tmp_path / "two"), one) < RTOL

@@ -102,22 +102,26 @@ class _Slots:
                     off += buf.numel()
         return _Slots(tuple(names), tuple(shapes), tuple(offsets), flat.num_params)
 
-    def tensors(self, params: torch.Tensor, state: torch.Tensor) -> tuple[dict[str, torch.Tensor], list]:
-        """Per-slot (G, *shape) tensors: views of ``params`` (G, P) for the parameters, contiguous
-        copies of ``state``'s buffer columns (vmap's BatchNorm rule updates only contiguous running
-        statistics in place); returns the dict and the (offset, buffer) pairs to write back."""
-        G = params.shape[0]
+    def tensors(self, state: torch.Tensor) -> tuple[dict[str, torch.Tensor], list, list]:
+        """Per-slot (G, *shape) tensors of the stacked states ``state`` (G, S): the parameters as
+        leaves that share ``state``'s storage (one leaf per tensor: views of one big leaf would each
+        send a zero-filled (G, P) gradient through autograd), the float buffers as contiguous copies
+        (vmap's BatchNorm rule updates only contiguous running statistics in place). Returns the dict,
+        the parameter leaves (in vector order) and the (offset, buffer) pairs to write back."""
+        G = state.shape[0]
         out: dict[str, torch.Tensor] = {}
-        back = []
+        leaves, back = [], []
         for name, shape, off in zip(self.names, self.shapes, self.offsets, strict=True):
             n = shape.numel()
             if off < self.num_params:
-                out[name] = params[:, off : off + n].view(G, *shape)
+                leaf = state[:, off : off + n].detach().view(G, *shape).requires_grad_(True)
+                out[name] = leaf
+                leaves.append(leaf)
             else:
                 buf = state[:, off : off + n].reshape(G, *shape).clone()
                 out[name] = buf
                 back.append((off, buf))
-        return out, back
+        return out, leaves, back
 
 
 def batched_local_sgd(
@@ -163,10 +167,10 @@ def batched_local_sgd(
             every = len(rows) == K
             state = W if every else W[rows]  # (G, S): a view when every client steps, else a copy
             idx = torch.stack([batches[i][step] + starts[i] for i in rows]).to(X.device)  # (G, b)
-            params = state[:, :P].detach().requires_grad_(True)  # (G, P)
-            tensors, buffers = slots.tensors(params, state)
+            tensors, leaves, buffers = slots.tensors(state)
             losses = batched_loss(tensors, X[idx], Y[idx])  # (G,)
             ok = torch.isfinite(losses.detach())
+            keep = None
             if not bool(ok.all()):
                 for j in torch.nonzero(~ok).flatten().tolist():
                     finite[rows[j]] = False
@@ -174,11 +178,10 @@ def batched_local_sgd(
                 keep = torch.nonzero(ok).flatten()
                 if keep.numel() == 0:
                     continue
-                (grad,) = torch.autograd.grad(losses[keep].sum(), params)
-                rows_kept = [rows[j] for j in keep.tolist()]
-            else:
-                (grad,) = torch.autograd.grad(losses.sum(), params)
-                rows_kept, keep = rows, None
+            total = losses.sum() if keep is None else losses[keep].sum()
+            grads = torch.autograd.grad(total, leaves)
+            grad = torch.cat([g.reshape(len(rows), -1) for g in grads], dim=1)  # (G, P)
+            rows_kept = rows if keep is None else [rows[j] for j in keep.tolist()]
             w = state[:, :P]
             d = grad.add(w, alpha=schedule.weight_decay) if schedule.weight_decay else grad  # (G, P)
             _correct(d, w, rows, jobs, shifts, pulls, anchor)
