@@ -118,7 +118,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("partition", "momentum"), [("iid", 0.0), ("dir:0.5", 0.5)])
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+@pytest.mark.parametrize("partition", ["iid", "dir:0.5"])
 @pytest.mark.parametrize(("algorithm", "extra"), CASES)
 def test_runs_with_client_batch_equal_sequential(
     tmp_path: Path, algorithm: str, extra: dict, partition: str, momentum: float

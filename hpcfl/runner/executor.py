@@ -69,7 +69,8 @@ class ClientExecutor:
         context: Callable[[int], ClientContext],
     ) -> Iterator[Outcome]:
         """Each participant's outcome, in ``mine`` order (``get`` reads a client state)."""
-        size = self.group_size(algo, trainer, data(mine[0])) if mine and self.setting != 1 else 1
+        batched = bool(mine) and self.setting != 1 and trainer is not None
+        size = self.group_size(algo, trainer, data(mine[0])) if batched else 1
         if size == 1 or trainer is None:
             for k in mine:
                 yield _one(algo, server, get(k), data(k), context(k))
