@@ -230,3 +230,19 @@ def test_two_ranks_each_batching_their_own_participants_equal_one_rank_sequentia
     )
     assert proc.returncode == 0, proc.stderr
     assert _rel(final_state(tmp_path / "two"), one) < RTOL
+
+
+def test_a_diverging_client_does_not_disturb_the_others() -> None:
+    """A client whose loss is NaN (an inf in its samples) comes back not finite; the others in
+    its vectorised step train exactly as they would alone."""
+    shape = (1, 12, 12)
+    torch.manual_seed(0)
+    flat = FlatModel(build_model("mlp", shape, 10))
+    schedule = LocalSchedule(lr=0.05, batch_size=8, epochs=1, momentum=0.9)
+    jobs = _jobs(flat, [16, 16, 16], shape, "linear")
+    jobs[1].x[3] = float("inf")
+    W, results = batched_local_sgd(flat, jobs, schedule, cross_entropy_loss)
+    assert [r.finite for r in results] == [True, False, True]
+    fresh = _regenerate(jobs)
+    reference = _sequential(flat, [fresh[0], fresh[2]], schedule)
+    assert _rel(W[0], reference[0]) < RTOL and _rel(W[2], reference[1]) < RTOL
