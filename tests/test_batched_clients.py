@@ -246,3 +246,16 @@ def test_a_diverging_client_does_not_disturb_the_others() -> None:
     fresh = _regenerate(jobs)
     reference = _sequential(flat, [fresh[0], fresh[2]], schedule)
     assert _rel(W[0], reference[0]) < RTOL and _rel(W[2], reference[1]) < RTOL
+
+
+def test_client_footprint_counts_states_samples_and_activations() -> None:
+    """What ``auto`` sizes GPU groups by, for the MLP (784 → 100 → ReLU → 10) at batch 8 over
+    20 samples: 5 state vectors, the samples, and the leaf outputs of one batch twice."""
+    from hpcfl.algorithms import ClientData, Trainer
+    from hpcfl.runner.executor import client_footprint
+
+    flat = FlatModel(build_model("mlp", (1, 28, 28), 10))
+    trainer = Trainer(flat, LocalSchedule(lr=0.1, batch_size=8))
+    data = ClientData(0, torch.randn(20, 1, 28, 28), torch.zeros(20, dtype=torch.long))
+    acts = 8 * (100 + 100 + 10)  # fc1, relu1, classifier
+    assert client_footprint(trainer, data) == 4 * (5 * flat.size + 20 * 784 + 2 * acts)

@@ -142,20 +142,27 @@ def auto_client_batch(trainer: Trainer, data: ClientData, *, memory_share: float
     forward pass, kept twice for the backward). Fixed by the device and the model, so a resumed
     run groups clients as the uninterrupted one did.
     """
-    flat = trainer.flat
-    device = flat.vector.device
+    device = trainer.flat.vector.device
     if device.type != "cuda":
         return 1, "on the CPU one client at a time is faster than vectorised groups"
-    elem = flat.vector.element_size()
-    b = min(trainer.schedule.batch_size, data.n)
-    acts = _activation_numel(flat.model, data.x[:b]) * 2 * elem
-    per_client = 5 * flat.size * elem + data.x[0].numel() * data.x.element_size() * data.n + acts
+    per_client = client_footprint(trainer, data)
     total = torch.cuda.get_device_properties(device).total_memory
     n = int(max(1, min(AUTO_MAX, memory_share * total // max(per_client, 1))))
     return (
         n,
         f"{per_client / 2**20:.1f} MiB per client measured, {memory_share:.0%} of {total / 2**30:.0f} GiB",
     )
+
+
+def client_footprint(trainer: Trainer, data: ClientData) -> int:
+    """Bytes one client adds to a vectorised group: 5 state-sized vectors (state, gradient,
+    direction, momentum, correction), its samples, and one mini-batch's activations (every leaf
+    module's output in a forward pass, counted twice: kept for and produced by the backward)."""
+    flat = trainer.flat
+    elem = flat.vector.element_size()
+    b = min(trainer.schedule.batch_size, data.n)
+    acts = _activation_numel(flat.model, data.x[:b]) * 2 * elem
+    return 5 * flat.size * elem + data.x[0].numel() * data.x.element_size() * data.n + acts
 
 
 def _activation_numel(model: torch.nn.Module, x: torch.Tensor) -> int:
