@@ -221,8 +221,9 @@ def main() -> None:
     parser.add_argument(
         "--batches",
         nargs="+",
-        default=["10", "100", "all", "auto"],
-        help="group sizes beside 1 (all = K, auto)",
+        default=None,
+        help="group sizes beside 1: numbers, all (= K), auto (default: 10 100 all, and auto on a GPU; "
+        "auto is 1 on the CPU)",
     )
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (CPU)")
@@ -235,6 +236,8 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/batched_clients")
     args = parser.parse_args()
+    if args.batches is None:
+        args.batches = ["10", "100", "all"] + (["auto"] if args.device.startswith("cuda") else [])
     if args.quick:
         args.models, args.clients, args.repeats = ["simplecnn"], [4, 8], 1
         args.batches = ["3", "all"]
@@ -245,6 +248,20 @@ def main() -> None:
     rows = run_grid(args)
     print()
     print(table(rows))
+    print()
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for clients in dict.fromkeys(r["clients"] for r in rows):
+            batched = [
+                r
+                for r in rows
+                if r["model"] == model and r["clients"] == clients and r["client_batch"] != "1"
+            ]
+            if batched:
+                best = max(batched, key=lambda r: r["ratio_vs_sequential"])
+                print(
+                    f"{model}, {clients} clients: best batched / sequential = {best['ratio_vs_sequential']:.2f}x "
+                    f"(client_batch {best['client_batch']}, {best['peak_mib']:.0f} MiB peak)"
+                )
     tag = f"{args.device}_{args.threads}t" if args.device == "cpu" else args.device
     with open(out / f"batched_clients_{tag}.csv", "w", newline="") as fh:
         fields = [k for k in rows[0] if k != "samples_per_s_all"]

@@ -189,10 +189,14 @@ def test_auto_on_the_cpu_trains_one_by_one_and_says_so(tmp_path: Path, caplog) -
     assert len(lines) == 1 and "auto: groups of 1" in lines[0] and "CPU" in lines[0], lines
 
 
-def test_resumed_batched_run_is_bit_identical(tmp_path: Path) -> None:
-    """SCAFFOLD (client states) with momentum, groups of 4 over 6 clients (two groups of unequal
-    size): 2 rounds, then a resume to 4, equals 4 rounds in one go bit for bit."""
-    keys = dict(algorithm="scaffold", partition="dir:0.5", momentum=0.5, client_batch="4")
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_resumed_batched_run_is_bit_identical(tmp_path: Path, store: str) -> None:
+    """SCAFFOLD (client states, in memory or read ahead from the on-disk store) with momentum,
+    groups of 4 over 6 clients (two groups of unequal size): 2 rounds, then a resume to 4, equals
+    4 rounds in one go bit for bit."""
+    keys = dict(
+        algorithm="scaffold", partition="dir:0.5", momentum=0.5, client_batch="4", client_state_memory=store
+    )
     whole = run_experiment(_config(tmp_path, rounds=4, **keys), tmp_path / "whole").server.x
     run_experiment(_config(tmp_path, rounds=2, **keys), tmp_path / "part")
     resumed = run_experiment(_config(tmp_path, rounds=4, **keys), tmp_path / "part", resume=True).server.x
