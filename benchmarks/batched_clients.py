@@ -75,7 +75,7 @@ def measure(
     data = {k: ClientData(k, ds.train.x[p].to(dev), ds.train.y[p].to(dev)) for k, p in enumerate(parts)}
     population = Population(tuple(int(p.numel()) for p in parts))
     setting = clients if batch == "all" else batch
-    executor = ClientExecutor(setting)
+    executor = ClientExecutor(setting, largest=max(population.sizes))
 
     def sync() -> None:
         if dev.type == "cuda":

@@ -253,13 +253,14 @@ def test_a_diverging_client_does_not_disturb_the_others() -> None:
 
 
 def test_client_footprint_counts_states_samples_and_activations() -> None:
-    """What ``auto`` sizes GPU groups by, for the MLP (784 → 100 → ReLU → 10) at batch 8 over
-    20 samples: 5 state vectors, the samples, and the leaf outputs of one batch twice."""
-    from hpcfl.algorithms import ClientData, Trainer
+    """What ``auto`` sizes GPU groups by, for the MLP (784 → 100 → ReLU → 10) at batch 8 and a
+    client of 20 samples: 5 state vectors, the samples, and the leaf outputs of one batch twice."""
+    from hpcfl.algorithms import Trainer
     from hpcfl.runner.executor import client_footprint
 
     flat = FlatModel(build_model("mlp", (1, 28, 28), 10))
     trainer = Trainer(flat, LocalSchedule(lr=0.1, batch_size=8))
-    data = ClientData(0, torch.randn(20, 1, 28, 28), torch.zeros(20, dtype=torch.long))
     acts = 8 * (100 + 100 + 10)  # fc1, relu1, classifier
-    assert client_footprint(trainer, data) == 4 * (5 * flat.size + 20 * 784 + 2 * acts)
+    assert client_footprint(trainer, torch.randn(1, 1, 28, 28), 20) == 4 * (
+        5 * flat.size + 20 * 784 + 2 * acts
+    )

@@ -39,9 +39,10 @@ Outcome = tuple[int, Upload | None, ClientState | None]
 class ClientExecutor:
     """Trains a rank's participants of one round and yields each one's outcome in order."""
 
-    def __init__(self, setting: int | str = 1, *, rank: int = 0) -> None:
+    def __init__(self, setting: int | str = 1, *, rank: int = 0, largest: int = 1) -> None:
         self.setting = setting
         self.rank = rank
+        self.largest = largest  # samples of the population's largest client (sizes ``auto``)
         self._size: int | None = setting if isinstance(setting, int) else None
         self._said: set[str] = set()
 
@@ -51,10 +52,13 @@ class ClientExecutor:
             log.warning("hpcfl: %s", line)
 
     def group_size(self, algo: Algorithm, trainer: Trainer | None, data: ClientData) -> int:
-        """N for this run (``auto`` is resolved once, from the first participant's data)."""
+        """N for this run. ``auto`` is resolved once, from the shape of ``data``'s samples and the
+        largest client's size, so every rank and a resumed run find the same N."""
         if self._size is None:
             assert trainer is not None
-            self._size, why = auto_client_batch(trainer, data, memory_share=AUTO_MEMORY_SHARE)
+            self._size, why = auto_client_batch(
+                trainer, data.x[:1], self.largest, memory_share=AUTO_MEMORY_SHARE
+            )
             self._say(f"client_batch auto: groups of {self._size} ({why})")
         return self._size
 
@@ -128,7 +132,9 @@ def _one(
     return data.k, upload, new
 
 
-def auto_client_batch(trainer: Trainer, data: ClientData, *, memory_share: float) -> tuple[int, str]:
+def auto_client_batch(
+    trainer: Trainer, sample: torch.Tensor, n: int, *, memory_share: float
+) -> tuple[int, str]:
     """The group size ``auto`` chooses, and why.
 
     On the CPU: 1. Batching does not pay there: vmap turns a convolution with per-client weights
@@ -137,15 +143,14 @@ def auto_client_batch(trainer: Trainer, data: ClientData, *, memory_share: float
     simplecnn 0.63×, the MLP 0.73× the sequential speed).
 
     On a GPU: as many clients as fit ``memory_share`` of its total memory, with one client's need
-    measured: its state vectors (parameters, gradient, direction, momentum, correction: 5 × S
-    floats), its samples, and the activations of one mini-batch (the outputs of every module in a
-    forward pass, kept twice for the backward). Fixed by the device and the model, so a resumed
-    run groups clients as the uninterrupted one did.
+    measured by :func:`client_footprint` for a client of ``n`` samples shaped like ``sample``
+    (1, ...). Fixed by the device, the model and the data, so a resumed run groups clients as the
+    uninterrupted one did.
     """
     device = trainer.flat.vector.device
     if device.type != "cuda":
         return 1, "on the CPU one client at a time is faster than vectorised groups"
-    per_client = client_footprint(trainer, data)
+    per_client = client_footprint(trainer, sample, n)
     total = torch.cuda.get_device_properties(device).total_memory
     n = int(max(1, min(AUTO_MAX, memory_share * total // max(per_client, 1))))
     return (
@@ -154,15 +159,16 @@ def auto_client_batch(trainer: Trainer, data: ClientData, *, memory_share: float
     )
 
 
-def client_footprint(trainer: Trainer, data: ClientData) -> int:
-    """Bytes one client adds to a vectorised group: 5 state-sized vectors (state, gradient,
-    direction, momentum, correction), its samples, and one mini-batch's activations (every leaf
-    module's output in a forward pass, counted twice: kept for and produced by the backward)."""
+def client_footprint(trainer: Trainer, sample: torch.Tensor, n: int) -> int:
+    """Bytes a client of ``n`` samples shaped like ``sample`` (1, ...) adds to a vectorised group:
+    5 state-sized vectors (state, gradient, direction, momentum, correction), its samples, and one
+    full mini-batch's activations (every leaf module's output in a forward pass, counted twice:
+    kept for and produced by the backward)."""
     flat = trainer.flat
     elem = flat.vector.element_size()
-    b = min(trainer.schedule.batch_size, data.n)
-    acts = _activation_numel(flat.model, data.x[:b]) * 2 * elem
-    return 5 * flat.size * elem + data.x[0].numel() * data.x.element_size() * data.n + acts
+    batch = sample.expand(trainer.schedule.batch_size, *sample.shape[1:])
+    acts = _activation_numel(flat.model, batch) * 2 * elem
+    return 5 * flat.size * elem + sample.numel() * sample.element_size() * n + acts
 
 
 def _activation_numel(model: torch.nn.Module, x: torch.Tensor) -> int:

@@ -241,7 +241,9 @@ def run_rounds(
     ex = algo.exchange(dtype)
     bdtype = buffer_dtype(plan, dtype)
     upload_bytes = sum(s.nbytes for s in ex.sums)
-    executor = ClientExecutor(plan.client_batch, rank=comm.rank)
+    executor = ClientExecutor(
+        plan.client_batch, rank=comm.rank, largest=max(plan.population.sizes, default=1)
+    )
     done = start
     for rnd in range(start, stop):
         t0 = time.perf_counter()
