@@ -97,21 +97,8 @@ def measure(
 
     ids = list(range(clients))
     group = executor.group_size(algo, trainer, data[0]) if setting != 1 else 1
-    one_round(ids[:group], 0)  # warm-up: kernels, allocator, vmap tracing
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-    else:
-        base = _rss_bytes()
-    t0 = time.perf_counter()
-    total = one_round(ids, 1)
-    seconds = time.perf_counter() - t0
-    if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(dev) - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     samples = sum(population.sizes)
-    return {
+    row = {
         "model": model_name,
         "clients": clients,
         "client_batch": str(batch),
@@ -119,11 +106,45 @@ def measure(
         "device": device,
         "threads": threads,
         "samples": samples,
+    }
+    try:
+        one_round(ids[:group], 0)  # warm-up: kernels, allocator, vmap tracing
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+        else:
+            base = _rss_bytes()
+        t0 = time.perf_counter()
+        total = one_round(ids, 1)
+        seconds = time.perf_counter() - t0
+    except torch.cuda.OutOfMemoryError:  # a group too large for the GPU: reported, not fatal
+        return {
+            **row,
+            "seconds": float("nan"),
+            "samples_per_s": float("nan"),
+            "peak_mib": float("nan"),
+            "sum": None,
+            "note": "out of GPU memory",
+        }
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev) - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {
+        **row,
         "seconds": seconds,
         "samples_per_s": samples / seconds,
         "peak_mib": max(peak, 0) / 2**20,
         "sum": total.cpu(),
+        "note": "",
     }
+
+
+def _rel_diff(a: Any, ref: Any) -> float:
+    """max |a − ref| / max |ref| (NaN when either run did not finish)."""
+    if a is None or ref is None:
+        return float("nan")
+    return float(((a - ref).abs().max() / ref.abs().max()).item())
 
 
 def _rss_bytes() -> int:
@@ -168,7 +189,7 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "samples_per_s_all": [r["samples_per_s"] for r in reps],
                         "ratio_vs_sequential": statistics.median(r["samples_per_s"] for r in reps) / seq,
                         "peak_mib": max(r["peak_mib"] for r in reps),
-                        "max_rel_diff": float(((best["sum"] - ref).abs().max() / ref.abs().max()).item()),
+                        "max_rel_diff": _rel_diff(best["sum"], ref),
                     }
                 )
     return rows
@@ -176,13 +197,13 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | clients | client_batch | group | samples/s | × sequential | peak MiB | rel. diff |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| model | clients | client_batch | group | samples/s | × sequential | peak MiB | rel. diff | note |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['clients']} | {r['client_batch']} | {r['group']} | {r['samples_per_s']:,.0f} | "
-            f"{r['ratio_vs_sequential']:.2f} | {r['peak_mib']:.0f} | {r['max_rel_diff']:.1e} |"
+            f"{r['ratio_vs_sequential']:.2f} | {r['peak_mib']:.0f} | {r['max_rel_diff']:.1e} | {r['note']} |"
         )
     return "\n".join(lines)
 
@@ -255,6 +276,7 @@ def main() -> None:
                 r
                 for r in rows
                 if r["model"] == model and r["clients"] == clients and r["client_batch"] != "1"
+                if r["ratio_vs_sequential"] == r["ratio_vs_sequential"]  # not NaN (out of memory)
             ]
             if batched:
                 best = max(batched, key=lambda r: r["ratio_vs_sequential"])
@@ -263,6 +285,7 @@ def main() -> None:
                     f"(client_batch {best['client_batch']}, {best['peak_mib']:.0f} MiB peak)"
                 )
     tag = f"{args.device}_{args.threads}t" if args.device == "cpu" else args.device
+    tag += "_" + "-".join(args.models)
     with open(out / f"batched_clients_{tag}.csv", "w", newline="") as fh:
         fields = [k for k in rows[0] if k != "samples_per_s_all"]
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
