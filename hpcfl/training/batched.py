@@ -207,10 +207,12 @@ def batched_local_sgd(
             loss_sum[rows_kept] += losses.detach()[keep if keep is not None else slice(None)].to(
                 torch.float64
             )
+    rows_finite = torch.isfinite(W).all(dim=1).tolist()  # one device sync for all clients
+    sums = loss_sum.tolist()
     results = []
     for i in range(K):
-        ok = finite[i] and bool(torch.isfinite(W[i]).all())
-        loss = float(loss_sum[i]) / max(steps[i], 1) if ok else float("nan")
+        ok = finite[i] and rows_finite[i]
+        loss = sums[i] / max(steps[i], 1) if ok else float("nan")
         results.append(LocalResult(loss=loss, steps=steps[i], finite=ok))
     return W, results
 
