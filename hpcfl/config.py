@@ -63,6 +63,7 @@ class Config:
     participation_weighting: str = "uniform"  # uniform | size (probability proportional to n_k)
     reduction: str = "float64"  # float64: the round's sum is placement-independent | float32: half the bytes
     client_state_memory: str = "auto"  # auto | memory | disk | a byte budget, e.g. 2GB
+    client_batch: str = "1"  # participants trained as one vectorised step: 1 (one by one) | N | auto
     params: Any = None  # the algorithm's hyper-parameters (its frozen Params dataclass)
 
     def __post_init__(self) -> None:
@@ -151,6 +152,7 @@ RESUMABLE_KEYS = frozenset(
         "comm",
         "progress",
         "client_state_memory",
+        "client_batch",  # results equal to float32 rounding (not bit for bit) across values
         "conformal",
         "conformal_calibration",
     }
@@ -386,6 +388,7 @@ def validate(cfg: Config) -> None:
         if value not in choices:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
     parse_memory_budget(cfg.client_state_memory)
+    parse_client_batch(cfg.client_batch)
     if cfg.algorithm != "tct":
         return
     s2 = cfg.stage2
@@ -459,6 +462,20 @@ def _validate_run_name(name: str) -> None:
             f"config key 'name' must be a plain file name (no '/', '\\', newline or control "
             f"character, not '.', '..' or starting with '-'), got {name!r}"
         )
+
+
+def parse_client_batch(value: Any) -> int | str:
+    """``auto`` or a positive group size; a ConfigError naming the key otherwise."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != text:
+        raise ConfigError(f"config key 'client_batch' must be auto or a positive integer, got {value!r}")
+    return n
 
 
 def parse_memory_budget(value: str) -> int | str:

@@ -39,6 +39,8 @@ def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
         ("validation=1.5", ("'validation' must be in [0, 1)",)),
         ("lrr=0.1", ("unknown config key 'lrr'", "did you mean 'lr'")),
         ("stage2.solverr=primal", ("stage2.solverr", "stage2.solver")),
+        ("client_batch=0", ("client_batch", "auto or a positive integer")),
+        ("client_batch=all", ("client_batch", "auto or a positive integer")),
     ],
 )
 def test_bad_config_values(tmp_path, capsys, override, fragments):

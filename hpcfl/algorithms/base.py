@@ -8,6 +8,9 @@ steps over flat state vectors:
 - :meth:`Algorithm.participants` says who trains this round (a pure function of the round's
   generator, so it is the same on any number of ranks and after a resume);
 - :meth:`Algorithm.client_update` turns the server state into one participant's :class:`Upload`;
+  an algorithm whose local work is "local SGD from x0 with a gradient correction, then arithmetic
+  on the result" declares it as a :class:`LocalTask` (:meth:`Algorithm.local_task`) instead, so
+  the runner can train many participants in one vectorised step (``client_batch``);
 - :meth:`Algorithm.server_update` turns the :class:`Aggregate` into the next server state, on every
   rank identically, and may do "local product + one allreduce" work through ``ctx.reduce``;
 - :meth:`Algorithm.stages` lists the stages of a run (one by default; TCT declares two).
@@ -19,7 +22,7 @@ that the runner checkpoints as they are.
 from __future__ import annotations
 
 import dataclasses
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -28,8 +31,14 @@ import torch
 
 from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
+from hpcfl.training.batched import ClientJob, batched_local_sgd
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import Correction, LocalResult, LocalSchedule, LossFn, cross_entropy_loss, local_sgd
+
+P = TypeVar("P", bound="HyperParams")
+S = TypeVar("S", bound="ServerState")
+C = TypeVar("C", bound="ClientState")
+C_co = TypeVar("C_co", bound="ClientState", covariant=True)
 
 
 class NonFiniteLoss(Exception):
@@ -141,14 +150,18 @@ class Trainer:
         *,
         loss_fn: LossFn | None = None,
         correction: Correction | None = None,
+        schedule: LocalSchedule | None = None,
     ) -> tuple[torch.Tensor, LocalResult]:
-        """Local training from state ``x0``; returns the new state vector (a fresh tensor)."""
+        """Local training from state ``x0``; returns the new state vector (a fresh tensor).
+
+        ``schedule`` replaces the run's schedule for this call (FedPVR trains without momentum
+        and applies its own in the correction)."""
         self.flat.load(x0)
         result = local_sgd(
             self.flat,
             data.x,
             data.y,
-            self.schedule,
+            schedule or self.schedule,
             generator,
             loss_fn=loss_fn or self.loss_fn,
             correction=correction,
@@ -156,6 +169,46 @@ class Trainer:
         if not result.finite:
             raise NonFiniteLoss(f"client {data.k}: non-finite loss after {result.steps} local steps")
         return self.flat.vector.clone(), result
+
+    def run(
+        self, task: LocalTask, data: ClientData, generator: torch.Generator
+    ) -> tuple[torch.Tensor, LocalResult]:
+        """One declared local task, trained alone (exactly :meth:`train`)."""
+        return self.train(
+            task.x0, data, generator, loss_fn=task.loss_fn, correction=task.correction, schedule=task.schedule
+        )
+
+    def can_batch(self, tasks: Sequence[LocalTask]) -> bool:
+        """Whether :meth:`run_many` trains ``tasks`` in one vectorised run: they share one schedule
+        and none brings its own loss (a loss over extra per-client models does not vectorise)."""
+        return bool(tasks) and all(t.loss_fn is None and t.schedule == tasks[0].schedule for t in tasks)
+
+    def run_many(
+        self, tasks: Sequence[LocalTask], data: Sequence[ClientData], generators: Sequence[torch.Generator]
+    ) -> list[tuple[torch.Tensor, LocalResult]]:
+        """Several declared tasks trained together as one vectorised step per local step, each
+        equal to :meth:`run` up to float32 rounding. A client whose loss became NaN/inf comes back
+        with ``result.finite`` False (no exception: the others' results stand)."""
+        assert self.can_batch(tasks)
+        jobs = [
+            ClientJob(t.x0, d.x, d.y, g, t.correction)
+            for t, d, g in zip(tasks, data, generators, strict=True)
+        ]
+        W, results = batched_local_sgd(self.flat, jobs, tasks[0].schedule or self.schedule, self.loss_fn)
+        return [(W[i].clone(), r) for i, r in enumerate(results)]
+
+
+@dataclass
+class LocalTask(Generic[C_co]):
+    """A participant's local work, declared: local SGD from ``x0`` (with ``correction``, ``loss_fn``,
+    ``schedule`` as in :meth:`Trainer.train`), then ``finish(y, result)`` turns the trained state into
+    the upload and the new client state. The runner may train many tasks as one vectorised step."""
+
+    x0: torch.Tensor
+    finish: Callable[[torch.Tensor, LocalResult], tuple[Upload, C_co]]
+    correction: Correction | None = None
+    loss_fn: LossFn | None = None
+    schedule: LocalSchedule | None = None
 
 
 @dataclass(frozen=True)
@@ -208,11 +261,6 @@ class Stage:
     finish: Callable[[Any], None] | None = None  # called with a StageInput when the stage's rounds are done
 
 
-P = TypeVar("P", bound=HyperParams)
-S = TypeVar("S", bound=ServerState)
-C = TypeVar("C", bound=ClientState)
-
-
 class Algorithm(ABC, Generic[P, S, C]):
     """Base class: subclasses set ``name`` and ``Params`` and implement :meth:`client_update`.
 
@@ -222,6 +270,8 @@ class Algorithm(ABC, Generic[P, S, C]):
 
     name: ClassVar[str]
     Params: ClassVar[type[HyperParams]] = HyperParams
+    #: why the participants train one by one when :meth:`local_task` declares nothing
+    unbatched_reason: ClassVar[str] = "its local work is not a declared local task"
 
     def __init__(self, params: P, *, layout: StateLayout, participation: Participation | None = None) -> None:
         self.params: P = params
@@ -251,9 +301,19 @@ class Algorithm(ABC, Generic[P, S, C]):
         return ClientState()  # type: ignore[return-value]
 
     # -- the steps ---------------------------------------------------------------------------
-    @abstractmethod
+    def local_task(self, server: S, client: C, data: ClientData, ctx: ClientContext) -> LocalTask[C] | None:
+        """The participant's local work as a :class:`LocalTask`, or None when the algorithm trains
+        inside :meth:`client_update` (then the runner trains its participants one by one)."""
+        return None
+
     def client_update(self, server: S, client: C, data: ClientData, ctx: ClientContext) -> tuple[Upload, C]:
-        """Local work of one participant in one round."""
+        """Local work of one participant in one round (default: its :meth:`local_task`, trained alone)."""
+        task = self.local_task(server, client, data, ctx)
+        if task is None:
+            raise NotImplementedError(f"{type(self).__name__} must define client_update or local_task")
+        assert ctx.trainer is not None
+        y, result = ctx.trainer.run(task, data, ctx.generator)
+        return task.finish(y, result)
 
     def server_update(
         self, server: S, aggregate: Aggregate, ctx: ServerContext

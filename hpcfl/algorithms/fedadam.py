@@ -26,9 +26,9 @@ from hpcfl.algorithms.base import (
     ClientData,
     ClientState,
     HyperParams,
+    LocalTask,
     ServerContext,
     ServerState,
-    Upload,
 )
 from hpcfl.algorithms.fedavg import local_training
 from hpcfl.errors import ConfigError
@@ -90,10 +90,10 @@ class FedAdam(Algorithm[FedAdamParams, FedAdamServerState, ClientState]):
         P = self.num_params
         return FedAdamServerState(x=x0.clone(), m=x0.new_zeros(P), v=x0.new_full((P,), self.params.tau**2))
 
-    def client_update(
+    def local_task(
         self, server: FedAdamServerState, client: ClientState, data: ClientData, ctx: ClientContext
-    ) -> tuple[Upload, ClientState]:
-        return local_training(server, data, ctx), client
+    ) -> LocalTask[ClientState]:
+        return local_training(server, client, data)
 
     def server_update(
         self, server: FedAdamServerState, aggregate: Aggregate, ctx: ServerContext

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from hpcfl.algorithms.base import (
     Algorithm,
@@ -10,10 +11,12 @@ from hpcfl.algorithms.base import (
     ClientData,
     ClientState,
     HyperParams,
+    LocalTask,
     ServerState,
-    Upload,
     model_upload,
 )
+
+C = TypeVar("C", bound=ClientState)
 
 
 @dataclass(frozen=True)
@@ -21,18 +24,16 @@ class FedAvgParams(HyperParams):
     """FedAvg has no hyper-parameters beyond the local schedule."""
 
 
-def local_training(server: ServerState, data: ClientData, ctx: ClientContext) -> Upload:
+def local_training(server: ServerState, client: C, data: ClientData) -> LocalTask[C]:
     """FedAvg's client step: plain local SGD from the server model, the model uploaded."""
-    assert ctx.trainer is not None
-    x, result = ctx.trainer.train(server.x, data, ctx.generator)
-    return model_upload(x, data, result)
+    return LocalTask(server.x, lambda x, result: (model_upload(x, data, result), client))
 
 
 class FedAvg(Algorithm[FedAvgParams, ServerState, ClientState]):
     name = "fedavg"
     Params = FedAvgParams
 
-    def client_update(
+    def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
-    ) -> tuple[Upload, ClientState]:
-        return local_training(server, data, ctx), client
+    ) -> LocalTask[ClientState]:
+        return local_training(server, client, data)

@@ -40,12 +40,15 @@ from hpcfl.algorithms.base import (
     ClientData,
     ClientState,
     HyperParams,
+    LocalTask,
     ServerContext,
     ServerState,
     Upload,
     model_upload,
 )
 from hpcfl.errors import ConfigError
+from hpcfl.training.batched import LinearCorrection
+from hpcfl.training.sgd import LocalResult
 
 
 @dataclass(frozen=True)
@@ -98,33 +101,29 @@ class FedDyn(Algorithm[FedDynParams, FedDynServerState, FedDynClientState]):
     def init_client(self, k: int, server: FedDynServerState) -> FedDynClientState:
         return FedDynClientState()
 
-    def client_update(
+    def local_task(
         self, server: FedDynServerState, client: FedDynClientState, data: ClientData, ctx: ClientContext
-    ) -> tuple[Upload, FedDynClientState]:
-        trainer = ctx.trainer
-        assert trainer is not None
+    ) -> LocalTask[FedDynClientState]:
         alpha = self.params.alpha
-        if alpha == 0:  # the local problem is FedAvg's and g stays 0
-            y, result = trainer.train(server.x, data, ctx.generator)
+        uniform = self.params.weighting == "uniform"
+        P = self.num_params
+        anchor = server.x[:P]
+        g = client.g
+
+        def finish(y: torch.Tensor, result: LocalResult) -> tuple[Upload, FedDynClientState]:
             new = client
-        else:
-            P = self.num_params
-            anchor = server.x[:P]
-            g = client.g
+            if alpha != 0:
+                drift = y[:P] - anchor
+                new = FedDynClientState(g=(-alpha) * drift if g is None else g - alpha * drift)
+            upload = model_upload(y, data, result)
+            if uniform:
+                upload.weight = 1.0
+            return upload, new
 
-            def dynamic(w: torch.Tensor, d: torch.Tensor) -> None:
-                # ∇ of −⟨g_k, θ⟩ + (α/2)‖θ − θ^{t−1}‖²
-                if g is not None:
-                    d.sub_(g)
-                d.add_(w - anchor, alpha=alpha)
-
-            y, result = trainer.train(server.x, data, ctx.generator, correction=dynamic)
-            drift = y[:P] - anchor
-            new = FedDynClientState(g=(-alpha) * drift if g is None else g - alpha * drift)
-        upload = model_upload(y, data, result)
-        if self.params.weighting == "uniform":
-            upload.weight = 1.0
-        return upload, new
+        if alpha == 0:  # the local problem is FedAvg's and g stays 0
+            return LocalTask(server.x, finish)
+        # ∇ of −⟨g_k, θ⟩ + (α/2)‖θ − θ^{t−1}‖²
+        return LocalTask(server.x, finish, LinearCorrection(shift=g, pull=alpha, anchor=anchor))
 
     def server_update(
         self, server: FedDynServerState, aggregate: Aggregate, ctx: ServerContext

@@ -38,11 +38,13 @@ from hpcfl.algorithms.base import (
     ClientState,
     Exchange,
     HyperParams,
+    LocalTask,
     ServerContext,
     ServerState,
     SumSpec,
     Upload,
 )
+from hpcfl.training.sgd import LocalResult
 
 
 @dataclass(frozen=True)
@@ -72,20 +74,24 @@ class FedNova(Algorithm[FedNovaParams, ServerState, ClientState]):
             )
         )
 
-    def client_update(
+    def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
-    ) -> tuple[Upload, ClientState]:
+    ) -> LocalTask[ClientState]:
         trainer = ctx.trainer
         assert trainer is not None
-        y, result = trainer.train(server.x, data, ctx.generator)
-        a = local_norm(result.steps, trainer.schedule.momentum)
-        n = float(data.n)
-        upload = Upload(
-            sums={"x": y, "steps": y.new_tensor([n * a, n])},
-            weight=n / a,
-            metrics={"loss": result.loss, "tau": float(result.steps)},
-        )
-        return upload, client
+        momentum = trainer.schedule.momentum
+
+        def finish(y: torch.Tensor, result: LocalResult) -> tuple[Upload, ClientState]:
+            a = local_norm(result.steps, momentum)
+            n = float(data.n)
+            upload = Upload(
+                sums={"x": y, "steps": y.new_tensor([n * a, n])},
+                weight=n / a,
+                metrics={"loss": result.loss, "tau": float(result.steps)},
+            )
+            return upload, client
+
+        return LocalTask(server.x, finish)
 
     def server_update(
         self, server: ServerState, aggregate: Aggregate, ctx: ServerContext

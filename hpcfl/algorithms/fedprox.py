@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from hpcfl.algorithms.base import (
     Algorithm,
     ClientContext,
     ClientData,
     ClientState,
     HyperParams,
+    LocalTask,
     ServerState,
-    Upload,
     model_upload,
 )
+from hpcfl.training.batched import LinearCorrection
 
 
 @dataclass(frozen=True)
@@ -29,15 +28,8 @@ class FedProx(Algorithm[FedProxParams, ServerState, ClientState]):
     name = "fedprox"
     Params = FedProxParams
 
-    def client_update(
+    def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
-    ) -> tuple[Upload, ClientState]:
-        assert ctx.trainer is not None
-        anchor = server.x[: self.num_params]
-        mu = self.params.mu
-
-        def proximal(w: torch.Tensor, d: torch.Tensor) -> None:
-            d.add_(w - anchor, alpha=mu)
-
-        x, result = ctx.trainer.train(server.x, data, ctx.generator, correction=proximal)
-        return model_upload(x, data, result), client
+    ) -> LocalTask[ClientState]:
+        proximal = LinearCorrection(pull=self.params.mu, anchor=server.x[: self.num_params])
+        return LocalTask(server.x, lambda x, result: (model_upload(x, data, result), client), proximal)

@@ -44,9 +44,9 @@ from hpcfl.algorithms.base import (
     ClientState,
     Exchange,
     HyperParams,
+    LocalTask,
     ServerContext,
     SumSpec,
-    Trainer,
     Upload,
     model_upload,
 )
@@ -54,6 +54,7 @@ from hpcfl.algorithms.layout import Entry, StateLayout
 from hpcfl.algorithms.participation import Participation
 from hpcfl.algorithms.scaffold import ScaffoldServerState, correction_update
 from hpcfl.errors import ConfigError
+from hpcfl.training.sgd import LocalResult
 
 
 @dataclass(frozen=True)
@@ -216,31 +217,34 @@ class FedPVR(Algorithm[FedPVRParams, FedPVRServerState, FedPVRClientState]):
         return FedPVRClientState()
 
     # -- the steps ---------------------------------------------------------------------------
-    def client_update(
+    def local_task(
         self, server: FedPVRServerState, client: FedPVRClientState, data: ClientData, ctx: ClientContext
-    ) -> tuple[Upload, FedPVRClientState]:
+    ) -> LocalTask[FedPVRClientState]:
         trainer = ctx.trainer
         assert trainer is not None and server.c is not None
         if not self.mask_size:  # p = 0: FedAvg (Sec. 3.3)
-            y, result = trainer.train(server.x, data, ctx.generator)
-            return model_upload(y, data, result), client
+            return LocalTask(server.x, lambda y, result: (model_upload(y, data, result), client))
         steps = trainer.schedule.num_steps(data.n)
         lr = trainer.schedule.lr
-        c_k = client.c if client.c is not None else torch.zeros_like(server.c)
-        shift = c_k - server.c  # (v,)
+        c = server.c
+        c_k = client.c if client.c is not None else torch.zeros_like(c)
+        shift = c_k - c  # (v,)
         spans = self._packed
 
         def correct(d: torch.Tensor) -> None:
             for a, b, off in spans:
                 d[a:b].sub_(shift[off : off + b - a])
 
+        def finish(y: torch.Tensor, result: LocalResult) -> tuple[Upload, FedPVRClientState]:
+            c_new = correction_update(c_k - c, self.gather(server.x), self.gather(y), steps, lr)  # Eq. 7
+            upload = model_upload(y, data, result)
+            upload.sums["dc"] = c_new - c_k
+            return upload, FedPVRClientState(c=c_new)
+
         momentum = trainer.schedule.momentum
         if momentum and not self.params.momentum_on_corrected:
             # Momentum on the plain-SGD part only: train without the schedule's momentum and apply
             # it here, the same ops as local_sgd's buffer, then keep the corrected entries' own step.
-            plain = Trainer(
-                trainer.flat, dataclasses.replace(trainer.schedule, momentum=0.0), trainer.loss_fn
-            )
             keep = self.mask(server.x.device)
             buf: list[torch.Tensor] = []
 
@@ -252,13 +256,9 @@ class FedPVR(Algorithm[FedPVRParams, FedPVRServerState, FedPVRClientState]):
                     buf[0].mul_(momentum).add_(d)
                 d.copy_(torch.where(keep, d, buf[0]))
 
-            y, result = plain.train(server.x, data, ctx.generator, correction=split)
-        else:
-            y, result = trainer.train(server.x, data, ctx.generator, correction=lambda w, d: correct(d))
-        c_new = correction_update(c_k - server.c, self.gather(server.x), self.gather(y), steps, lr)  # Eq. 7
-        upload = model_upload(y, data, result)
-        upload.sums["dc"] = c_new - c_k
-        return upload, FedPVRClientState(c=c_new)
+            plain = dataclasses.replace(trainer.schedule, momentum=0.0)
+            return LocalTask(server.x, finish, split, schedule=plain)
+        return LocalTask(server.x, finish, lambda w, d: correct(d))
 
     def server_update(
         self, server: FedPVRServerState, aggregate: Aggregate, ctx: ServerContext

@@ -163,6 +163,7 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
 
     name = "ntkfl"
     Params = NTKFLParams
+    unbatched_reason = "its clients compute Jacobians, not local SGD"
 
     network: nn.Module | None = None  # the model the server evaluates candidates with (attach)
     validation: tuple[Tensor, Tensor] | None = None  # held-out clients' (x, y) (select: validation)

@@ -48,6 +48,7 @@ class PreviousModelAlgorithm(Algorithm[P, ServerState, S]):
     """Base of FedCKA and MOON; ``Params`` must have ``mu`` and ``cache_mb``."""
 
     State: type[PreviousModelState] = PreviousModelState
+    unbatched_reason = "its local loss runs the previous and the global model beside each client's"
 
     def __init__(self, params: P, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)

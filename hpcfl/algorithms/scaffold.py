@@ -29,6 +29,7 @@ from hpcfl.algorithms.base import (
     ClientState,
     Exchange,
     HyperParams,
+    LocalTask,
     ServerContext,
     ServerState,
     SumSpec,
@@ -36,6 +37,8 @@ from hpcfl.algorithms.base import (
     model_upload,
 )
 from hpcfl.errors import ConfigError
+from hpcfl.training.batched import LinearCorrection
+from hpcfl.training.sgd import LocalResult
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,9 @@ class Scaffold(Algorithm[ScaffoldParams, ScaffoldServerState, ScaffoldClientStat
     def init_client(self, k: int, server: ScaffoldServerState) -> ScaffoldClientState:
         return ScaffoldClientState()
 
-    def client_update(
+    def local_task(
         self, server: ScaffoldServerState, client: ScaffoldClientState, data: ClientData, ctx: ClientContext
-    ) -> tuple[Upload, ScaffoldClientState]:
+    ) -> LocalTask[ScaffoldClientState]:
         trainer = ctx.trainer
         assert trainer is not None
         P = self.num_params
@@ -109,17 +112,16 @@ class Scaffold(Algorithm[ScaffoldParams, ScaffoldServerState, ScaffoldClientStat
         lr = trainer.schedule.lr
         if self.control_variates:
             assert server.c is not None
-            c_k = client.h if client.h is not None else torch.zeros_like(server.c)
-            shift = c_k - server.c
+            c = server.c
+            c_k = client.h if client.h is not None else torch.zeros_like(c)
 
-            def cv(w: torch.Tensor, d: torch.Tensor) -> None:
-                d.sub_(shift)
+            def finish_cv(y: torch.Tensor, result: LocalResult) -> tuple[Upload, ScaffoldClientState]:
+                c_new = correction_update(c_k - c, server.x[:P], y[:P], steps, lr)
+                upload = model_upload(y, data, result)
+                upload.sums["dc"] = c_new - c_k
+                return upload, ScaffoldClientState(h=c_new)
 
-            y, result = trainer.train(server.x, data, ctx.generator, correction=cv)
-            c_new = correction_update(c_k - server.c, server.x[:P], y[:P], steps, lr)
-            upload = model_upload(y, data, result)
-            upload.sums["dc"] = c_new - c_k
-            return upload, ScaffoldClientState(h=c_new)
+            return LocalTask(server.x, finish_cv, LinearCorrection(shift=c_k - c))
         last = client.last_local[:P] if client.last_local is not None else None
         h = correction_update(
             client.h if client.h is not None else torch.zeros_like(server.x[:P]),
@@ -129,11 +131,10 @@ class Scaffold(Algorithm[ScaffoldParams, ScaffoldServerState, ScaffoldClientStat
             lr,
         )
 
-        def corrected(w: torch.Tensor, d: torch.Tensor) -> None:
-            d.sub_(h)
+        def finish(x: torch.Tensor, result: LocalResult) -> tuple[Upload, ScaffoldClientState]:
+            return model_upload(x, data, result), ScaffoldClientState(h=h, last_local=x)
 
-        x, result = trainer.train(server.x, data, ctx.generator, correction=corrected)
-        return model_upload(x, data, result), ScaffoldClientState(h=h, last_local=x)
+        return LocalTask(server.x, finish, LinearCorrection(shift=h))
 
     def server_update(
         self, server: ScaffoldServerState, aggregate: Aggregate, ctx: ServerContext

@@ -17,9 +17,9 @@ from hpcfl.algorithms.base import (
     ClientData,
     ClientState,
     HyperParams,
+    LocalTask,
     ServerState,
     Stage,
-    Upload,
 )
 from hpcfl.algorithms.fedavg import local_training
 from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
@@ -39,10 +39,10 @@ class TCT(Algorithm[TCTParams, ServerState, ClientState]):
     name = "tct"
     Params = TCTParams
 
-    def client_update(
+    def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
-    ) -> tuple[Upload, ClientState]:
-        return local_training(server, data, ctx), client
+    ) -> LocalTask[ClientState]:
+        return local_training(server, client, data)
 
     def stages(self) -> Sequence[Stage]:
         from hpcfl.tct.features import check_features_fit

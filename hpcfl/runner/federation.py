@@ -17,7 +17,7 @@ from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Tra
 from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.comm import Communicator, place_clients
-from hpcfl.config import Config
+from hpcfl.config import Config, parse_client_batch
 from hpcfl.data import Dataset, load_dataset, partition
 from hpcfl.errors import ConfigError
 from hpcfl.metrics.conformal import conformal_metrics
@@ -146,6 +146,7 @@ def model_plan(fed: Federation) -> RoundPlan:
         lr_hint=f" (lr is {fed.cfg.lr})",
         similarity=LayerSimilarity.for_federation(fed) if fed.cfg.cka_metrics else None,
         drift=drift_of(fed) if fed.cfg.drift_diversity else None,
+        client_batch=parse_client_batch(fed.cfg.client_batch),
     )
 
 

@@ -6,7 +6,8 @@ algorithm:
 
 1. the participants are drawn from a generator that depends only on (seed, stage, round) and placed
    on ranks balanced by sample count (any rank can train any client);
-2. each rank runs its participants' local updates and adds their uploads into one buffer
+2. each rank runs its participants' local updates (one by one, or ``client_batch`` at a time as one
+   vectorised step: :mod:`hpcfl.runner.executor`) and adds their uploads into one buffer
    (:class:`~hpcfl.runner.buffer.BufferLayout`); with ``reduction: float64`` it accumulates in
    float64 and rounds once after the allreduce, so the result does not depend on how participants
    are placed on ranks (bit-identical on 1, 2 or 3 ranks);
@@ -17,6 +18,7 @@ algorithm:
 
 from __future__ import annotations
 
+import functools
 import pickle
 import time
 from collections.abc import Callable
@@ -26,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hpcfl.algorithms import Algorithm, ClientData, ClientState, NonFiniteLoss, ServerState, Trainer
+from hpcfl.algorithms import Algorithm, ClientData, ClientState, ServerState, Trainer
 from hpcfl.algorithms.base import Aggregate, ClientContext, ServerContext, Upload
 from hpcfl.algorithms.participation import Population
 from hpcfl.comm.base import Communicator
@@ -35,6 +37,7 @@ from hpcfl.errors import DivergenceError
 from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.runner.buffer import BufferLayout
+from hpcfl.runner.executor import ClientExecutor
 
 # Called after every round with (round_done, server, states, metrics_row or None); returns True to stop.
 RoundHook = Callable[[int, ServerState, "ClientStore", dict[str, Any] | None], bool]
@@ -154,6 +157,7 @@ class RoundPlan:
     similarity: LayerSimilarity | None = None  # per-layer CKA of each client vs global (cka_metrics)
     drift: DriftDiversity | None = None  # per-layer drift diversity (drift_diversity: true)
     client_metrics: tuple[str, ...] = ("loss",)
+    client_batch: int | str = 1  # participants per vectorised training step: 1 | N | auto
 
 
 def round_layout(plan: RoundPlan, num_participants: int, dtype: torch.dtype) -> BufferLayout:
@@ -239,6 +243,9 @@ def run_rounds(
     ex = algo.exchange(dtype)
     bdtype = buffer_dtype(plan, dtype)
     upload_bytes = sum(s.nbytes for s in ex.sums)
+    executor = ClientExecutor(
+        plan.client_batch, rank=comm.rank, largest=max(plan.population.sizes, default=1)
+    )
     done = start
     for rnd in range(start, stop):
         t0 = time.perf_counter()
@@ -259,14 +266,20 @@ def run_rounds(
             probe.set_reference(server.x)
         gathered: list[tuple[int, dict[str, Any]]] = []
         io = StateIO(states, mine)  # reads the next participant's state while this one trains
-        # 2. local updates of this rank's participants, added into the one buffer
-        for k in mine:
+        # 2. local updates of this rank's participants (one by one or in vectorised groups), added
+        #    into the one buffer
+        outcomes = executor.run(
+            algo,
+            server,
+            plan.trainer,
+            mine,
+            io.get,
+            plan.data,
+            functools.partial(_client_context, plan, rnd, tuple(who)),
+        )
+        for k, upload, new_state in outcomes:
             i = position[k]
-            ctx = ClientContext(rnd, tuple(who), plan.population, plan.trainer, plan.generator(rnd, k))
-            state = io.get(k)
-            try:
-                upload, new_state = algo.client_update(server, state, plan.data(k), ctx)
-            except NonFiniteLoss:
+            if upload is None:
                 flags[i] = 1.0
                 continue
             io.put(k, new_state)
@@ -345,6 +358,10 @@ def run_rounds(
         if hook is not None and hook(done, server, states, row):
             return server, done
     return server, done
+
+
+def _client_context(plan: RoundPlan, rnd: int, who: tuple[int, ...], k: int) -> ClientContext:
+    return ClientContext(rnd, who, plan.population, plan.trainer, plan.generator(rnd, k))
 
 
 def _accumulate(upload: Upload, sums: dict[str, torch.Tensor], ex: Any, bdtype: torch.dtype) -> None:
