@@ -73,7 +73,13 @@ def _methods(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         ("cp-ntkfl", {"algorithm": "cp-ntkfl", "rounds": args.rounds, "params": cp}),
     ]
     if args.validation_clients:
-        val = {**ntk, "select": "validation", "validation_clients": args.validation_clients}
+        # t = 0 among the candidates: the held-out loss may reject a round's update altogether
+        val = {
+            **ntk,
+            "select": "validation",
+            "validation_clients": args.validation_clients,
+            "grid": [0, *range(100, 2001, 100)],
+        }
         out.insert(
             1,
             (
