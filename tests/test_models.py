@@ -202,7 +202,7 @@ def test_bad_shapes_are_config_errors(name: str, shape: tuple, classes: int, mes
 def test_mlp_kaiming_init_is_he_normal_with_zero_biases() -> None:
     torch.manual_seed(0)
     model = build_model("mlp", (1, 28, 28), 10, init="kaiming")
-    w = model.fc1.weight
+    w = model.fc1.weight.detach()
     assert torch.count_nonzero(model.fc1.bias) == 0 and torch.count_nonzero(model.classifier.bias) == 0
     assert abs(float(w.std()) - (2 / 784) ** 0.5) < 0.02 * (2 / 784) ** 0.5  # 78,400 draws
     assert float(w.abs().max()) > 1 / 784**0.5  # not PyTorch's U(±1/√fan_in)
