@@ -185,6 +185,22 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, capsys,
     assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in ref.metrics]
 
 
+def test_crash_between_latest_and_the_rename_is_rolled_forward(tmp_path, capsys):
+    """A kill after LATEST names the new checkpoint but before its directory is renamed into
+    place: the complete staged copy is taken and the resumed run equals an uninterrupted one."""
+    cfg_path = synthetic_config(tmp_path, rounds=3)
+    ref = run_experiment(load_config(cfg_path), tmp_path / "ref")
+    run = tmp_path / "run"
+    assert main(["run", str(cfg_path), "--run-dir", str(run), "--set", "rounds=2"]) == 0
+    root = run / "checkpoints"
+    assert (root / "LATEST").read_text().strip() == "round_000002"
+    (root / "round_000002").rename(root / ".round_000002.tmp")  # the state the kill leaves
+    capsys.readouterr()
+    assert main(["run", str(cfg_path), "--run-dir", str(run), "--resume"]) == 0
+    assert torch.equal(final_state(run), ref.server.x)
+    assert [json.loads(line)["round"] for line in _rows(run)] == [1, 2, 3]
+
+
 # 7. metrics.jsonl and resume
 
 

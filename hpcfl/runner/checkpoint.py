@@ -2,8 +2,8 @@
 
 Layout: ``checkpoints/round_000010/{server.pt, clients/client_3.pt, ...}`` plus ``checkpoints/LATEST``
 naming the newest complete one. Each rank writes the clients it owns into a temporary directory;
-rank 0 renames it and updates LATEST only after a barrier, so a crash mid-write leaves the previous
-checkpoint as the latest. Client files are per client, so a run can resume on another rank count.
+after a barrier rank 0 points LATEST at it and renames it into place, so a crash mid-write leaves
+the previous checkpoint as the latest, and a crash between the two is rolled forward on resume. Client files are per client, so a run can resume on another rank count.
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ def save_checkpoint(
     if comm.rank == 0:
         final = _round_dir(root, rnd)
         shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        # LATEST first: a crash before the rename leaves it naming a complete .tmp, which
+        # latest_round rolls forward (the other order left checkpoints without a LATEST)
         atomic_write_text(root / "LATEST", f"{final.name}\n")
+        tmp.rename(final)
         for old in sorted(root.glob("round_*"))[:-KEEP]:
             shutil.rmtree(old, ignore_errors=True)
     comm.barrier()
@@ -95,6 +97,13 @@ def latest_round(root: Path) -> int | None:
         rnd = int(name.split("_")[1])
     except (IndexError, ValueError):
         raise RunDirError(f"{marker} is damaged (it names {name!r}); rerun with --overwrite") from None
+    staged = root / f".{name}.tmp"
+    if not (root / name / "server.pt").exists() and (staged / "server.pt").exists():
+        # LATEST is written after every rank's files are in place, so the staged copy is complete
+        try:
+            staged.rename(root / name)
+        except OSError:
+            pass  # another rank rolled it forward first
     if not (root / name / "server.pt").exists():
         raise RunDirError(f"checkpoint {root / name} named by {marker} is missing; rerun with --overwrite")
     return rnd
