@@ -396,6 +396,46 @@ def test_slurm_sweep_is_one_job_array_of_mpi_tasks_that_requeue(
     assert again.returncode == 0 and "2 already finished, 0 to run" in again.stderr, again.stderr
 
 
+def test_status_of_a_queued_array_asks_slurm_once_for_all_points(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """Three points as one array run one at a time: status shows the first running and the other
+    two queued behind the array's limit, with ONE squeue call (and no scontrol) for the sweep, not
+    one per point. squeue, sacct and scontrol are SLURM's own, behind a shim that logs each call."""
+    cfg = synthetic_config(tmp_path, rounds=2000)
+    out = tmp_path / "sweep"
+    argv = ["sweep", str(cfg), "--out", str(out), "--grid", "lr=0.01,0.02,0.05", "--executor", "slurm"]
+    argv += ["--ntasks-per-node", "1", "-c", "1", "--time", "10", "--array-parallelism", "1"]
+    proc = run_cli(*argv, env=slurm_cluster.env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    array_id = proc.stdout.strip()
+    shim, calls = tmp_path / "shim", tmp_path / "calls.log"
+    shim.mkdir()
+    for tool in ("squeue", "sacct", "scontrol"):
+        real = subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip()
+        (shim / tool).write_text(f'#!/bin/sh\necho {tool} >> "{calls}"\nexec {real} "$@"\n')
+        (shim / tool).chmod(0o755)
+    env = {**slurm_cluster.env, "PATH": f"{shim}:{os.environ['PATH']}"}
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until task 0 has logged a round: it runs, tasks 1 and 2 wait
+            if (out / "runs" / "lr=0.01" / "metrics.jsonl").exists():
+                break
+            assert time.monotonic() < deadline, slurm_cluster.log_tails()
+            time.sleep(0.2)
+        calls.unlink(missing_ok=True)
+        proc = run_cli("status", str(out), "--json", env=env)
+        assert proc.returncode == 0, proc.stderr
+        points = {p["name"]: p for p in map(json.loads, proc.stdout.splitlines())}
+        assert points["lr=0.01"]["state"] == "running"
+        for task, name in ((1, "lr=0.02"), (2, "lr=0.05")):
+            assert points[name]["state"] == "queued" and points[name]["job_id"] == f"{array_id}_{task}"
+            assert points[name]["error"].startswith("JobArrayTaskLimit"), points[name]
+        assert calls.read_text().split() == ["squeue"]
+    finally:
+        slurm_cluster.run("scancel", array_id)
+
+
 def _rows_if_any(run_dir: Path) -> list[str]:
     return [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

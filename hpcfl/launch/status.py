@@ -30,6 +30,7 @@ PENDING_HINTS = {
     "Priority": "other jobs go first",
     "BeginTime": "its start time has not come (a requeued job waits a few seconds)",
     "Dependency": "waiting for another job",
+    "JobArrayTaskLimit": "waiting for a free slot of the array (its --array-parallelism)",
     "PartitionConfig": "the partition can never run this request: change --partition, --nodes or --time",
     "PartitionNodeLimit": "more nodes than the partition allows: lower --nodes or change --partition",
     "PartitionTimeLimit": "longer than the partition allows: lower --time or change --partition",
@@ -80,31 +81,76 @@ def _run(argv: list[str], timeout: float = 20.0) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
-def _slurm_state(job_id: str, status: RunStatus) -> None:
-    """Fill state, reason, nodes, elapsed, restarts from squeue/scontrol, else sacct."""
-    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%N|%M"])
-    if out and out.strip():
-        state, reason, nodes, elapsed = (out.strip().splitlines()[0].split("|") + ["", "", "", ""])[:4]
-        status.state = state
-        status.reason = reason if reason and reason != "None" else None
-        status.node_list = nodes or None
-        status.elapsed = elapsed or None
+@dataclass(frozen=True)
+class SlurmView:
+    """SLURM's view of one job: its state and, while queued or running, reason, nodes and elapsed
+    time; ``restarts`` from accounting (None where only the queue was asked)."""
+
+    state: str
+    reason: str | None = None
+    node_list: str | None = None
+    elapsed: str | None = None
+    restarts: int | None = None
+
+
+def slurm_views(job_ids: list[str]) -> dict[str, SlurmView]:
+    """SLURM's view of many jobs (array tasks as ``ARRAY_TASK``) from ONE ``squeue`` call and, for
+    the jobs it no longer lists, ONE ``sacct`` call: a sweep of hundreds of points asks slurmctld
+    twice, not hundreds of times. Jobs neither knows are absent from the result."""
+    wanted = list(dict.fromkeys(job_ids))
+    if not wanted:
+        return {}
+    views: dict[str, SlurmView] = {}
+    # -r: one line per array task (a pending array is otherwise one line "ID_[0-9]"). One job: -j
+    # (squeue fails when slurmctld no longer knows it; sacct answers then). Several: every job,
+    # filtered here, as one id that is no longer known must not hide the others.
+    only = ["-j", wanted[0]] if len(wanted) == 1 else []
+    out = _run(["squeue", "-h", "-r", *only, "-o", "%i|%T|%r|%N|%M"]) or ""
+    for line in out.splitlines():
+        job_id, state, reason, nodes, elapsed = (line.strip().split("|") + [""] * 5)[:5]
+        if only and line.strip():  # what squeue -j answers is that job, however it prints its id
+            job_id = wanted[0]
+        if job_id in wanted and job_id not in views:
+            views[job_id] = SlurmView(
+                state, reason if reason and reason != "None" else None, nodes or None, elapsed or None
+            )
+    gone = [j for j in wanted if j not in views]
+    if gone:
+        argv = ["sacct", "-n", "-X", "-P", "-D", "-j", ",".join(gone), "-o", "JobID,State,NodeList,Elapsed"]
+        rows: dict[str, list[list[str]]] = {}
+        for line in (_run(argv) or "").splitlines():
+            if line.strip():
+                fields = (line.split("|") + ["", "", "", ""])[:4]
+                rows.setdefault(gone[0] if len(gone) == 1 else fields[0], []).append(fields)
+        for job_id in gone:
+            if job_id in rows:
+                _, state, nodes, elapsed = rows[job_id][-1]
+                views[job_id] = SlurmView(
+                    state.split(" ")[0],  # "CANCELLED by 0" -> "CANCELLED"
+                    node_list=nodes or None,
+                    elapsed=elapsed or None,
+                    restarts=len(rows[job_id]) - 1,
+                )
+    return views
+
+
+def _slurm_state(job_id: str, status: RunStatus, views: dict[str, SlurmView] | None = None) -> None:
+    """Fill state, reason, nodes, elapsed and restarts from ``views`` (see :func:`slurm_views`;
+    asked here when not given). For one run, a queued or running job's restarts come from
+    ``scontrol``, which the queue does not show."""
+    asked = views is None
+    view = (slurm_views([job_id]) if views is None else views).get(job_id)
+    if view is None:
+        status.state = "UNKNOWN"
+        status.reason = "the queue no longer lists the job and the cluster keeps no accounting"
+        return
+    status.state, status.reason = view.state, view.reason
+    status.node_list, status.elapsed, status.restarts = view.node_list, view.elapsed, view.restarts
+    if asked and view.restarts is None:
         show = _run(["scontrol", "show", "job", "-o", job_id]) or ""
         for token in show.split():
             if token.startswith("Restarts="):
                 status.restarts = int(token.split("=", 1)[1])
-        return
-    out = _run(["sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "State,NodeList,Elapsed"])
-    rows = [line.split("|") for line in (out or "").strip().splitlines() if line.strip()]
-    if rows:
-        state, nodes, elapsed = (rows[-1] + ["", "", ""])[:3]
-        status.state = state.split(" ")[0]  # "CANCELLED by 0" -> "CANCELLED"
-        status.node_list = nodes or None
-        status.elapsed = elapsed or None
-        status.restarts = len(rows) - 1
-        return
-    status.state = "UNKNOWN"
-    status.reason = "the queue no longer lists the job and the cluster keeps no accounting"
 
 
 #: SLURM states of a job that is queued or may still run.
@@ -182,8 +228,9 @@ def _run_progress(run_dir: Path, status: RunStatus) -> None:
     status.finished = (run_dir / "DONE").exists()
 
 
-def run_status(run_dir: Path) -> RunStatus:
-    """Where the run in ``run_dir`` stands (raises :class:`RunDirError` when it is no run dir)."""
+def run_status(run_dir: Path, views: dict[str, SlurmView] | None = None) -> RunStatus:
+    """Where the run in ``run_dir`` stands (raises :class:`RunDirError` when it is no run dir).
+    ``views``: SLURM's answers already fetched for many runs at once (:func:`slurm_views`)."""
     from hpcfl.launch.submit import read_job_records
 
     if not run_dir.is_dir():
@@ -206,7 +253,7 @@ def run_status(run_dir: Path) -> RunStatus:
     if record.executor == "local":
         _local_state(record.job_id, status)
     else:
-        _slurm_state(record.job_id, status)
+        _slurm_state(record.job_id, status, views)
     status.error = _job_error(folder, record.job_id)
     from submitit.core.utils import JobPaths
 

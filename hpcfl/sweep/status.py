@@ -1,5 +1,6 @@
 """``hpcfl status SWEEP_DIR``: every point's state (queued, running round r/R, done, failed with its
-error line) from the run directories and, for a queued array, SLURM; and an ETA.
+error line) from the run directories and, for a queued array, SLURM (one ``squeue`` call for the
+whole sweep, and one ``sacct`` call for the jobs the queue no longer lists); and an ETA.
 
 The ETA is the rounds still to run times the mean seconds per round measured so far, divided by
 the number of points running now (at least one): rough while few rounds are done, and blind to a
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpcfl.files import read_jsonl
+from hpcfl.launch.status import SlurmView, slurm_views
 from hpcfl.runner.rundir import DONE
 from hpcfl.sweep.local import failure
 from hpcfl.sweep.plan import Sweep, SweepPoint
@@ -53,8 +55,11 @@ def _progress(run_dir: Path) -> tuple[int, float | None]:
     return rounds, per_round
 
 
-def point_status(point: SweepPoint, rounds_total: int | None) -> PointStatus:
-    """Where one point stands: its files first, then the job that was submitted for it."""
+def point_status(
+    point: SweepPoint, rounds_total: int | None, views: dict[str, SlurmView] | None = None
+) -> PointStatus:
+    """Where one point stands: its files first, then the job that was submitted for it (``views``:
+    SLURM's answers for the whole sweep, fetched once by :func:`sweep_status`)."""
     from hpcfl.runner.lock import lock_holder
 
     rounds, per_round = _progress(point.run_dir)
@@ -66,7 +71,7 @@ def point_status(point: SweepPoint, rounds_total: int | None) -> PointStatus:
         from hpcfl.launch import run_status
         from hpcfl.launch.status import ACTIVE, PENDING_HINTS
 
-        job = run_status(point.run_dir)
+        job = run_status(point.run_dir, views)
         status.job_id = job.job_id
         if job.failed:
             status.state, status.error = "failed", job.error or f"job {job.job_id} {job.state}"
@@ -91,8 +96,17 @@ def point_status(point: SweepPoint, rounds_total: int | None) -> PointStatus:
 
 
 def sweep_status(sweep: Sweep) -> list[PointStatus]:
-    """Every point's status, in the manifest's order."""
-    return [point_status(p, sweep.rounds.get(p.name)) for p in sweep.points]
+    """Every point's status, in the manifest's order. SLURM is asked once for all points' jobs."""
+    from hpcfl.launch.submit import read_job_records
+
+    jobs = []
+    for p in sweep.points:
+        if not (p.run_dir / DONE).exists():
+            records = read_job_records(p.run_dir)
+            if records and records[-1].executor != "local":
+                jobs.append(records[-1].job_id)
+    views = slurm_views(jobs) if jobs else {}
+    return [point_status(p, sweep.rounds.get(p.name), views) for p in sweep.points]
 
 
 def eta_seconds(statuses: list[PointStatus]) -> float | None:
