@@ -304,11 +304,11 @@ def main() -> None:
     print()
     for model in dict.fromkeys(r["model"] for r in rows):
         for clients in dict.fromkeys(r["clients"] for r in rows):
+            mine = [r for r in rows if r["model"] == model and r["clients"] == clients]
             batched = [
                 r
-                for r in rows
-                if r["model"] == model and r["clients"] == clients and r["client_batch"] != "1"
-                if r["ratio_vs_sequential"] == r["ratio_vs_sequential"]  # not NaN (out of memory)
+                for r in mine
+                if r["group"] > 1 and r["ratio_vs_sequential"] == r["ratio_vs_sequential"]  # not NaN (OOM)
             ]
             if batched:
                 best = max(batched, key=lambda r: r["ratio_vs_sequential"])
@@ -316,6 +316,12 @@ def main() -> None:
                     f"{model}, {clients} clients: best batched / sequential = {best['ratio_vs_sequential']:.2f}x "
                     f"(client_batch {best['client_batch']}, {best['peak_mib']:.0f} MiB peak)"
                 )
+            for r in mine:
+                if r["client_batch"] == "auto" and r["group"] == 1:  # the sequential path under another name
+                    print(
+                        f"{model}, {clients} clients: auto trains one by one; its ratio "
+                        f"{r['ratio_vs_sequential']:.2f}x is this machine's run-to-run noise"
+                    )
     tag = f"{args.device}_{args.threads}t" if args.device == "cpu" else args.device
     tag += "_" + "-".join(args.models)
     with open(out / f"batched_clients_{tag}.csv", "w", newline="") as fh:
