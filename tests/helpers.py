@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
+#: the MPICH launcher beside this Python (the venv's mpich wheel), else the first on PATH (a GPU
+#: image whose Python is not a venv of ours gets the wheel's bin/ on PATH)
+MPIEXEC = (
+    str(VENV_BIN / "mpiexec") if (VENV_BIN / "mpiexec").exists() else shutil.which("mpiexec") or "mpiexec"
+)
 
 
 def write_config(path: Path, **keys) -> Path:
@@ -55,8 +61,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
 
 def mpiexec_cmd(n: int, *args: str) -> list[str]:
     """``mpiexec -n N python -m hpcfl ARGS`` with the venv's MPICH launcher."""
-    launcher = VENV_BIN / "mpiexec"
-    return [str(launcher), "-n", str(n), *hpcfl_cmd(*args)]
+    return [MPIEXEC, "-n", str(n), *hpcfl_cmd(*args)]
 
 
 def run_mpi_program(name: str, ranks: int = 2, timeout: float = 120) -> str:
@@ -64,10 +69,10 @@ def run_mpi_program(name: str, ranks: int = 2, timeout: float = 120) -> str:
     returns its stdout."""
     proc = subprocess.run(
         [
-            str(VENV_BIN / "mpiexec"),
+            MPIEXEC,
             "-n",
             str(ranks),
-            str(VENV_BIN / "python"),
+            sys.executable,
             str(REPO / "tests/mpi_programs" / name),
         ],
         capture_output=True,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, VENV_BIN, mpiexec_cmd, synthetic_config
+from tests.helpers import MPIEXEC, REPO, mpiexec_cmd, synthetic_config
 
 PROGRAM = REPO / "tests" / "mpi_programs" / "rank_fails.py"
 
@@ -20,7 +20,7 @@ PROGRAM = REPO / "tests" / "mpi_programs" / "rank_fails.py"
 def _run_two_ranks(mode: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("HPCFL_RANK_GUARD", None)
-    cmd = [str(VENV_BIN / "mpiexec"), "-n", "2", sys.executable, str(PROGRAM), mode]
+    cmd = [MPIEXEC, "-n", "2", sys.executable, str(PROGRAM), mode]
     # A hang would end in TimeoutExpired; the job itself ends in seconds.
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
 

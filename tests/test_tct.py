@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from hpcfl.cli.main import main
 from hpcfl.config import load_config
 from hpcfl.runner import StopRequest, run_experiment
-from tests.helpers import REPO, VENV_BIN, run_mpi_program, synthetic_config
+from tests.helpers import MPIEXEC, REPO, run_mpi_program, synthetic_config
 
 
 class StopAfter(StopRequest):
@@ -172,10 +173,10 @@ def test_tct_two_ranks_match_one_process(tmp_path):
     run = tmp_path / "mpi"
     proc = subprocess.run(
         [
-            str(VENV_BIN / "mpiexec"),
+            MPIEXEC,
             "-n",
             "2",
-            str(VENV_BIN / "python"),
+            sys.executable,
             "-m",
             "hpcfl",
             "run",

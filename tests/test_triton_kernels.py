@@ -1,5 +1,6 @@
 """The eNTK gather kernels: references against brute-force per-sample gradients, and the Triton
-kernels (run by the interpreter on CPU, TRITON_INTERPRET=1 from conftest) against the references.
+kernels (compiled on CUDA tensors where a GPU exists, else run by the interpreter on CPU tensors,
+TRITON_INTERPRET=1 from conftest) against the references.
 
 Shapes are small and odd (nothing a multiple of a block size) because the interpreter is slow.
 """
@@ -15,6 +16,8 @@ import triton_kernels as tk
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 
 needs_triton = pytest.mark.skipif(not tk.HAS_TRITON, reason="triton is not installed")
+#: where the Triton tests put their tensors: compiled kernels need CUDA ones
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _choose(numel: int, n: int, seed: int) -> torch.Tensor:
@@ -128,11 +131,12 @@ def test_linear_triton_equals_reference(dtype):
     sel = _choose(91, 45, 4)
     o, i = sel // 13, sel % 13
     ref = tk.linear_gather_reference(delta, act, o, i)
-    got = tk.linear_gather_triton(delta, act, o.int(), i.int())
-    torch.testing.assert_close(got, ref, **TOL[dtype], msg="linear_gather_triton != reference")
-    big = torch.zeros(19, 50, dtype=dtype)
-    tk.linear_gather_triton(delta.t().contiguous().t(), act, o, i, out=big[:, 3:48])
-    torch.testing.assert_close(big[:, 3:48], ref, **TOL[dtype], msg="strided inputs / output view")
+    d, a, o, i = (t.to(DEVICE) for t in (delta, act, o, i))
+    got = tk.linear_gather_triton(d, a, o.int(), i.int())
+    torch.testing.assert_close(got.cpu(), ref, **TOL[dtype], msg="linear_gather_triton != reference")
+    big = torch.zeros(19, 50, dtype=dtype, device=DEVICE)
+    tk.linear_gather_triton(d.t().contiguous().t(), a, o, i, out=big[:, 3:48])
+    torch.testing.assert_close(big[:, 3:48].cpu(), ref, **TOL[dtype], msg="strided inputs / output view")
 
 
 @needs_triton
@@ -140,7 +144,7 @@ def test_linear_triton_equals_reference(dtype):
 def test_conv_triton_equals_reference(groups):
     args, geometry, _ = _conv_case(torch.float32, groups=groups, seed=5)
     ref = tk.conv2d_gather_reference(*args, **geometry)
-    got = tk.conv2d_gather_triton(*args, **geometry)
+    got = tk.conv2d_gather_triton(*(t.to(DEVICE) for t in args), **geometry).cpu()
     torch.testing.assert_close(got, ref, **TOL[torch.float32], msg="conv2d_gather_triton != reference")
 
 
@@ -151,12 +155,13 @@ def test_norm_triton_equals_reference():
     mean, rstd = torch.randn(3, 5, generator=gen), torch.rand(5, generator=gen).expand(3, 5) + 0.5
     index = torch.tensor([4, 1, 3])
     ref_w = tk.norm_weight_gather_reference(delta, x, mean, rstd, index)
-    got_w = tk.norm_weight_gather_triton(delta, x, mean, rstd, index)
+    on = [t.to(DEVICE) for t in (delta, x, mean, rstd, index)]
+    got_w = tk.norm_weight_gather_triton(*on).cpu()
     torch.testing.assert_close(
         got_w, ref_w, **TOL[torch.float32], msg="norm_weight_gather_triton != reference"
     )
     ref_b = tk.channel_sum_gather_reference(delta, index)
-    got_b = tk.channel_sum_gather_triton(delta, index)
+    got_b = tk.channel_sum_gather_triton(on[0], on[4]).cpu()
     torch.testing.assert_close(
         got_b, ref_b, **TOL[torch.float32], msg="channel_sum_gather_triton != reference"
     )

@@ -1,0 +1,175 @@
+"""The CUDA half of hpcfl, checked on a real GPU (``pytest -m gpu``; every test skips without one).
+
+- the eNTK gather kernels compiled by Triton (not interpreted) equal their pure-torch references on
+  odd shapes, for every input dtype they accept (float32, float64, float16, bfloat16), into fresh
+  and strided half-precision outputs (the linear-CKA kernel's forward and gradients are checked on
+  the GPU by ``tests/test_cka.py``, which runs on CUDA tensors wherever a GPU exists);
+- the fused eNTK on CUDA equals the CPU ``vmap`` reference, float64, p < P and p = P, on simplecnn,
+  resnet8, resnet18 (GroupNorm and BatchNorm) and vgg11;
+- a FedAvg run with ``device: cuda`` equals the CPU run to float32 tolerance;
+- ``MPIComm`` on CUDA tensors (2 ranks sharing one GPU), host-staged and CUDA-aware, equals the sum
+  ``LocalComm`` would hold.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = torch.device("cuda")
+#: tolerance of a compiled gather against the reference evaluated on the same (rounded) inputs
+GATHER_TOL = {
+    torch.float64: dict(rtol=1e-12, atol=1e-12),
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
+DTYPES = list(GATHER_TOL)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _reference_in_float64(fn, *tensors: torch.Tensor, **kw) -> torch.Tensor:
+    """``fn`` on float64 CPU copies of the inputs (index tensors unchanged): the exact value the
+    kernel's float32 (or float64) accumulation approximates."""
+    moved = [t.detach().cpu().double() if t.is_floating_point() else t.cpu() for t in tensors]
+    return fn(*moved, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols", "n"), [(7, 11, 23), (3, 200, 150), (129, 67, 1001)])
+def test_linear_gather_compiled_equals_reference(dtype, rows, cols, n) -> None:
+    import triton_kernels as tk
+
+    delta = torch.randn(37, rows, generator=_gen(1)).to(CUDA, dtype)
+    act = torch.randn(37, cols, generator=_gen(2)).to(CUDA, dtype)
+    sel = torch.randperm(rows * cols, generator=_gen(3))[:n].sort().values.to(CUDA)
+    o, i = sel // cols, sel % cols
+    got = tk.linear_gather_triton(delta, act, o, i)
+    assert got.dtype == dtype and got.is_cuda
+    ref = _reference_in_float64(tk.linear_gather_reference, delta, act, o, i)
+    torch.testing.assert_close(got.double().cpu(), ref, **GATHER_TOL[dtype], msg="linear_gather_triton")
+    half = torch.zeros(37, n + 5, dtype=torch.float16, device=CUDA)
+    tk.linear_gather_triton(delta.t().contiguous().t(), act, o.int(), i.int(), out=half[:, 2 : n + 2])
+    torch.testing.assert_close(
+        half[:, 2 : n + 2].double().cpu(), ref.half().double(), rtol=2e-3, atol=2e-3, msg="half out view"
+    )
+    assert half[:, :2].abs().sum() == 0 and half[:, n + 2 :].abs().sum() == 0, "wrote outside its slice"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("n", [37, 700], ids=["distinct-windows", "shared-windows"])
+def test_conv2d_gather_compiled_equals_reference(dtype, groups, n) -> None:
+    import triton_kernels as tk
+
+    batch, channels, out_channels, kh, kw = 5, 4, 6, 3, 2
+    stride, padding, dilation = (2, 1), (1, 2), (1, 2)
+    x = torch.randn(batch, channels, 13, 9, generator=_gen(4))
+    h_out = (13 + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    w_out = (9 + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    delta = torch.randn(batch, out_channels, h_out, w_out, generator=_gen(5))
+    per_out = channels // groups * kh * kw
+    sel = torch.randperm(out_channels * per_out, generator=_gen(6))[:n].sort().values
+    o, rem = sel // per_out, sel % per_out
+    c_local, rem = rem // (kh * kw), rem % (kh * kw)
+    ky, kx = rem // kw, rem % kw
+    chan = (o // (out_channels // groups)) * (channels // groups) + c_local
+    index = [t.to(CUDA) for t in (o, chan, ky, kx)]
+    geometry = dict(stride=stride, padding=padding, dilation=dilation)
+    d, xx = delta.to(CUDA, dtype), x.to(CUDA, dtype)
+    got = tk.conv2d_gather_triton(d, xx, *index, **geometry)
+    ref = _reference_in_float64(tk.conv2d_gather_reference, d, xx, *index, **geometry)
+    tol = GATHER_TOL[dtype] if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-4)  # sums of 40+ products
+    torch.testing.assert_close(got.double().cpu(), ref, **tol, msg="conv2d_gather_triton")
+    last = [t.contiguous(memory_format=torch.channels_last) for t in (d, xx)]
+    got_last = tk.conv2d_gather_triton(*last, *index, **geometry)
+    torch.testing.assert_close(got_last.double().cpu(), ref, **tol, msg="channels-last inputs")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_gathers_compiled_equal_references(dtype) -> None:
+    import triton_kernels as tk
+
+    delta = torch.randn(3, 5, 37, generator=_gen(7)).to(CUDA, dtype)
+    x = torch.randn(3, 5, 37, generator=_gen(8)).to(CUDA, dtype)
+    mean = torch.randn(3, 5, generator=_gen(9)).to(CUDA, dtype)
+    rstd = (torch.rand(5, generator=_gen(10)) + 0.5).expand(3, 5).to(CUDA, dtype)
+    index = torch.tensor([4, 1, 3], device=CUDA)
+    tol = GATHER_TOL[dtype] if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-4)
+    got_w = tk.norm_weight_gather_triton(delta, x, mean, rstd, index)
+    ref_w = _reference_in_float64(tk.norm_weight_gather_reference, delta, x, mean, rstd, index)
+    torch.testing.assert_close(got_w.double().cpu(), ref_w, **tol, msg="norm_weight_gather_triton")
+    got_b = tk.channel_sum_gather_triton(delta, index)
+    ref_b = _reference_in_float64(tk.channel_sum_gather_reference, delta, index)
+    torch.testing.assert_close(got_b.double().cpu(), ref_b, **tol, msg="channel_sum_gather_triton")
+
+
+ENTK_CASES = [
+    pytest.param("simplecnn", (1, 28, 28), {}, id="simplecnn"),
+    pytest.param("resnet8", (3, 32, 32), {"norm": "bn"}, id="resnet8-bn"),
+    pytest.param("resnet18", (3, 32, 32), {"norm": "gn"}, id="resnet18-gn"),
+    pytest.param("resnet18", (3, 32, 32), {"norm": "bn"}, id="resnet18-bn"),
+    pytest.param("vgg11", (3, 32, 32), {"batch_norm": False}, id="vgg11"),
+]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["p<P", "p=P"])
+@pytest.mark.parametrize(("name", "shape", "options"), ENTK_CASES)
+def test_fused_entk_on_cuda_equals_cpu_reference(name, shape, options, full) -> None:
+    """float64 on both sides, so 1e-7 is a real check of the compiled gathers and the CUDA plan."""
+    from hpcfl.entk import entk_features, num_params
+    from tests.test_entk import _assert_close, _model
+
+    model = _model(name, shape, **options)  # float64, re-initialised head, randomised BN
+    x = torch.randn(2, *shape, generator=_gen(11), dtype=torch.float64)
+    total = num_params(model)
+    p = total if full else min(20_000, total // 3)
+    ref = entk_features(model, x, p=p, seed=7, method="vmap", dtype=torch.float64)
+    got = entk_features(model.to(CUDA), x.to(CUDA), p=p, seed=7, method="fused", dtype=torch.float64)
+    assert got.is_cuda
+    _assert_close(got.cpu(), ref, f"{name} fused on CUDA vs vmap on CPU (p={p})", rtol=1e-7)
+
+
+def test_fedavg_run_on_cuda_equals_the_cpu_run(tmp_path: Path) -> None:
+    """The same config, ``device: cuda`` vs ``cpu``: the final parameters agree to float32 rounding
+    amplified over 3 rounds of 10 local steps (1e-4 relative), and so do the logged accuracies."""
+    import json
+
+    from hpcfl.config import load_config
+    from hpcfl.runner import run_experiment
+    from tests.helpers import synthetic_config
+
+    finals, rows = {}, {}
+    for device in ("cpu", "cuda"):
+        cfg = load_config(
+            synthetic_config(
+                tmp_path / device, algorithm="fedavg", model="simplecnn", rounds=3, device=device
+            )
+        )
+        finals[device] = run_experiment(cfg, tmp_path / device / "run").server.x.cpu()
+        lines = (tmp_path / device / "run" / "metrics.jsonl").read_text().splitlines()
+        rows[device] = [json.loads(line) for line in lines if line.strip()]
+    rel = float((finals["cuda"] - finals["cpu"]).abs().max() / finals["cpu"].abs().max())
+    assert rel < 1e-4, rel
+    acc = {d: [r["accuracy"] for r in rows[d] if r.get("split") == "test"] for d in rows}
+    assert acc["cuda"] and len(acc["cuda"]) == len(acc["cpu"])
+    assert max(abs(a - b) for a, b in zip(acc["cuda"], acc["cpu"], strict=True)) <= 0.01, acc
+
+
+@pytest.mark.mpi
+def test_mpicomm_allreduce_of_cuda_tensors_equals_localcomm() -> None:
+    """2 ranks on one GPU: a CUDA float32 and float64 allreduce, staged through the host and (when
+    the MPI library is CUDA-aware) directly, equal the sum of every rank's tensor."""
+    from tests.helpers import run_mpi_program
+
+    run_mpi_program("cuda_allreduce.py", ranks=2, timeout=300)
