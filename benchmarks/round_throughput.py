@@ -13,6 +13,7 @@ Samples/s = training samples processed per round / training time per round (the 
 a warm-up and is dropped). Prints a table and writes CSV + JSON (+ PNG) to --out.
 
     python benchmarks/round_throughput.py --rounds 3 --out benchmarks/out/round_throughput
+    python benchmarks/round_throughput.py --device cuda --clients 10 100   # one GPU (issue 13)
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def plain_loop(data_root: str, rounds: int, threads: int) -> float:
-    """Samples/s of a plain PyTorch FedAvg loop (runs in this process)."""
+def plain_loop(data_root: str, rounds: int, threads: int, device: str = "cpu", clients: int = 10) -> float:
+    """Samples/s of a plain PyTorch FedAvg loop over ``clients`` IID clients (runs in this process;
+    on a GPU the data, model and averaging live there and each round ends with a device sync)."""
     import torch
     import torch.nn.functional as F
 
@@ -44,21 +46,22 @@ def plain_loop(data_root: str, rounds: int, threads: int) -> float:
 
     torch.set_num_threads(threads)
     ds = load_dataset("fashion-mnist", data_root)
-    parts = partition(ds.train.y, "iid", 10, seed=0, num_classes=10)
+    parts = partition(ds.train.y, "iid", clients, seed=0, num_classes=10)
     torch.manual_seed(0)
-    model = build_model("simplecnn", ds.input_shape, 10)
+    dev = torch.device(device)
+    model = build_model("simplecnn", ds.input_shape, 10).to(dev)
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
-    clients = [(ds.train.x[p], ds.train.y[p]) for p in parts]
+    data = [(ds.train.x[p].to(dev), ds.train.y[p].to(dev)) for p in parts]
     times = []
     for rnd in range(rounds):
         t0 = time.perf_counter()
         total = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in global_state.items()}
         n_all = 0
-        for k, (x, y) in enumerate(clients):
+        for k, (x, y) in enumerate(data):
             model.load_state_dict(global_state)
             opt = torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=1e-5)
             g = torch.Generator().manual_seed(1000 * rnd + k)
-            perm = torch.randperm(x.shape[0], generator=g)
+            perm = torch.randperm(x.shape[0], generator=g).to(dev)
             model.train()
             for s in range(0, x.shape[0], 64):
                 idx = perm[s : s + 64]
@@ -72,6 +75,8 @@ def plain_loop(data_root: str, rounds: int, threads: int) -> float:
         global_state = {
             key: (total[key] / n_all if v.is_floating_point() else v) for key, v in model.state_dict().items()
         }
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
     steady = times[1:] or times
     return n_all / (sum(steady) / len(steady))
@@ -115,16 +120,27 @@ def allreduce_cost(floats: int, ranks: int = 2, reps: int = 300) -> dict:
 
 
 def hpcfl_run(
-    data_root: str, rounds: int, ranks: int, threads: int, workdir: Path, reduction: str = "float64"
+    data_root: str,
+    rounds: int,
+    ranks: int,
+    threads: int,
+    workdir: Path,
+    reduction: str = "float64",
+    *,
+    device: str = "cpu",
+    clients: int = 10,
+    client_batch: int | str = 1,
 ) -> dict:
     """Samples/s and the time split of ``mpiexec -n ranks hpcfl run`` (threads per rank)."""
     cfg = dict(
-        name=f"r{ranks}t{threads}{reduction}",
+        name=f"r{ranks}t{threads}{reduction}{device}k{clients}n{client_batch}",
         reduction=reduction,
+        device=device,
+        client_batch=client_batch,
         dataset="fashion-mnist",
         data_root=data_root,
         partition="iid",
-        num_clients=10,
+        num_clients=clients,
         model="simplecnn",
         algorithm="fedavg",
         rounds=rounds,
@@ -168,8 +184,18 @@ def main() -> None:
         "--rounds", type=int, default=2, help="rounds per configuration (the last one is timed)"
     )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/out/round_throughput")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (the default grid above) | cuda: plain loop vs hpcfl (client_batch 1 and auto) on one "
+        "GPU, one rank, for each --clients",
+    )
+    parser.add_argument("--clients", nargs="+", type=int, default=[10, 100], help="client counts (cuda grid)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.device != "cpu":
+        gpu_grid(args)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -233,6 +259,50 @@ def main() -> None:
         writer.writerows(rows)
     (args.out / "round_throughput.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
     print(f"written: {args.out}/round_throughput.csv, .json")
+
+
+def gpu_grid(args: argparse.Namespace) -> None:
+    """Issue 13's GPU figure: FedAvg round throughput on one GPU, hpcfl (clients one by one, and
+    ``client_batch: auto``) against the plain loop doing the same work on the same GPU, for each
+    client count; writes round_throughput_<device>.{csv,json}."""
+    import torch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for clients in args.clients:
+            plain = plain_loop(args.data_root, args.rounds, 1, device=args.device, clients=clients)
+            rows.append({"clients": clients, "config": "plain", "samples_per_s": plain, "vs_plain": 1.0})
+            print(f"K={clients} plain loop: {plain:,.0f} samples/s", flush=True)
+            for batch in (1, "auto"):
+                r = hpcfl_run(
+                    args.data_root,
+                    args.rounds,
+                    1,
+                    1,
+                    Path(tmp),
+                    device=args.device,
+                    clients=clients,
+                    client_batch=batch,
+                )
+                config = f"hpcfl client_batch {batch}"
+                rows.append(
+                    {"clients": clients, "config": config, **r, "vs_plain": r["samples_per_s"] / plain}
+                )
+                print(
+                    f"K={clients} {config}: {r['samples_per_s']:,.0f} samples/s, "
+                    f"{r['samples_per_s'] / plain:.3f}x the plain loop (required >= 0.95)",
+                    flush=True,
+                )
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    tag = args.device.replace(":", "")
+    with open(args.out / f"round_throughput_{tag}.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=sorted({k for r in rows for k in r}))
+        writer.writeheader()
+        writer.writerows(rows)
+    (args.out / f"round_throughput_{tag}.json").write_text(
+        json.dumps({"device": name, "rows": rows}, indent=2)
+    )
+    print(f"written: {args.out}/round_throughput_{tag}.csv, .json ({name})")
 
 
 if __name__ == "__main__":
