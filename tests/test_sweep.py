@@ -351,6 +351,20 @@ def _last(run_dir: Path) -> dict:
 # on the real local SLURM: one job array
 
 
+def _submit_array(
+    cluster: SlurmCluster, tmp_path: Path, out: Path, rounds: int, grid: str, *, ranks: int, parallel: int
+) -> tuple[subprocess.CompletedProcess, str, list[str]]:
+    """``hpcfl sweep --executor slurm`` of the synthetic config over ``grid`` into ``out``: one job
+    array of ``ranks``-rank tasks, ``parallel`` at a time. Returns the CLI's result, the array id
+    and the command line (to submit it again)."""
+    cfg = synthetic_config(tmp_path, rounds=rounds)
+    argv = ["sweep", str(cfg), "--out", str(out), "--grid", grid, "--executor", "slurm"]
+    argv += ["--ntasks-per-node", str(ranks), "-c", "1", "--time", "10", "--array-parallelism", str(parallel)]
+    proc = run_cli(*argv, env=cluster.env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc, proc.stdout.strip(), argv
+
+
 @pytest.mark.slurm
 def test_slurm_sweep_is_one_job_array_of_mpi_tasks_that_requeue(
     slurm_cluster: SlurmCluster, tmp_path: Path
@@ -359,13 +373,10 @@ def test_slurm_sweep_is_one_job_array_of_mpi_tasks_that_requeue(
     stop signal to task 1 mid-run: it checkpoints, requeues itself and finishes every round, as a
     single submitted run does. Status follows both to done; a re-run queues nothing."""
     rounds = 24
-    cfg = synthetic_config(tmp_path, rounds=rounds)
     out = tmp_path / "sweep"
-    argv = ["sweep", str(cfg), "--out", str(out), "--grid", "lr=0.02,0.05", "--executor", "slurm"]
-    argv += ["--ntasks-per-node", "2", "-c", "1", "--time", "10", "--array-parallelism", "2"]
-    proc = run_cli(*argv, env=slurm_cluster.env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    array_id = proc.stdout.strip()
+    proc, array_id, argv = _submit_array(
+        slurm_cluster, tmp_path, out, rounds, "lr=0.02,0.05", ranks=2, parallel=2
+    )
     assert "submitted job array" in proc.stderr and "(2 tasks)" in proc.stderr
     runs = out / "runs"
 
@@ -402,13 +413,10 @@ def test_status_of_a_queued_array_asks_slurm_once_for_all_points(
     """Three points as one array run one at a time: status shows the first running and the other
     two queued behind the array's limit, with ONE squeue call (and no scontrol) for the sweep, not
     one per point. squeue, sacct and scontrol are SLURM's own, behind a shim that logs each call."""
-    cfg = synthetic_config(tmp_path, rounds=2000)
     out = tmp_path / "sweep"
-    argv = ["sweep", str(cfg), "--out", str(out), "--grid", "lr=0.01,0.02,0.05", "--executor", "slurm"]
-    argv += ["--ntasks-per-node", "1", "-c", "1", "--time", "10", "--array-parallelism", "1"]
-    proc = run_cli(*argv, env=slurm_cluster.env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    array_id = proc.stdout.strip()
+    _, array_id, _ = _submit_array(
+        slurm_cluster, tmp_path, out, 2000, "lr=0.01,0.02,0.05", ranks=1, parallel=1
+    )
     shim, calls = tmp_path / "shim", tmp_path / "calls.log"
     shim.mkdir()
     for tool in ("squeue", "sacct", "scontrol"):
