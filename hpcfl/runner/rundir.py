@@ -14,9 +14,13 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hpcfl.config import Config, config_differences, read_yaml
 from hpcfl.errors import RunDirError
+from hpcfl.files import read_yaml
+
+if TYPE_CHECKING:  # the config imports every algorithm (torch); the markers here are read by `status`
+    from hpcfl.config import Config
 
 DONE = "DONE"
 MARKER = ".hpcfl-run"  # written when hpcfl starts a run in a directory
@@ -97,6 +101,8 @@ def check_resumable(run_dir: Path, cfg: Config) -> None:
             f"cannot resume {run_dir}: its config.yaml is missing, so the config cannot be checked "
             "against the checkpoints; restore it or start over with --overwrite"
         )
+    from hpcfl.config import config_differences
+
     saved_cfg = read_yaml(saved)
     diffs = config_differences(saved_cfg, cfg.to_dict())
     if diffs:

@@ -97,7 +97,7 @@ def point_status(
 
 def sweep_status(sweep: Sweep) -> list[PointStatus]:
     """Every point's status, in the manifest's order. SLURM is asked once for all points' jobs."""
-    from hpcfl.launch.submit import read_job_records
+    from hpcfl.launch.records import read_job_records
 
     jobs = []
     for p in sweep.points:
