@@ -27,7 +27,7 @@ from hpcfl.runner.observers import (
     Value,
     with_standard_observers,
 )
-from hpcfl.runner.rounds import MemoryStates, RoundPlan, run_rounds
+from hpcfl.runner.rounds import MemoryStates, RoundPlan, round_observers, run_rounds
 from hpcfl.training import FlatModel, LocalSchedule
 
 
@@ -153,7 +153,7 @@ def test_every_column_of_a_real_run_is_declared_by_its_observer_in_row_order(tmp
     watched = run_experiment(cfg, tmp_path / "watched")
     plain = run_experiment(load_config(synthetic_config(tmp_path, **keys)), tmp_path / "plain")
     assert torch.equal(watched.server.x, plain.server.x)
-    observers = model_plan(build_federation(cfg, LocalComm())).round_observers()
+    observers = round_observers(model_plan(build_federation(cfg, LocalComm())))
     declared = [c for obs in observers for c in obs.columns]
     assert "cka" in declared and "drift_diversity" in declared
     for row in watched.metrics:

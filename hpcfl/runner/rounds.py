@@ -168,9 +168,10 @@ class RoundPlan:
     client_metrics: tuple[str, ...] = ("loss",)  # what the participants' local updates report
     client_batch: int | str = 1  # participants per vectorised training step: 1 | N | auto
 
-    def round_observers(self) -> tuple[Observer, ...]:
-        """Every observer of a round: the standard ones around :attr:`observers`."""
-        return with_standard_observers(self.observers, self.client_metrics)
+
+def round_observers(plan: RoundPlan) -> tuple[Observer, ...]:
+    """Every observer of the plan's rounds: the standard ones around the plan's own."""
+    return with_standard_observers(plan.observers, plan.client_metrics)
 
 
 def round_layout(
@@ -181,7 +182,7 @@ def round_layout(
     the plan's: per-rank slots carry each rank's compute time, state I/O and peak memory, so load
     imbalance is measured without another collective)."""
     ex = plan.algorithm.exchange(dtype)
-    watching = plan.round_observers() if observers is None else observers
+    watching = round_observers(plan) if observers is None else observers
     return BufferLayout.of(
         [(f"sum:{s.name}", s.length) for s in ex.sums]
         + [("weight", 1), ("count", 1), ("nonfinite", num_participants)]
@@ -218,7 +219,7 @@ def run_rounds(
     dtype = server.x.dtype
     ex = algo.exchange(dtype)
     bdtype = buffer_dtype(plan, dtype)
-    observers = plan.round_observers()
+    observers = round_observers(plan)
     executor = ClientExecutor(
         plan.client_batch, rank=comm.rank, largest=max(plan.population.sizes, default=1)
     )
