@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hpcfl.cli._config import load_cli_config
 from hpcfl.comm import launched_world_size, launcher_rank
-from hpcfl.errors import EXIT_RESUMABLE, CommError, StoppedError
+from hpcfl.errors import EXIT_RESUMABLE, CommError, ConfigError, StoppedError
 from hpcfl.runner import StopRequest, default_run_dir, run_experiment
 
 
@@ -37,7 +37,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", type=Path, help="output directory (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete an existing run directory first")
+    p.add_argument(
+        "--reset-client-states",
+        metavar="CLIENTS",
+        help="with --resume: re-initialise these clients' states (e.g. 3,17: the ones a damaged "
+        "client-state file names) instead of refusing; recorded in metrics.jsonl",
+    )
     p.set_defaults(func=run)
+
+
+def parse_clients(text: str | None) -> list[int]:
+    """``--reset-client-states 3,17`` → [3, 17] (None → [])."""
+    if text is None:
+        return []
+    try:
+        return sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise ConfigError(
+            f"--reset-client-states takes client numbers separated by commas, got {text!r}"
+        ) from None
 
 
 def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
@@ -62,7 +80,14 @@ def run(args: argparse.Namespace) -> int:
     stop = StopRequest()
     stop.install()
     try:
-        result = run_experiment(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop=stop)
+        result = run_experiment(
+            cfg,
+            run_dir,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            stop=stop,
+            reset_clients=parse_clients(args.reset_client_states),
+        )
     except StoppedError as err:
         if launcher_rank() == 0:
             print(f"hpcfl: {err}; continue with: {resume_command(args, run_dir)}", file=sys.stderr)
