@@ -95,7 +95,7 @@ class ClientStateError(StoreError):
     """A client's stored state is missing, truncated or damaged; ``client`` names it, so the user can
     re-initialise it (``--reset-client-states``) instead of losing the run."""
 
-    def __init__(self, message: str, client: int) -> None:
+    def __init__(self, message: str, client: int = -1) -> None:
         super().__init__(message)
         self.client = client
 

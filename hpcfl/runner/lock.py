@@ -27,7 +27,7 @@ LOCK_FILE = ".lock"
 class LockedError(RunDirError):
     """The directory is locked by another live process (``holder``: its host and PID, if known)."""
 
-    def __init__(self, message: str, holder: tuple[str, int] | None) -> None:
+    def __init__(self, message: str, holder: tuple[str, int] | None = None) -> None:
         super().__init__(message)
         self.holder = holder
 
