@@ -20,7 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Run a federated experiment. Works in one process (the default) and unchanged under "
             "`mpiexec -n R` or `srun`, where clients are spread over the ranks. Writes "
-            "config.yaml, metrics.jsonl, partition.json/png and checkpoints/ into the run directory."
+            "config.yaml, metrics.jsonl, partition.json/png, checkpoints/ and determinism.json into the "
+            "run directory. Bit-identical results (across rank counts and resumes) need the same config "
+            "AND the same torch threads per rank (set `threads`: unset, it is the node's cores shared by "
+            "its ranks, so 1 process and R ranks differ), `reduction` (float64; with float32 also the same "
+            "rank count), `client_batch` and `device`; determinism.json records what each rank used and a "
+            "resume that differs says so."
         ),
         epilog="example: hpcfl run configs/fmnist_fedavg.yaml --set rounds=5 lr=0.05 --run-dir runs/try",
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -26,6 +27,7 @@ from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config, parse_memory_budget
 from hpcfl.errors import ConfigError, HpcflError, RunDirError
 from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
+from hpcfl.runner import determinism
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from hpcfl.runner.client_states import ClientStates
 from hpcfl.runner.federation import Federation, build_federation, model_plan
@@ -274,12 +276,16 @@ def _run_locked(
             _collective_check(comm, lambda stage=stage: stage.check(fed, run_dir))
     held = fed.owned if comm.size > 1 else list(range(len(fed.parts)))  # states this rank may train
     every = list(range(len(fed.parts)))  # every rank checks all client files, so all pick one round
+    record = determinism.collect(cfg, comm)  # collective: the threads every rank uses
+    if comm.rank == 0 and has_state and (note := determinism.resume_note(run_dir, record)) is not None:
+        print(note, file=sys.stderr)
     ckpt = (
         load_checkpoint(run_dir / "checkpoints", held, all_clients=every, reset=reset) if has_state else None
     )
     start = ckpt.round if ckpt is not None else 0
     if comm.rank == 0:
         dump_config(cfg, run_dir / "config.yaml")
+        determinism.write_record(run_dir, record)
         _write_partition(fed, run_dir)
     total = sum(s.rounds for s in stages)
     if comm.rank == 0 and start < total:  # only now that the checkpoint loaded: unfinished again

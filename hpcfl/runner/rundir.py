@@ -12,7 +12,6 @@ writes there (:data:`RUN_ENTRIES`): a user's other files in it survive.
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 from hpcfl.config import Config, config_differences, read_yaml
@@ -36,6 +35,7 @@ RUN_ENTRIES = (
     "stage2",
     "FAILED",  # a sweep point's recorded error (hpcfl.sweep.local)
     "WALL_SECONDS",
+    "determinism.json",  # the threads per rank etc. the run used (hpcfl.runner.determinism)
 )
 _RUN_SIGNS = ("config.yaml", "checkpoints", DONE)
 
@@ -104,10 +104,4 @@ def check_resumable(run_dir: Path, cfg: Config) -> None:
             f"cannot resume {run_dir}: its checkpoint was made with a different config "
             f"(differs in: {', '.join(diffs)}); use the same config or --overwrite"
         )
-    if saved_cfg.get("threads") != cfg.threads:
-        print(
-            f"hpcfl: note: resuming with threads={cfg.threads} (the run began with "
-            f"threads={saved_cfg.get('threads')}): results stay valid but are not bit-identical to an "
-            "uninterrupted run",
-            file=sys.stderr,
-        )
+    # another threads, reduction, client_batch or device: noted by hpcfl.runner.determinism
