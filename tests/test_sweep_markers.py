@@ -97,3 +97,15 @@ def test_busy_point_keeps_its_markers(tmp_path, marker):
         outcome = run_point(load_config(cfg), run)
         assert outcome.busy and not outcome.failed
         assert sorted(p.name for p in Path(run).iterdir() if not p.name.startswith(".")) == [marker]
+
+
+def test_compare_still_ends_on_a_held_point(tmp_path):
+    """``hpcfl compare`` runs points with ``record_failures=False``: a held point ends it with the
+    lock's one line instead of being skipped as busy and reported half-finished."""
+    from hpcfl.config import load_config
+    from hpcfl.runner.lock import LockedError
+
+    cfg = synthetic_config(tmp_path, rounds=1, algorithm="fedavg")
+    run = tmp_path / "point"
+    with RunLock(run), pytest.raises(LockedError, match="is in use by another hpcfl run"):
+        run_point(load_config(cfg), run, record_failures=False)

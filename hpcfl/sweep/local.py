@@ -102,14 +102,15 @@ def run_point(
     ``retry_failed=False`` keeps a recorded failure of the same config (the benchmarks: a diverging
     baseline is a result); ``replace_other=True`` starts over a run directory holding another
     config (the benchmarks' cache), where a sweep refuses it while planning;
-    ``record_failures=False`` lets an hpcfl error propagate (``hpcfl compare`` ends on it). ``stop``
+    ``record_failures=False`` lets an hpcfl error propagate (``hpcfl compare`` ends on it; a point
+    another process holds too, where a sweep reports it ``busy``). ``stop``
     is the process's :class:`~hpcfl.runner.StopRequest`.
     """
     from hpcfl.runner import run_experiment
     from hpcfl.runner.lock import LockedError, lock_holder
 
     path = Path(run_dir)
-    if (holder := lock_holder(path)) is not None:  # before any marker is touched
+    if record_failures and (holder := lock_holder(path)) is not None:  # before any marker is touched
         return _busy(holder)
     same = same_config(path, cfg)
     if same and (path / DONE).exists():
@@ -128,6 +129,8 @@ def run_point(
     except StoppedError:
         status = "stopped"
     except LockedError as err:  # taken by another process since the check above
+        if not record_failures:
+            raise
         return _busy(err.holder)
     except HpcflError as err:
         if not record_failures:
