@@ -8,6 +8,7 @@ the user go on without that client's state (recorded in metrics.jsonl).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from hpcfl.cli.main import main
+from hpcfl.runner.client_states import ClientStateError, ClientStates
 from tests.helpers import synthetic_config
 
 CLIENT = 2  # the client whose chunk is damaged
@@ -193,3 +195,50 @@ def test_resume_in_memory_of_a_disk_checkpoint_keeps_the_states(stopped, tmp_pat
         main(["run", str(cfg), "--run-dir", str(run), "--resume", "--set", "client_state_memory=memory"]) == 0
     )
     assert _losses(run) == _losses(ref)
+
+
+# the store on its own: damage found mid-run, and stores of version 1 (no CRCs) still read
+
+
+@dataclasses.dataclass
+class _State:
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+
+
+def _states(path: Path) -> ClientStates:
+    return ClientStates(lambda k: _State(), num_clients=3, budget_bytes=0, path=path)
+
+
+def test_a_chunk_damaged_during_the_run_is_named_on_its_next_read(tmp_path):
+    cs = _states(tmp_path / "cs.zarr")
+    cs.put(1, _State(a=torch.arange(6.0), b=None))
+    chunk = tmp_path / "cs.zarr" / "field_a" / "c" / "0" / "1" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[-1] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(
+        ClientStateError, match=r"client 1's state \(slot 0\) cannot be trusted: .* fails its checksum"
+    ):
+        cs.get(1)
+    # another rank's write is checked against the CRCs stored beside it
+    other = _states(tmp_path / "cs.zarr")
+    other.written_elsewhere(1)
+    other._disk = True  # noqa: SLF001 - the other rank is in store mode too
+    other._live[1] = 0  # noqa: SLF001
+    with pytest.raises(ClientStateError, match="fails its checksum"):
+        other.get(1)
+
+
+def test_version_1_store_and_checkpoint_still_resume(tmp_path):
+    cs = _states(tmp_path / "cs.zarr")
+    state = _State(a=torch.arange(6.0), b=torch.ones(2, dtype=torch.float64))
+    cs.put(2, state)
+    cmap = cs.checkpoint_map()
+    shutil.rmtree(tmp_path / "cs.zarr" / "crc32")  # a store written before the checksums
+    for entry in cmap["clients"].values():
+        entry.pop("crc32")
+    fresh = _states(tmp_path / "cs.zarr")
+    fresh.restore_map(cmap)
+    got = fresh.get(2)
+    assert torch.equal(got.a, state.a) and torch.equal(got.b, state.b)

@@ -109,3 +109,25 @@ def test_compare_still_ends_on_a_held_point(tmp_path):
     run = tmp_path / "point"
     with RunLock(run), pytest.raises(LockedError, match="is in use by another hpcfl run"):
         run_point(load_config(cfg), run, record_failures=False)
+
+
+def test_status_of_a_run_dir_says_what_its_markers_say(tmp_path, capsys):
+    """``hpcfl status RUN_DIR`` of a run started with ``hpcfl run`` used to say NOT SUBMITTED while it
+    ran, after it failed as a sweep point, and when it was stopped."""
+    cfg = synthetic_config(tmp_path, rounds=1, algorithm="fedavg")
+    run = tmp_path / "run"
+    assert main(["run", str(cfg), "--run-dir", str(run)]) == 0
+
+    def state() -> tuple[int, str]:
+        capsys.readouterr()
+        rc = main(["status", str(run)])
+        line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("state")][0]
+        return rc, line
+
+    assert state() == (0, "state    FINISHED")
+    (run / "DONE").unlink()
+    assert state() == (0, "state    UNFINISHED (resume it with hpcfl run ... --resume)")
+    with RunLock(run):
+        assert state() == (0, f"state    RUNNING on {socket.gethostname()} (PID {os.getpid()})")
+    (run / FAILED).write_text("loss became NaN/inf in round 1 on client 0\n")
+    assert state() == (1, "state    FAILED")
