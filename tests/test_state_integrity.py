@@ -242,3 +242,19 @@ def test_version_1_store_and_checkpoint_still_resume(tmp_path):
     fresh.restore_map(cmap)
     got = fresh.get(2)
     assert torch.equal(got.a, state.a) and torch.equal(got.b, state.b)
+
+
+def test_state_size_is_taken_from_the_state_not_the_upload(tmp_path):
+    """A budget that holds one model-sized vector per client but not two keeps FedDyn's one-field
+    states in memory and puts SCAFFOLD's two-field states on disk (the upload-based guess counted
+    two vectors for every algorithm)."""
+    cfg = synthetic_config(tmp_path, rounds=1, client_state_memory="disk")
+    probe = tmp_path / "probe"
+    assert main(["run", str(cfg), "--run-dir", str(probe)]) == 0
+    vector = (probe / "client_states_train.zarr" / "field_h" / "c" / "0" / "0" / "0").stat().st_size
+    budget = str(4 * vector * 3 // 2)  # 4 clients × 1.5 vectors
+    for algorithm, on_disk in (("feddyn", False), ("scaffold", True)):
+        run = tmp_path / algorithm
+        argv = ["run", str(cfg), "--run-dir", str(run), "--set", f"algorithm={algorithm}"]
+        assert main([*argv, f"client_state_memory={budget}"]) == 0
+        assert (run / "client_states_train.zarr").exists() == on_disk, algorithm

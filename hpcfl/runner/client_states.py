@@ -533,10 +533,14 @@ def resolve_budget(budget: str | int) -> int:
     return budget
 
 
-def _nbytes(state: Any) -> int:
+def state_nbytes(state: Any, *, unset: int = 0) -> int:
+    """Bytes of a client state's tensors; each field that is None counts ``unset`` bytes."""
     if state is None:
         return 0
-    return sum(v.nbytes for f in dataclasses.fields(state) if isinstance(v := getattr(state, f.name), Tensor))
+    return sum(
+        v.nbytes if isinstance(v := getattr(state, f.name), Tensor) else unset if v is None else 0
+        for f in dataclasses.fields(state)
+    )
 
 
 class ClientStates:
@@ -636,7 +640,7 @@ class ClientStates:
         if self._cls is None:
             self._cls = type(state)
         if not self._disk:
-            new_held = self._held - _nbytes(self._mem.get(k)) + _nbytes(state)
+            new_held = self._held - state_nbytes(self._mem.get(k)) + state_nbytes(state)
             if self.budget_bytes is None or new_held <= self.budget_bytes:
                 self._mem[k] = state
                 self._held = new_held
@@ -701,7 +705,8 @@ class ClientStates:
         tensors themselves, not copies: save before changing them in place). Store mode: the
         written chunks are fsynced and ``{"mode": "disk", "clients": {k: {"slot": 0|1, "crc32":
         [per field: CRC-32 or None]}}, "devices": ...}`` (what a resume checks the store against;
-        for a client another rank wrote, read from the slot's ``crc32`` chunk); the live slots of these clients become the checkpointed ones, so call this only to
+        for a client another rank wrote, read from the slot's ``crc32`` chunk); the live slots of
+        these clients become the checkpointed ones, so call this only to
         write a checkpoint, and put nothing between this call and the checkpoint's completion.
         Clients never written are left out (they restore as ``init(k)``). Entries of several ranks
         merge by the union of their ``clients``.

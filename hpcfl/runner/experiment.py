@@ -416,7 +416,7 @@ def client_states(
             f"client_state_memory: memory cannot hold {algo.name}'s client states with partial participation "
             f"on {fed.comm.size} ranks (a client may train on another rank each round); use auto or disk"
         )
-    if choice == "memory" or (sticky and choice != "disk" and _fits(algo, fed, choice)):
+    if choice == "memory" or (sticky and choice != "disk" and _fits(probe, entry.server, fed, choice)):
         return MemoryStates(entry.init_client)
     return ClientStates(
         entry.init_client,
@@ -426,11 +426,16 @@ def client_states(
     )
 
 
-def _fits(algo: Any, fed: Federation, choice: int | str) -> bool:
-    """Whether every client's state fits the budget (``auto``: a quarter of available memory)."""
-    from hpcfl.runner.client_states import resolve_budget
+def _fits(probe: Any, server: ServerState, fed: Federation, choice: int | str) -> bool:
+    """Whether every client's state fits the budget (``auto``: a quarter of available memory).
 
-    per_client = sum(s.nbytes for s in algo.exchange().sums if s.name == "x") * 2  # e.g. h and θ̂ (SCAFFOLD)
+    A client's size is taken from its state (``probe``, a fresh one), not guessed from the upload:
+    each tensor field's bytes, and a field a fresh state leaves unset counted as one vector the
+    size of the server's ``x`` (what every built-in state field holds once trained).
+    """
+    from hpcfl.runner.client_states import resolve_budget, state_nbytes
+
+    per_client = state_nbytes(probe, unset=server.x.nbytes)
     budget = resolve_budget(choice if isinstance(choice, int) else "auto")
     return per_client * len(fed.parts) <= budget
 
