@@ -258,3 +258,51 @@ def test_state_size_is_taken_from_the_state_not_the_upload(tmp_path):
         argv = ["run", str(cfg), "--run-dir", str(run), "--set", f"algorithm={algorithm}"]
         assert main([*argv, f"client_state_memory={budget}"]) == 0
         assert (run / "client_states_train.zarr").exists() == on_disk, algorithm
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_damaged_state_under_mpi_gives_one_line_and_the_reset_resumes(tmp_path):
+    """Partial participation on 2 ranks (states in the store, any rank trains any client): every
+    rank checks the checkpoint's records, so all refuse alike, with one line; the reset resumes."""
+    import subprocess
+
+    from tests.conftest import REPO
+    from tests.helpers import mpiexec_cmd
+
+    cfg = synthetic_config(
+        tmp_path,
+        num_clients=6,
+        clients_per_round=3,
+        rounds=3,
+        dataset_options={"n_train": 600, "n_test": 100, "seed": 3},
+    )
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def mpi(*args: str) -> subprocess.CompletedProcess:
+        argv = mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(run), *args)
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+    assert mpi("--set", "rounds=2").returncode == 0
+    latest = max((run / "client_states_train.zarr" / "field_h" / "c").glob("*/*/0"))
+    slot, client = int(latest.parts[-3]), int(latest.parts[-2])
+    latest.unlink()  # some client's chunk; it may or may not be one the checkpoint names
+    import torch as _torch
+
+    cmap = _torch.load(sorted((run / "checkpoints").glob("round_*"))[-1] / "server.pt", weights_only=True)
+    named = cmap["extra"]["client_map"]["clients"].get(client, {}).get("slot") == slot
+    proc = mpi("--resume")
+    if named:
+        # every rank finds the same damage; rank 0 reports it (another rank may too, with the same
+        # line, when the abort is slower than its grace period on a loaded node)
+        causes = {ln.split(": ", 3)[-1] for ln in proc.stderr.splitlines() if ln.startswith("hpcfl: error:")}
+        assert proc.returncode != 0 and len(causes) == 1, proc.stderr
+        assert causes.pop().startswith(
+            f"client {client}'s state (slot {slot}) cannot be trusted: {latest} is missing"
+        )
+        assert "Traceback" not in proc.stderr
+        proc = mpi("--resume", "--reset-client-states", str(client))
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["round"] == 3
