@@ -131,3 +131,15 @@ def test_status_of_a_run_dir_says_what_its_markers_say(tmp_path, capsys):
         assert state() == (0, f"state    RUNNING on {socket.gethostname()} (PID {os.getpid()})")
     (run / FAILED).write_text("loss became NaN/inf in round 1 on client 0\n")
     assert state() == (1, "state    FAILED")
+
+
+def test_a_failed_point_finished_by_hand_loses_its_failed_marker(tmp_path, capsys):
+    """A point that failed in a sweep and was then finished with ``hpcfl run --resume`` (say with
+    the fix applied by hand) used to keep FAILED beside DONE."""
+    cfg = synthetic_config(tmp_path, rounds=2, algorithm="fedavg")
+    run = tmp_path / "point"
+    assert main(["run", str(cfg), "--run-dir", str(run), "--set", "rounds=1"]) == 0
+    (run / "DONE").unlink()
+    (run / FAILED).write_text("stopped by a bad node\n")
+    assert main(["run", str(cfg), "--run-dir", str(run), "--resume"]) == 0
+    assert (run / "DONE").exists() and not (run / FAILED).exists()

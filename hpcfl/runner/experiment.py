@@ -34,7 +34,7 @@ from hpcfl.runner.federation import Federation, build_federation, model_plan
 from hpcfl.runner.lock import RunLock
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
-from hpcfl.runner.rundir import DONE, prepare_run_dir
+from hpcfl.runner.rundir import DONE, FAILED, prepare_run_dir
 from hpcfl.runner.stages import StageInput, StagePlan
 from hpcfl.tct.pipeline import STAGE1_MODEL as STAGE1_MODEL
 
@@ -299,6 +299,7 @@ def _run_locked(
     finished = done >= total
     if comm.rank == 0 and finished:
         atomic_write_text(run_dir / DONE, f"rounds={done} seconds={time.perf_counter() - t0:.3f}\n")
+        (run_dir / FAILED).unlink(missing_ok=True)  # a point that failed before is now done
     comm.barrier()
     return RunResult(run_dir=run_dir, rounds_done=done, server=server, metrics=book.rows, finished=finished)
 

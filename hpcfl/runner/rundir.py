@@ -1,6 +1,6 @@
 """The run directory: what is in it, and whether this invocation may use it.
 
-``runs/<name>/.hpcfl-run config.yaml metrics.jsonl partition.json partition.png checkpoints/ DONE``
+``runs/<name>/.hpcfl-run config.yaml metrics.jsonl partition.json partition.png determinism.json checkpoints/ DONE``
 (TCT adds ``stage1_model.pt``, ``features*.zarr`` and ``stage2/``). A finished run (DONE) or an
 unfinished one is never silently reused: ``--resume`` continues it, ``--overwrite`` starts over.
 
@@ -18,6 +18,7 @@ from hpcfl.config import Config, config_differences, read_yaml
 from hpcfl.errors import RunDirError
 
 DONE = "DONE"
+FAILED = "FAILED"  # a sweep point's one-line error (hpcfl.sweep.local); never beside DONE
 MARKER = ".hpcfl-run"  # written when hpcfl starts a run in a directory
 #: Everything hpcfl writes at the top of a run directory (``slurm/`` holds job history and stays),
 #: besides the client-state stores ``client_states_<stage>.zarr``.
@@ -33,7 +34,7 @@ RUN_ENTRIES = (
     "features.zarr",
     "features_test.zarr",
     "stage2",
-    "FAILED",  # a sweep point's recorded error (hpcfl.sweep.local)
+    FAILED,
     "WALL_SECONDS",
     "determinism.json",  # the threads per rank etc. the run used (hpcfl.runner.determinism)
 )

@@ -23,9 +23,8 @@ from typing import Any
 from hpcfl.config import Config, config_differences, config_from_dict, read_yaml
 from hpcfl.errors import HpcflError, StoppedError
 from hpcfl.files import atomic_write_text
-from hpcfl.runner.rundir import DONE
+from hpcfl.runner.rundir import DONE, FAILED
 
-FAILED = "FAILED"  # one line: the error that ended the point
 WALL_SECONDS = "WALL_SECONDS"  # wall-clock seconds of the point's last (re)run
 
 
