@@ -46,7 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "validated first. Locally one after another (or -j N at a time) by default; with "
             "--executor slurm as ONE job array, each task an MPI job of the requested size that "
             "requeues itself on preemption. Finished points are skipped and unfinished ones resumed "
-            "when the same command runs again. `hpcfl status SWEEP_DIR` and `hpcfl report "
+            "when the same command runs again. One sweep at a time per --out (it holds the sweep "
+            "directory's lock; a second one is refused naming the holder), and a point another process "
+            "is running is left alone as busy (exit 75: run the command again later). "
+            "`hpcfl status SWEEP_DIR` and `hpcfl report "
             "SWEEP_DIR` follow and summarise it (mean ± std over seeds)."
         ),
         epilog=_EPILOG,
