@@ -33,7 +33,9 @@ def _imported(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
     return proc, modules
 
 
-@pytest.mark.parametrize("module", ["hpcfl", "hpcfl.cli.status", "hpcfl.cli.main", "hpcfl.launch.status"])
+@pytest.mark.parametrize(
+    "module", ["hpcfl", "hpcfl.cli.status", "hpcfl.cli.main", "hpcfl.launch.status", "hpcfl.sweep.status"]
+)
 def test_importing_the_status_path_imports_neither_torch_nor_zarr(module: str) -> None:
     _, modules = _imported("-c", f"import {module}")
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))

@@ -23,15 +23,23 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from hpcfl.algorithms import Algorithm, ClientData, ClientState, ServerState, Trainer
-from hpcfl.algorithms.base import Aggregate, ClientContext, Exchange, ServerContext, Upload
+from hpcfl.algorithms.base import (
+    Aggregate,
+    ClientContext,
+    Exchange,
+    ServerContext,
+    Upload,
+    state_from_dict,
+    state_to_dict,
+)
 from hpcfl.algorithms.participation import Population
 from hpcfl.comm.base import Communicator
 from hpcfl.comm.placement import place_round
@@ -48,6 +56,9 @@ from hpcfl.runner.observers import (
     with_standard_observers,
 )
 from hpcfl.runner.observers import _nbytes as _nbytes  # tests/test_ntkfl.py reads it here
+
+if TYPE_CHECKING:
+    from hpcfl.runner.checkpoint import Checkpoint
 
 # Called after every round with (round_done, server, states, metrics_row or None); returns True to stop.
 RoundHook = Callable[[int, ServerState, "ClientStore", dict[str, Any] | None], bool]
@@ -66,6 +77,14 @@ class ClientStore(Protocol):
 
     def written_elsewhere(self, k: int) -> None:
         """Another rank trained client ``k`` this round and stored its state."""
+
+    def checkpoint(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        """What a round checkpoint keeps: (per-client files this rank writes, entries of the
+        checkpoint's ``extra``)."""
+        ...
+
+    def restore(self, ckpt: Checkpoint, reset: Iterable[int] = ()) -> None:
+        """Return to ``ckpt``; the clients in ``reset`` start again from ``init(k)``."""
 
 
 class MemoryStates:
@@ -86,6 +105,17 @@ class MemoryStates:
 
     def written_elsewhere(self, k: int) -> None:
         """Nothing to do: in memory, a client is always trained on the same rank."""
+
+    def checkpoint(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        """One file per held client (the tensors themselves: saved before they change)."""
+        return {k: state_to_dict(c) for k, c in self.states.items()}, {}
+
+    def restore(self, ckpt: Checkpoint, reset: Iterable[int] = ()) -> None:
+        """Take the checkpoint's per-client files (a zip CRC-checked by the loader), ``reset`` aside."""
+        if "client_map" in ckpt.extra:
+            raise RuntimeError("a checkpoint with a client-state store must restore into ClientStates")
+        dropped, cls = set(reset), type(self.init(0))
+        self.states.update({k: state_from_dict(cls, d) for k, d in ckpt.clients.items() if k not in dropped})
 
 
 class StateIO:
@@ -249,16 +279,19 @@ def run_rounds(
             plan.data,
             functools.partial(_client_context, plan, rnd, who),
         )
+        diverged: list[int] = []
         for k, upload, new_state in outcomes:
             if upload is None:
-                layout.view(buf, "nonfinite")[begun.position[k]] = 1.0
+                diverged.append(k)
                 continue
             io.put(k, new_state)
             _accumulate(upload, layout, buf, ex, bdtype)
             if ex.gathers:
                 gathered.append((begun.position[k], {g: upload.gathered[g] for g in ex.gathers}))
             watch.client(k, upload)
-        work = LocalWork(begun, trained=time.perf_counter(), state_io_s=io.finish())
+        state_io = io.finish()
+        _flag_nonfinite(layout.view(buf, "nonfinite"), begun, diverged, states)
+        work = LocalWork(begun, trained=time.perf_counter(), state_io_s=state_io)
         watch.local_done(work)
         # 3. one allreduce per round (and one allgather when the algorithm gathers)
         comm.allreduce(buf)
@@ -298,6 +331,15 @@ def run_rounds(
     return server, done
 
 
+def _finite(state: ClientState) -> bool:
+    """True when every tensor of a client state is finite (None fields count as finite)."""
+    return all(
+        bool(torch.isfinite(v).all())
+        for f in fields(state)
+        if isinstance(v := getattr(state, f.name), torch.Tensor) and v.is_floating_point()
+    )
+
+
 def _client_context(plan: RoundPlan, rnd: int, who: tuple[int, ...], k: int) -> ClientContext:
     return ClientContext(rnd, who, plan.population, plan.trainer, plan.generator(rnd, k))
 
@@ -319,8 +361,23 @@ def _accumulate(
     layout.view(buf, "count").add_(1.0)
 
 
+def _flag_nonfinite(flags: torch.Tensor, begun: RoundStart, diverged: list[int], states: ClientStore) -> None:
+    """Flag this rank's participants whose local update became NaN/inf: 1, or 2 when the state it
+    started from already held NaN/inf (a damaged state, not the learning rate)."""
+    for k in diverged:
+        flags[begun.position[k]] = 1.0 if _finite(states.get(k)) else 2.0
+
+
 def _check_finite(flags: torch.Tensor, who: tuple[int, ...], rnd: int, lr_hint: str) -> None:
     """Every rank raises alike when a participant's local update became NaN/inf (flags allreduced)."""
+    damaged = [who[i] for i in torch.nonzero(flags > 1.5).flatten().tolist()]
+    if damaged:
+        raise DivergenceError(
+            f"loss became NaN/inf in round {rnd} on client {damaged[0]}, whose stored "
+            f"state already held NaN/inf when it was read (clients {','.join(map(str, damaged))}): the "
+            f"state is damaged, not the learning rate; resume with --reset-client-states "
+            f"{','.join(map(str, damaged))} to re-initialise it"
+        )
     bad = [who[i] for i in torch.nonzero(flags).flatten().tolist()]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
