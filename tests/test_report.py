@@ -173,3 +173,39 @@ def test_last_and_window_below_one_are_one_line(tmp_path: Path, option: str) -> 
     proc = run_cli("report", str(tmp_path), option, "0")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert option in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_benchmark_protocol_chooses_lr_on_last_k_validation_then_runs_the_seeds(tmp_path: Path) -> None:
+    """benchmarks/_runs.py's run_protocol: every lr at the first seed, the choice the best last-2
+    mean of val_accuracy (never test), the other seed only at the chosen lr."""
+    import sys
+
+    import numpy as np
+    import yaml
+
+    from tests.helpers import REPO, synthetic_config
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from _runs import Setting, run_dir_of, run_protocol
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from hpcfl.report import Protocol
+
+    base = yaml.safe_load(synthetic_config(tmp_path, rounds=3, validation=0.05).read_text())
+    base = {k: v for k, v in base.items() if k not in ("lr", "seed", "name")}
+    settings = [Setting(a, "dir:0.5", {**base, "algorithm": a}, (0.001, 0.05)) for a in ("fedavg", "fedprox")]
+    cells = run_protocol(settings, seeds=[7, 8], out=tmp_path / "b", jobs=1, protocol=Protocol(last_k=2))
+    for s, cell in zip(settings, cells, strict=True):
+        val = {}
+        for lr in s.lrs:
+            rows = [json.loads(x) for x in (run_dir_of(tmp_path / "b", s, lr, 7) / "metrics.jsonl").open()]
+            val[lr] = np.mean([r["val_accuracy"] for r in rows[-2:]])
+        chosen = max(val, key=lambda lr: (val[lr], -lr))
+        assert cell.choice is not None and cell.choice.value == chosen
+        assert cell.choice.val_mean == pytest.approx(val[chosen], abs=1e-12)
+        assert [r.config["seed"] for r in cell.runs] == [7, 8] and {r.config["lr"] for r in cell.runs} == {
+            chosen
+        }
+        other = next(lr for lr in s.lrs if lr != chosen)
+        assert not run_dir_of(tmp_path / "b", s, other, 8).exists()
