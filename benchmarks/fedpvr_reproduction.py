@@ -26,8 +26,8 @@ error (≈ 2 points at 70 %) is larger than the gaps between the candidate lrs; 
   (Option II), ``weighting: uniform``, weight decay 0, ``drop_last: true`` (the FedPVR authors'
   ``aggregate/scaffold.py``, ``opt/opt.py``, their loader), FedPVR the same; the others weight
   decay 1e-5, n_k weighting, every batch;
-- ``equal-optimiser``: momentum 0.9 for every method (corrections consistent with it), the rest as
-  above.
+- ``equal-optimiser``: momentum 0.9 for every method and every parameter (FedPVR's corrected slice
+  too: ``momentum_on_corrected: true``; corrections consistent with it), the rest as above.
 
 Hyper-parameters fixed, not searched (the budget allows only the lr search): FedProx μ = 0.01
 (FedProx's grid {0.001, 0.01, 0.1, 1}), FedDyn α = 0.01 (FedDyn's grid {0.1, 0.01, 0.001}), FedAdam
@@ -40,7 +40,7 @@ FedPVR would send 0.87 × SCAFFOLD's traffic instead of about half). FedNova: wi
 ``n_k / batch`` steps per client and round — an order of magnitude more time.
 
 **Budget** (the defaults): SimpleCNN (``--model``), 10 clients, 20 rounds × 10 local steps of batch
-64, lr ∈ {0.01, 0.03, 0.1}, 3 seeds, 2 runs at a time × 1 thread: 6 methods × 2 partitions × (3 + 2)
+64, lr ∈ {0.03, 0.1, 0.3}, 3 seeds, 2 runs at a time × 1 thread: 6 methods × 2 partitions × (3 + 2)
 runs = 60 runs of about 40 s, about 25 minutes on 2 cores. ``--model resnet8`` runs the authors'
 ResNet-8 with GroupNorm(2) (``model_options: {norm: gn}``, their default); one evaluation of its
 10,000 test images alone takes ≈ 7 s on one core, so at this protocol it needs hours — use it on a
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fednova-epochs", type=int, default=0, help="run FedNova with E local epochs (0: = FedAvg)"
     )
-    p.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.03, 0.1], help="lr candidates")
+    p.add_argument("--lrs", type=float, nargs="+", default=[0.03, 0.1, 0.3], help="lr candidates")
     p.add_argument("--validation", type=float, default=0.05, help="held-out share for the lr choice")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seeds", type=int, default=3, help="seeds at the chosen lr (0, 1, ...)")
@@ -156,7 +156,9 @@ def config(args: argparse.Namespace, partition: str, method: str) -> dict[str, A
         cfg["drop_last"] = AUTHORS_SCAFFOLD["drop_last"]
     if args.model == "resnet8":
         cfg["model_options"] = {"norm": "gn"}  # the authors' ResNet-8: GroupNorm(2)
-    elif method == "fedpvr" and args.model == "simplecnn":
+    if method == "fedpvr" and args.track == "equal-optimiser":
+        cfg["params"]["momentum_on_corrected"] = True  # momentum 0.9 on every parameter
+    if method == "fedpvr" and args.model == "simplecnn":
         cfg["params"]["layers"] = ["classifier"]  # the last layer, as the paper's ResNet-8 rule
     if method == "fednova":
         cfg["local_epochs"] = args.fednova_epochs
