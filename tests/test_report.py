@@ -209,3 +209,23 @@ def test_benchmark_protocol_chooses_lr_on_last_k_validation_then_runs_the_seeds(
         }
         other = next(lr for lr in s.lrs if lr != chosen)
         assert not run_dir_of(tmp_path / "b", s, other, 8).exists()
+
+
+def test_the_form_a_run_recorded_is_shown_over_its_configured_auto(tmp_path: Path) -> None:
+    """``form: auto`` in config.yaml, ``scaffold_form`` in metrics.jsonl: the report shows the
+    recorded form; without the column, the configured one."""
+    import yaml
+
+    from hpcfl.report import summarise
+
+    for name, extra, want in (
+        ("rec", {"scaffold_form": "control_variates"}, "control_variates"),
+        ("cfg", {}, "auto"),
+    ):
+        run = tmp_path / name
+        run.mkdir()
+        cfg = {"name": name, "algorithm": "scaffold", "partition": "dir:0.5", "params": {"form": "auto"}}
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5, **extra}) + "\n")
+        summary = summarise(run)
+        assert summary.form == want and summary.label == f"scaffold ({want})"

@@ -58,12 +58,16 @@ def summarise(run_dir: Path) -> RunSummary:
 
 
 def recorded_form(cfg: dict, rows: list[dict]) -> str | None:
-    """The form the run used: a ``form`` its metrics rows record (the resolved one), else
-    ``params.form`` of its config.yaml; None when neither says (algorithms with one form)."""
+    """The form the run used: what its metrics rows record (``<algorithm>_form``, e.g. SCAFFOLD's
+    ``scaffold_form``, the form ``auto`` resolved to; or ``form``), else ``params.form`` of its
+    config.yaml; None when neither says (algorithms with one form)."""
+    keys = (f"{cfg.get('algorithm')}_form", "form")
     for row in reversed(rows):
-        if row.get("form"):
-            return str(row["form"])
-    form = (cfg.get("params") or {}).get("form") if isinstance(cfg.get("params"), dict) else None
+        for key in keys:
+            if isinstance(row.get(key), str) and row[key]:
+                return row[key]
+    params = cfg.get("params")
+    form = params.get("form") if isinstance(params, dict) else None
     return None if form is None else str(form)
 
 
