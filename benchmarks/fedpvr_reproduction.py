@@ -171,8 +171,9 @@ def config(args: argparse.Namespace, partition: str, method: str) -> dict[str, A
 
 def settings(args: argparse.Namespace) -> list[Setting]:
     """Every (method, partition) to run; FedNova only with ``--fednova-epochs``."""
+    nova = f"fednova ({args.fednova_epochs} local epoch(s): more local work than the others)"
     return [
-        Setting(m, part, config(args, part, m), tuple(args.lrs))
+        Setting(nova if m == "fednova" else m, part, config(args, part, m), tuple(args.lrs))
         for part in args.partitions
         for m in args.methods
         if m != "fednova" or args.fednova_epochs > 0
