@@ -41,7 +41,9 @@ FedPVR would send 0.87 × SCAFFOLD's traffic instead of about half). FedNova: wi
 
 **Budget** (the defaults): SimpleCNN (``--model``), 10 clients, 20 rounds × 10 local steps of batch
 64, lr ∈ {0.03, 0.1, 0.3}, 3 seeds, 2 runs at a time × 1 thread: 6 methods × 2 partitions × (3 + 2)
-runs = 60 runs of about 40 s, about 25 minutes on 2 cores. ``--model resnet8`` runs the authors'
+runs = 60 runs of about 45 s (20 rounds of 100 SimpleCNN steps at ≈ 12 ms and one 0.67 s test plus
+0.2 s validation evaluation, on one idle core, and ≈ 4 s start-up), about 25 minutes on 2 cores —
+estimated from those figures, not timed end to end. ``--model resnet8`` runs the authors'
 ResNet-8 with GroupNorm(2) (``model_options: {norm: gn}``, their default); one evaluation of its
 10,000 test images alone takes ≈ 7 s on one core, so at this protocol it needs hours — use it on a
 larger machine. ``--omit-keys drop_last params.weighting`` drops config keys that an older hpcfl
