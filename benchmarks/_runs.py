@@ -1,9 +1,10 @@
 """Cached grid runs and the comparison protocol for the benchmark scripts.
 
-:func:`run_cached` is a thin layer over :func:`hpcfl.sweep.run_point`. A run whose directory holds DONE with the same config is not re-run, an unfinished one is resumed,
-one of another config is started over, and one that failed with an hpcfl error (a diverging
-baseline, say) is recorded in FAILED and reported rather than ending the whole grid (and not
-retried). Runs in spawned worker processes (imports inside).
+:func:`run_cached` is a thin layer over :func:`hpcfl.sweep.run_point`. A run whose directory holds
+DONE with the same config is not re-run, an unfinished one is resumed, one of another config is
+started over, and one that failed with an hpcfl error (a diverging baseline, say) is recorded in
+FAILED and reported rather than ending the whole grid (and not retried). Runs in spawned worker
+processes (imports inside).
 
 :func:`run_protocol` and :func:`write_tables` apply :mod:`hpcfl.report.protocol` to a list of
 :class:`Setting` (method × partition): learning rate chosen per setting on the last-k mean of a
