@@ -18,6 +18,7 @@ import yaml
 
 from hpcfl.algorithms.base import HyperParams
 from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
+from hpcfl.privacy.section import PrivacySection, validate_privacy
 from hpcfl.errors import ConfigError, suggest
 from hpcfl.files import read_yaml as read_yaml  # where it lives (light); named here for callers
 
@@ -66,6 +67,7 @@ class Config:
     client_state_memory: str = "auto"  # auto | memory | disk | a byte budget, e.g. 2GB
     client_batch: str = "1"  # participants trained as one vectorised step: 1 (one by one) | N | auto
     params: Any = None  # the algorithm's hyper-parameters (its frozen Params dataclass)
+    privacy: PrivacySection = field(default_factory=PrivacySection)  # differential privacy (hpcfl.privacy)
 
     def __post_init__(self) -> None:
         if self.params is None:
@@ -367,6 +369,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
     parse_memory_budget(cfg.client_state_memory)
     parse_client_batch(cfg.client_batch)
+    validate_privacy(cfg.privacy, cfg)
     if cfg.algorithm != "tct":
         return
     s2 = cfg.stage2

@@ -27,6 +27,7 @@ from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config, parse_memory_budget
 from hpcfl.errors import ConfigError, HpcflError, RunDirError
 from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
+from hpcfl.privacy.build import budget_line
 from hpcfl.runner import determinism
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from hpcfl.runner.client_states import ClientStates
@@ -48,6 +49,7 @@ class RunResult:
     server: ServerState
     metrics: list[dict[str, Any]]
     finished: bool
+    budget_stop: str | None = None  # the line of a run stopped by privacy.epsilon_budget (finished)
 
 
 class StopRequest:
@@ -177,6 +179,7 @@ class _Bookkeeper:
         self.total = total
         self.note: dict[str, Any] = {}  # columns for the next metrics row (a resume's resets)
         self.progress = Progress(total=total, initial=start, enabled=cfg.progress and comm.rank == 0)
+        self.budget_stop: str | None = None  # set when privacy.epsilon_budget ends the run
 
     def hook(self, stage: str, offset: int, last: int) -> RoundHook:
         def after_round(done: int, srv: ServerState, states: Any, row: dict[str, Any] | None) -> bool:
@@ -189,6 +192,10 @@ class _Bookkeeper:
             # a signal may reach any rank: agree on it so every rank checkpoints the same round
             flag = torch.tensor([float(self.stop.requested)], dtype=torch.float64)
             halt = bool(self.comm.allreduce(flag).item())
+            # the privacy budget: the server state (identical on every rank) says the next round
+            # would exceed it
+            if done < self.total and (line := budget_line(srv)) is not None:
+                self.budget_stop, halt = line, True
             if done % self.cfg.checkpoint_every == 0 or done in (last, self.total) or halt:
                 extra: dict[str, Any] = {"stage": stage}
                 held, part = states.checkpoint()  # files per client, or the store's slot map
@@ -208,6 +215,7 @@ class RecordingBook:
     def __init__(self, run_dir: Path, comm: Communicator) -> None:
         self.run_dir, self.comm, self.stop = run_dir, comm, StopRequest()
         self.rows: list[dict[str, Any]] = []
+        self.budget_stop: str | None = None
 
     def hook(self, stage: str, offset: int, last: int) -> RoundHook:
         def after_round(done: int, srv: ServerState, states: Any, row: dict[str, Any] | None) -> bool:
@@ -296,12 +304,19 @@ def _run_locked(
     t0 = time.perf_counter()
     server, done = drive_stages(fed, stages, run_dir, ckpt, book, reset=reset)
     book.progress.close()
-    finished = done >= total
+    finished = done >= total or book.budget_stop is not None
     if comm.rank == 0 and finished:
         atomic_write_text(run_dir / DONE, f"rounds={done} seconds={time.perf_counter() - t0:.3f}\n")
         (run_dir / FAILED).unlink(missing_ok=True)  # a point that failed before is now done
     comm.barrier()
-    return RunResult(run_dir=run_dir, rounds_done=done, server=server, metrics=book.rows, finished=finished)
+    return RunResult(
+        run_dir=run_dir,
+        rounds_done=done,
+        server=server,
+        metrics=book.rows,
+        finished=finished,
+        budget_stop=book.budget_stop,
+    )
 
 
 def drive_stages(
@@ -347,6 +362,9 @@ def drive_stages(
             assert ckpt is not None
             srv = state_from_dict(type(srv), ckpt.server)
             states.restore(ckpt, reset)
+        if done < hi and (line := budget_line(srv)) is not None:
+            server, book.budget_stop = srv, line  # spent before this stage's next round
+            break
         srv, stage_done = run_rounds(
             entry.plan,
             srv,

@@ -232,6 +232,12 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
     model = build_model(cfg.model, dataset.input_shape, dataset.num_classes, **cfg.model_options).to(device)
     flat = FlatModel(model)
     algorithm = make_algorithm(cfg, model)
+    trainer = Trainer(flat, schedule_of(cfg))
+    if cfg.privacy.enabled:
+        from hpcfl.privacy.build import make_private
+
+        population = Population(tuple(int(p.numel()) for p in parts))
+        algorithm, trainer = make_private(cfg, algorithm, trainer, model, population)
     return Federation(
         cfg=cfg,
         comm=comm,
@@ -242,5 +248,5 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         validation=validation,
         flat=flat,
         algorithm=algorithm,
-        trainer=Trainer(flat, schedule_of(cfg)),
+        trainer=trainer,
     )

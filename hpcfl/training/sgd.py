@@ -71,6 +71,30 @@ def batch_indices(n: int, schedule: LocalSchedule, generator: torch.Generator) -
     return out
 
 
+def sgd_step(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    schedule: LocalSchedule,
+    correction: Correction | None,
+    momentum_buf: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """One ``torch.optim.SGD`` step on ``w`` from gradient ``g`` (weight decay, the algorithm's
+    correction, momentum); returns the momentum buffer for the next step. ``g`` is not changed."""
+    d = g.add(w, alpha=schedule.weight_decay) if schedule.weight_decay else g
+    if correction is not None:
+        if d is g:
+            d = g.clone()
+        correction(w, d)
+    if schedule.momentum:
+        if momentum_buf is None:
+            momentum_buf = d.clone()
+        else:
+            momentum_buf.mul_(schedule.momentum).add_(d)
+        d = momentum_buf
+    w.add_(d, alpha=-schedule.lr)
+    return momentum_buf
+
+
 def local_sgd(
     flat: FlatModel,
     x: torch.Tensor,
@@ -95,18 +119,7 @@ def local_sgd(
             return LocalResult(loss=float("nan"), steps=step, finite=False)
         loss.backward()
         loss_sum += loss.detach().to(torch.float64)
-        d = g.add(w, alpha=schedule.weight_decay) if schedule.weight_decay else g
-        if correction is not None:
-            if d is g:
-                d = g.clone()
-            correction(w, d)
-        if schedule.momentum:
-            if momentum_buf is None:
-                momentum_buf = d.clone()
-            else:
-                momentum_buf.mul_(schedule.momentum).add_(d)
-            d = momentum_buf
-        w.add_(d, alpha=-schedule.lr)
+        momentum_buf = sgd_step(w, g, schedule, correction, momentum_buf)
     if not torch.isfinite(w).all():
         return LocalResult(loss=float("nan"), steps=len(batches), finite=False)
     return LocalResult(loss=float(loss_sum) / max(len(batches), 1), steps=len(batches), finite=True)

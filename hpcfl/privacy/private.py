@@ -1,0 +1,249 @@
+"""A private version of a model-averaging algorithm: clipping, noise and accounting around its steps.
+
+:class:`Private` wraps FedAvg, FedProx, FedAdam or a FedAvgM-style algorithm (its local task and its
+server step are kept) and adds, at the level the config names:
+
+- ``client`` (DP-FedAvg, McMahan et al. 2018, Algorithm 1 with the fixed denominator qK): every
+  participant's update Δ_k = y_k − x is clipped to norm S BEFORE it enters the round buffer, and
+  uploaded unweighted (weight 1: a weight n_k would let one client's size scale its influence). After
+  the allreduce every rank adds the SAME noise N(0, (z_Δ·S)²·I), drawn from a generator that depends
+  only on (seed, round), and divides by the expected participant count qK, so the run stays
+  bit-identical on any number of ranks and after a resume. The wrapped server step then sees
+  x + that mean as the round's averaged model. Participants are POISSON-sampled (each client
+  independently with q = M/K), the sampling Opacus's accountant assumes; the count of a round
+  therefore varies around M.
+  With adaptive clipping (Andrew et al. 2021, Algorithm 1), each participant also adds
+  b_k = 1[‖Δ_k‖ ≤ S]; the server noises the count with σ_b, b̄ = (Σb_k + N(0, σ_b²))/qK, and
+  S ← S·exp(−η_C(b̄ − γ)). The two releases share the budget: the update's noise multiplier is
+  z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) (the paper's Theorem 1), so the accountant sees z for the pair.
+- ``sample`` (DP-SGD, Abadi et al. 2016): the local training is :func:`hpcfl.privacy.sgd.dp_local_sgd`
+  (the runner's trainer is a :class:`hpcfl.privacy.sgd.DPTrainer`); this wrapper only accounts: client
+  k's records are protected by its own run of steps with q_k = B/n_k, and ε is the worst over clients.
+
+The accountant's state (steps per privacy unit), the current clip and the budget flag are fields of
+the server state, so they are checkpointed with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcfl.algorithms.base import (
+    Aggregate,
+    Algorithm,
+    ClientContext,
+    ClientData,
+    ClientState,
+    Exchange,
+    LocalTask,
+    ServerContext,
+    ServerState,
+    Stage,
+    SumSpec,
+    Upload,
+)
+from hpcfl.algorithms.participation import Population
+from hpcfl.privacy import accountant
+from hpcfl.privacy.section import AdaptiveClipSection
+from hpcfl.training.sgd import LocalSchedule
+
+DP_FIELDS = ("dp_clip", "dp_steps", "dp_exhausted")
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """The resolved mechanism of a run: level, noise multiplier z (given or calibrated), clip, and
+    what is accounted. ``rate``: client level, q = M/K."""
+
+    level: str  # client | sample
+    sigma: float
+    clip: float
+    delta: float
+    kind: str  # rdp | prv
+    seed: int
+    rate: float = 1.0
+    budget: float | None = None
+    adaptive: AdaptiveClipSection | None = None
+    count_stddev: float = 0.0  # σ_b (adaptive clipping)
+
+    @property
+    def update_sigma(self) -> float:
+        """z_Δ: the update's noise multiplier once the count's release takes its share (Andrew et
+        al. 2021, Theorem 1); z itself without adaptive clipping."""
+        if self.adaptive is None:
+            return self.sigma
+        return (self.sigma**-2 - (2.0 * self.count_stddev) ** -2) ** -0.5
+
+
+@functools.cache
+def private_state(cls: type[ServerState]) -> type[ServerState]:
+    """``cls`` with the privacy fields: the clip S (float64, (1,)), the accounted steps per privacy
+    unit (float64; (1,) at client level, (K,) at sample level) and the budget flag (1.0 when the next
+    round would exceed ``epsilon_budget``)."""
+    return dataclasses.make_dataclass(
+        f"Private{cls.__name__}",
+        [(name, "torch.Tensor | None", dataclasses.field(default=None)) for name in DP_FIELDS],
+        bases=(cls,),
+        namespace={"server_only": (*cls.server_only, "dp_steps", "dp_exhausted")},
+    )
+
+
+def noise_generator(seed: int, rnd: int) -> torch.Generator:
+    """The round's noise generator: a pure function of (seed, round), the same on every rank."""
+    state = np.random.SeedSequence([seed, 0xD1FF, rnd]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def clip_update(delta: torch.Tensor, clip: float) -> tuple[torch.Tensor, bool]:
+    """Δ·min(1, S/‖Δ‖) and whether ‖Δ‖ ≤ S (the adaptive-clipping bit)."""
+    norm = float(delta.double().norm())
+    below = norm <= clip
+    return (delta if below else delta * (clip / norm)), below
+
+
+def adaptive_clip_step(clip: float, below_fraction: float, p: AdaptiveClipSection) -> float:
+    """Andrew et al. (2021), Algorithm 1: the geometric update S ← S·exp(−η_C(b̄ − γ))."""
+    assert p.target_quantile is not None
+    return clip * math.exp(-p.lr * (below_fraction - p.target_quantile))
+
+
+class Private(Algorithm[Any, ServerState, ClientState]):
+    """``inner`` made differentially private at ``mechanism.level`` (module docstring)."""
+
+    def __init__(
+        self, inner: Algorithm, mechanism: Mechanism, population: Population, schedule: LocalSchedule
+    ) -> None:
+        super().__init__(inner.params, layout=inner.layout, participation=inner.participation)
+        self.name = inner.name  # type: ignore[misc]
+        self.inner = inner
+        self.mech = mechanism
+        self.population = population
+        self.schedule = schedule
+        self.units = 1 if mechanism.level == "client" else population.size
+
+    # -- declaration ---------------------------------------------------------------------------
+    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        if self.mech.level == "sample":
+            return self.inner.exchange(dtype)
+        return Exchange(
+            sums=(
+                SumSpec("x", self.state_size, dtype, weighted=False),
+                SumSpec("dp_below", 1, dtype, weighted=False),
+            )
+        )
+
+    def participants(self, rnd: int, population: Population, generator: torch.Generator) -> list[int]:
+        """Client level: Poisson sampling, each client with q = M/K (what the accountant assumes)."""
+        if self.mech.level == "sample":
+            return self.inner.participants(rnd, population, generator)
+        take = torch.rand(population.size, generator=generator, dtype=torch.float64) < self.mech.rate
+        return [int(k) for k in torch.nonzero(take).flatten()]
+
+    def stages(self) -> Sequence[Stage]:
+        return self.inner.stages()
+
+    # -- accounting ----------------------------------------------------------------------------
+    def compositions(self, steps: torch.Tensor) -> list[tuple[float, int]]:
+        """(q, steps) of every privacy unit that has taken steps."""
+        if self.mech.level == "client":
+            return [(self.mech.rate, int(steps[0]))]
+        B = self.schedule.batch_size
+        return [
+            (min(1.0, B / n), int(s)) for n, s in zip(self.population.sizes, steps.tolist(), strict=True) if s > 0
+        ]
+
+    def round_steps(self, who: Sequence[int]) -> torch.Tensor:
+        """Steps one round adds to each unit: 1 (client level), or each participant's local steps."""
+        add = torch.zeros(self.units, dtype=torch.float64)
+        if self.mech.level == "client":
+            add[0] = 1.0
+        else:
+            for k in who:
+                add[k] = float(self.schedule.num_steps(self.population.sizes[k]))
+        return add
+
+    def epsilon(self, steps: torch.Tensor) -> float:
+        return accountant.worst_epsilon(
+            self.mech.sigma, self.compositions(steps), self.mech.delta, self.mech.kind
+        )
+
+    def _exhausted(self, steps: torch.Tensor) -> torch.Tensor:
+        """1.0 when one more round (every client taking part, the worst case) would exceed the budget."""
+        if self.mech.budget is None:
+            return torch.zeros(1, dtype=torch.float64)
+        nxt = steps + self.round_steps(range(self.population.size))
+        return torch.tensor([float(self.epsilon(nxt) > self.mech.budget)], dtype=torch.float64)
+
+    # -- states --------------------------------------------------------------------------------
+    def _wrap(self, inner_state: ServerState, **dp: torch.Tensor) -> ServerState:
+        cls = private_state(_inner_class(type(inner_state)))
+        values = {f.name: getattr(inner_state, f.name) for f in dataclasses.fields(inner_state)}
+        values.update(dp)
+        return cls(**values)
+
+    def init_server(self, x0: torch.Tensor) -> ServerState:
+        steps = torch.zeros(self.units, dtype=torch.float64)
+        clip = torch.tensor([self.mech.clip], dtype=torch.float64)
+        return self._wrap(
+            self.inner.init_server(x0), dp_clip=clip, dp_steps=steps, dp_exhausted=self._exhausted(steps)
+        )
+
+    def init_client(self, k: int, server: ServerState) -> ClientState:
+        return self.inner.init_client(k, server)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def local_task(
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
+    ) -> LocalTask[ClientState] | None:
+        task = self.inner.local_task(server, client, data, ctx)
+        if task is None or self.mech.level == "sample":
+            return task
+        clip = float(server.dp_clip[0])  # type: ignore[attr-defined]
+        x = server.x
+        inner_finish = task.finish
+
+        def finish(y: torch.Tensor, result: Any) -> tuple[Upload, ClientState]:
+            upload, state = inner_finish(y, result)
+            delta, below = clip_update(upload.sums["x"] - x, clip)
+            b = torch.tensor([float(below)], dtype=x.dtype)
+            return Upload(sums={"x": delta, "dp_below": b}, weight=1.0, metrics=upload.metrics), state
+
+        return dataclasses.replace(task, finish=finish)
+
+    def server_update(
+        self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[ServerState, dict[str, float]]:
+        mech = self.mech
+        clip = server.dp_clip  # type: ignore[attr-defined]
+        S = float(clip[0])
+        if mech.level == "client":
+            expected = mech.rate * self.population.size  # qK: the fixed denominator
+            gen = noise_generator(mech.seed, ctx.round)
+            noise = torch.randn(self.state_size, generator=gen, dtype=torch.float64) * (mech.update_sigma * S)
+            total = aggregate.sums["x"] + noise.to(aggregate.sums["x"].dtype)
+            if mech.adaptive is not None:
+                count_noise = float(torch.randn(1, generator=gen, dtype=torch.float64)) * mech.count_stddev
+                below = (float(aggregate.sums["dp_below"][0]) + count_noise) / expected
+                clip = torch.tensor([adaptive_clip_step(S, below, mech.adaptive)], dtype=torch.float64)
+            aggregate = Aggregate(sums={"x": server.x + total / expected}, weight=1.0, count=aggregate.count)
+        inner_state, metrics = self.inner.server_update(server, aggregate, ctx)
+        steps = server.dp_steps + self.round_steps(ctx.participants)  # type: ignore[attr-defined]
+        new = self._wrap(inner_state, dp_clip=clip, dp_steps=steps, dp_exhausted=self._exhausted(steps))
+        row = dict(metrics)
+        row.update(epsilon=self.epsilon(steps), dp_noise_multiplier=mech.sigma, dp_clip=S)
+        return new, row
+
+
+def _inner_class(cls: type) -> type:
+    """The wrapped algorithm's own server-state class (strip a Private* layer)."""
+    while cls.__name__.startswith("Private") and DP_FIELDS[0] in {f.name for f in dataclasses.fields(cls)}:
+        cls = cls.__bases__[0]
+    return cls

@@ -1,0 +1,275 @@
+"""Differential privacy (issue 29): sample-level DP-SGD against Opacus, client-level DP-FedAvg with
+adaptive clipping across ranks, Opacus's accountant, the budget stop and the refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, final_state, mpiexec_cmd, run_cli, synthetic_config
+
+opacus = pytest.importorskip("opacus")
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _client_cfg(tmp_path: Path, **over):
+    privacy = {"level": "client", "noise_multiplier": 1.0, "clip": 0.5}
+    privacy.update(over.pop("privacy", {}))
+    keys = dict(
+        algorithm="fedavg", num_clients=8, clients_per_round=4, rounds=3, momentum=0.0, privacy=privacy
+    )
+    keys.update(over)
+    return synthetic_config(tmp_path, **keys)
+
+
+# -- sample level -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,options", [("mlp", {}), ("simplecnn", {}), ("resnet8", {"norm": "gn"})]
+)
+def test_clipped_sum_equals_opacus(name: str, options: dict) -> None:
+    """Σ clip(g_i) from hpcfl's per-sample path equals Opacus's GradSampleModule with its clipping."""
+    from opacus import GradSampleModule
+
+    from hpcfl.models import build_model
+    from hpcfl.privacy.sgd import clipped_grad_sum
+    from hpcfl.training.flat import FlatModel
+    from hpcfl.training.sgd import cross_entropy_loss
+
+    torch.manual_seed(0)
+    model = build_model(name, (1, 28, 28), 10, **options).double()
+    x = torch.randn(6, 1, 28, 28, dtype=torch.float64)
+    y = torch.randint(0, 10, (6,))
+    clip = 0.7
+    reference = GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
+    torch.nn.functional.cross_entropy(reference(x), y, reduction="sum").backward()
+    samples = [p.grad_sample.flatten(1) for p in reference.parameters() if p.requires_grad]
+    per_sample = torch.cat(samples, dim=1)  # (B, P)
+    norms = per_sample.norm(dim=1)
+    factor = (clip / (norms + 1e-6)).clamp(max=1.0)  # Opacus's DPOptimizer.clip_and_accumulate
+    expected = (factor[:, None] * per_sample).sum(0)
+    flat = FlatModel(model)
+    out = torch.empty_like(flat.grad)
+    _, ours_norms = clipped_grad_sum(model, cross_entropy_loss, x, y, clip, out)
+    assert bool((norms > clip).any()), "the test should clip some samples"
+    torch.testing.assert_close(ours_norms, norms, rtol=0, atol=1e-10)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+
+
+def test_dp_sgd_noise_has_the_configured_scale() -> None:
+    """One DP-SGD step with and without noise (same batches): the difference is N(0, (σC)²)·lr/qn."""
+    from hpcfl.models import build_model
+    from hpcfl.privacy.sgd import dp_local_sgd
+    from hpcfl.training.flat import FlatModel
+    from hpcfl.training.sgd import LocalSchedule
+
+    torch.manual_seed(1)
+    flat = FlatModel(build_model("mlp", (1, 28, 28), 10))
+    x0 = flat.vector.clone()
+    x, y = torch.randn(200, 1, 28, 28), torch.randint(0, 10, (200,))
+    schedule = LocalSchedule(lr=0.1, batch_size=50, steps=1, weight_decay=0.0)
+    after = {}
+    for sigma in (0.0, 1.3):
+        flat.load(x0)
+        dp_local_sgd(flat, x, y, schedule, torch.Generator().manual_seed(5), clip=0.8, noise_multiplier=sigma)
+        after[sigma] = flat.vector.clone()
+    z = (after[0.0] - after[1.3]).double() * 50 / (0.1 * 1.3 * 0.8)  # standard normal entries
+    n = z.numel()
+    assert abs(float(z.mean())) < 5 / math.sqrt(n)
+    assert abs(float(z.std()) - 1.0) < 5 * math.sqrt(0.5 / n)
+
+
+# -- client level -------------------------------------------------------------------------------
+
+
+def _private_fedavg(adaptive: dict | None = None, sigma: float = 1.0):
+    from hpcfl.algorithms import FedAvg
+    from hpcfl.algorithms.layout import StateLayout
+    from hpcfl.algorithms.participation import Participation, Population
+    from hpcfl.models import build_model
+    from hpcfl.privacy.private import Mechanism, Private
+    from hpcfl.privacy.section import AdaptiveClipSection
+    from hpcfl.training.sgd import LocalSchedule
+
+    model = build_model("mlp", (1, 28, 28), 10)
+    inner = FedAvg(FedAvg.Params(), layout=StateLayout.of_model(model), participation=Participation(count=4))
+    mech = Mechanism(
+        level="client",
+        sigma=sigma,
+        clip=0.5,
+        delta=1e-5,
+        kind="rdp",
+        seed=11,
+        rate=0.5,
+        adaptive=AdaptiveClipSection(**adaptive) if adaptive else None,
+        count_stddev=2.0 if adaptive else 0.0,
+    )
+    return Private(inner, mech, Population((100,) * 8), LocalSchedule(lr=0.1, batch_size=10)), model
+
+
+def test_every_contribution_is_clipped_and_unweighted() -> None:
+    """A participant's upload is y − x clipped to S, weight 1, with the bit ‖Δ‖ ≤ S."""
+    from hpcfl.algorithms.base import ClientData
+    from hpcfl.training.flat import FlatModel
+    from hpcfl.training.sgd import LocalResult
+    from tests.helpers import client_ctx
+
+    algo, model = _private_fedavg()
+    server = algo.init_server(FlatModel(model).vector)
+    data = ClientData(0, torch.zeros(100, 1, 28, 28), torch.zeros(100, dtype=torch.long))
+    task = algo.local_task(server, algo.init_client(0, server), data, client_ctx(None))
+    result = LocalResult(loss=0.0, steps=1, finite=True)
+    for scale, below in ((10.0, 0.0), (1e-3, 1.0)):
+        step = torch.randn(server.x.shape, generator=torch.Generator().manual_seed(2))
+        upload, _ = task.finish(server.x + scale * step / step.norm(), result)
+        assert upload.weight == 1.0
+        assert float(upload.sums["x"].double().norm()) <= 0.5 * (1 + 1e-6)
+        assert float(upload.sums["dp_below"][0]) == below
+
+
+def test_server_noise_and_adaptive_clip_follow_the_papers() -> None:
+    """The server adds N(0, (z_Δ S)²) from the (seed, round) generator, divides by qK, and updates
+    S ← S·exp(−η(b̄ − γ)) with b̄ = (Σb + N(0, σ_b²))/qK (Andrew et al. 2021), on a crafted sequence."""
+    from hpcfl.algorithms.base import Aggregate, ServerContext
+    from hpcfl.algorithms.participation import Population
+    from hpcfl.privacy.private import noise_generator
+    from hpcfl.training.flat import FlatModel
+
+    algo, model = _private_fedavg({"target_quantile": 0.5, "lr": 0.2})
+    server = algo.init_server(FlatModel(model).vector)
+    z = algo.mech.sigma
+    z_delta = (z**-2 - (2 * 2.0) ** -2) ** -0.5
+    S = 0.5
+    for rnd, below_count in enumerate((4, 0, 3, 1)):
+        total = torch.full_like(server.x, 0.01)
+        agg = Aggregate(sums={"x": total, "dp_below": torch.tensor([float(below_count)])}, weight=4.0, count=4)
+        ctx = ServerContext(rnd, (0, 1, 2, 3), Population((100,) * 8), lambda t: t)
+        new, row = algo.server_update(server, agg, ctx)
+        gen = noise_generator(11, rnd)
+        noise = torch.randn(server.x.numel(), generator=gen, dtype=torch.float64) * (z_delta * S)
+        count_noise = float(torch.randn(1, generator=gen, dtype=torch.float64)) * 2.0
+        expected_x = server.x + (total + noise.float()) / 4.0
+        assert torch.equal(new.x, expected_x)
+        S = S * math.exp(-0.2 * ((below_count + count_noise) / 4.0 - 0.5))
+        assert float(new.dp_clip[0]) == pytest.approx(S, rel=1e-15)
+        assert row["epsilon"] > 0
+        server = new
+
+
+def test_poisson_participation_has_rate_q() -> None:
+    """Client-level participants: each client independently with q = M/K (the accountant's sampling)."""
+    from hpcfl.algorithms.participation import Population
+    from hpcfl.runner.rounds import round_generator
+
+    algo, _ = _private_fedavg()
+    counts = [len(algo.participants(r, Population((100,) * 8), round_generator(0, 0, r))) for r in range(400)]
+    assert len(set(counts)) > 3  # a Poisson count, not a fixed M
+    assert abs(sum(counts) / len(counts) - 4.0) < 0.3
+
+
+def test_epsilon_equals_opacus_and_is_monotone(tmp_path: Path) -> None:
+    """ε(δ) in metrics.jsonl equals Opacus's RDP accountant for (σ, q, rounds), rising every round."""
+    from opacus.accountants import RDPAccountant
+
+    from hpcfl.config import load_config
+    from hpcfl.runner import run_experiment
+
+    result = run_experiment(load_config(_client_cfg(tmp_path)), tmp_path / "run")
+    eps = [row["epsilon"] for row in _rows(tmp_path / "run")]
+    for r, value in enumerate(eps, start=1):
+        acc = RDPAccountant()
+        acc.history = [(1.0, 0.5, r)]
+        assert value == acc.get_epsilon(delta=1e-5)
+    assert eps == sorted(eps) and len(set(eps)) == len(eps)
+    assert result.finished
+
+
+def test_target_epsilon_is_calibrated_by_opacus(tmp_path: Path) -> None:
+    """privacy.epsilon: σ from Opacus's get_noise_multiplier for (q, rounds); the run ends within it."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from hpcfl.config import load_config
+    from hpcfl.runner import run_experiment
+
+    cfg = _client_cfg(tmp_path, privacy={"noise_multiplier": None, "epsilon": 4.0})
+    run_experiment(load_config(cfg), tmp_path / "run")
+    rows = _rows(tmp_path / "run")
+    sigma = get_noise_multiplier(target_epsilon=4.0, target_delta=1e-5, sample_rate=0.5, steps=3)
+    assert rows[-1]["dp_noise_multiplier"] == sigma
+    assert 3.9 <= rows[-1]["epsilon"] <= 4.01
+
+
+@pytest.mark.slow
+def test_client_level_is_bit_identical_on_1_and_2_ranks_and_after_resume(tmp_path: Path) -> None:
+    """The same final state on 1 and 2 MPI ranks (noise drawn once per round from (seed, round)),
+    and a run stopped after 2 rounds and resumed ends bit-identical, ε and the clip included."""
+    cfg = _client_cfg(tmp_path, privacy={"adaptive_clip": {"target_quantile": 0.5, "count_stddev": 2.0}})
+    one = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "r1"))
+    assert one.returncode == 0, one.stderr
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    two = subprocess.run(
+        mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(tmp_path / "r2")),
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr
+    assert torch.equal(final_state(tmp_path / "r2"), final_state(tmp_path / "r1"))
+    part = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "r3"), "--set", "rounds=2")
+    assert part.returncode == 0, part.stderr
+    resumed = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "r3"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert torch.equal(final_state(tmp_path / "r3"), final_state(tmp_path / "r1"))
+    keys = ("epsilon", "dp_clip", "test_accuracy", "participants")
+    assert [{k: r[k] for k in keys} for r in _rows(tmp_path / "r3")] == [
+        {k: r[k] for k in keys} for r in _rows(tmp_path / "r1")
+    ]
+
+
+def test_budget_stop_checkpoints_exits_0_and_stays_stopped(tmp_path: Path) -> None:
+    """epsilon_budget: the run stops before the round that would exceed it, with a checkpoint, exit
+    0 and one line; a resume does not train past it."""
+    cfg = _client_cfg(tmp_path, rounds=10, privacy={"epsilon_budget": 6.0})
+    first = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert first.returncode == 0, first.stderr
+    lines = [line for line in first.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "privacy budget reached" in lines[0], first.stderr
+    rows = _rows(tmp_path / "run")
+    assert rows[-1]["epsilon"] <= 6.0 < 100 and len(rows) < 10
+    assert (tmp_path / "run" / "checkpoints" / "LATEST").read_text().strip().endswith(str(len(rows)))
+    again = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "privacy budget reached" in again.stderr
+    assert len(_rows(tmp_path / "run")) == len(rows)
+
+
+@pytest.mark.parametrize(
+    "over,words",
+    [
+        ({"algorithm": "scaffold"}, "control variates"),
+        ({"algorithm": "fednova"}, "does not support algorithm"),
+        ({"clients_per_round": None}, "sampled participation"),
+        ({"privacy": {"epsilon": 3.0}}, "exactly one"),
+        ({"privacy": {"level": "sample", "adaptive_clip": {"target_quantile": 0.5}}}, "client only"),
+        ({"privacy": {"level": "both"}}, "privacy.level"),
+        ({"privacy": {"clip": 0}}, "privacy.clip"),
+        ({"privacy": {"delta": 2}}, "privacy.delta"),
+        ({"model": "resnet8", "dataset_options": {"n_train": 200, "n_test": 40, "seed": 3}}, "BatchNorm"),
+        ({"privacy": {"adaptive_clip": {"target_quantile": 0.5}}}, "count_stddev"),
+    ],
+)
+def test_refused_combinations_give_one_line(tmp_path: Path, over: dict, words: str) -> None:
+    proc = run_cli("run", str(_client_cfg(tmp_path, **over)), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode not in (0, 75)
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and words in lines[0], proc.stderr
