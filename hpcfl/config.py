@@ -18,9 +18,9 @@ import yaml
 
 from hpcfl.algorithms.base import HyperParams
 from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
-from hpcfl.privacy.section import PrivacySection, validate_privacy
 from hpcfl.errors import ConfigError, suggest
 from hpcfl.files import read_yaml as read_yaml  # where it lives (light); named here for callers
+from hpcfl.privacy.section import PrivacySection, validate_privacy
 
 
 @dataclass

@@ -35,9 +35,7 @@ def _client_cfg(tmp_path: Path, **over):
 # -- sample level -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name,options", [("mlp", {}), ("simplecnn", {}), ("resnet8", {"norm": "gn"})]
-)
+@pytest.mark.parametrize("name,options", [("mlp", {}), ("simplecnn", {}), ("resnet8", {"norm": "gn"})])
 def test_clipped_sum_equals_opacus(name: str, options: dict) -> None:
     """Σ clip(g_i) from hpcfl's per-sample path equals Opacus's GradSampleModule with its clipping."""
     from opacus import GradSampleModule
@@ -153,7 +151,9 @@ def test_server_noise_and_adaptive_clip_follow_the_papers() -> None:
     S = 0.5
     for rnd, below_count in enumerate((4, 0, 3, 1)):
         total = torch.full_like(server.x, 0.01)
-        agg = Aggregate(sums={"x": total, "dp_below": torch.tensor([float(below_count)])}, weight=4.0, count=4)
+        agg = Aggregate(
+            sums={"x": total, "dp_below": torch.tensor([float(below_count)])}, weight=4.0, count=4
+        )
         ctx = ServerContext(rnd, (0, 1, 2, 3), Population((100,) * 8), lambda t: t)
         new, row = algo.server_update(server, agg, ctx)
         gen = noise_generator(11, rnd)
@@ -273,3 +273,33 @@ def test_refused_combinations_give_one_line(tmp_path: Path, over: dict, words: s
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0], proc.stderr
+
+
+def test_sample_level_epsilon_is_the_worst_client_and_report_shows_it(tmp_path: Path) -> None:
+    """Sample level: ε is the largest over clients of Opacus's ε for (σ, q_k = B/n_k, steps taken),
+    and ``hpcfl report`` names it."""
+    from opacus.accountants import RDPAccountant
+
+    from hpcfl.config import load_config
+    from hpcfl.report.summary import markdown_table, summarise
+    from hpcfl.runner import run_experiment
+
+    cfg = _client_cfg(
+        tmp_path,
+        num_clients=3,
+        clients_per_round=None,
+        rounds=2,
+        dataset_options={"n_train": 300, "n_test": 60, "seed": 3},
+        privacy={"level": "sample", "noise_multiplier": 1.1},
+    )
+    result = run_experiment(load_config(cfg), tmp_path / "run")
+    assert result.finished
+    partition = json.loads((tmp_path / "run" / "partition.json").read_text())
+    sizes = [int(c["size"]) for c in partition["clients"]]
+    expected = []
+    for n in sizes:
+        acc = RDPAccountant()
+        acc.history = [(1.1, min(1.0, 50 / n), 2 * math.ceil(n / 50))]
+        expected.append(acc.get_epsilon(delta=1e-5))
+    assert _rows(tmp_path / "run")[-1]["epsilon"] == max(expected)
+    assert "sample-level DP, ε=" in markdown_table([summarise(tmp_path / "run")])

@@ -100,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_RESUMABLE
     if result.budget_stop is not None:
         if launcher_rank() == 0:
-            print(f"hpcfl: {result.budget_stop} after round {result.rounds_done}  ->  {run_dir}", file=sys.stderr)
+            print(
+                f"hpcfl: {result.budget_stop} after round {result.rounds_done}  ->  {run_dir}",
+                file=sys.stderr,
+            )
         return 0
     if not result.finished:
         if launcher_rank() != 0:

@@ -42,7 +42,9 @@ def make_private(
         compositions = [(rate, cfg.rounds)]
     else:
         B = trainer.schedule.batch_size
-        compositions = [(min(1.0, B / n), cfg.rounds * trainer.schedule.num_steps(n)) for n in population.sizes]
+        compositions = [
+            (min(1.0, B / n), cfg.rounds * trainer.schedule.num_steps(n)) for n in population.sizes
+        ]
     sigma = p.noise_multiplier
     if sigma is None:
         assert p.epsilon is not None

@@ -157,7 +157,9 @@ class Private(Algorithm[Any, ServerState, ClientState]):
             return [(self.mech.rate, int(steps[0]))]
         B = self.schedule.batch_size
         return [
-            (min(1.0, B / n), int(s)) for n, s in zip(self.population.sizes, steps.tolist(), strict=True) if s > 0
+            (min(1.0, B / n), int(s))
+            for n, s in zip(self.population.sizes, steps.tolist(), strict=True)
+            if s > 0
         ]
 
     def round_steps(self, who: Sequence[int]) -> torch.Tensor:

@@ -122,7 +122,9 @@ def dp_local_sgd(
 class DPTrainer(Trainer):
     """The run's trainer with DP-SGD as every client's local training (participants one by one)."""
 
-    def __init__(self, flat: FlatModel, schedule: LocalSchedule, *, clip: float, noise_multiplier: float) -> None:
+    def __init__(
+        self, flat: FlatModel, schedule: LocalSchedule, *, clip: float, noise_multiplier: float
+    ) -> None:
         super().__init__(flat, schedule)
         self.clip = clip
         self.noise_multiplier = noise_multiplier

@@ -30,8 +30,20 @@ class RunSummary:
 
     @property
     def label(self) -> str:
-        """The algorithm with the form it actually used: ``scaffold (control_variates)``."""
-        return f"{self.algorithm} ({self.form})" if self.form else self.algorithm
+        """The algorithm with the form it actually used, ``scaffold (control_variates)``, and the
+        privacy it was trained under, ``fedavg [client-level DP, ε=3.00 at δ=1e-05]``."""
+        label = f"{self.algorithm} ({self.form})" if self.form else self.algorithm
+        return f"{label} [{self.privacy}]" if self.privacy else label
+
+    @property
+    def privacy(self) -> str | None:
+        """The run's differential privacy as its last row accounted it (None: not private)."""
+        section = self.config.get("privacy")
+        level = section.get("level", "none") if isinstance(section, dict) else "none"
+        eps = next((r["epsilon"] for r in reversed(self.rows) if "epsilon" in r), None)
+        if level == "none" or eps is None:
+            return None
+        return f"{level}-level DP, ε={float(eps):.2f} at δ={section.get('delta', 1e-5):g}"
 
 
 def summarise(run_dir: Path) -> RunSummary:
