@@ -24,15 +24,36 @@ def _accountant(kind: str):  # noqa: ANN202 - Opacus's IAccountant
     return RDPAccountant() if kind == "rdp" else PRVAccountant()
 
 
+@functools.lru_cache(maxsize=1024)
+def _rdp_one_step(sigma: float, q: float) -> tuple[float, ...]:
+    """Opacus's RDP of ONE step at its default orders (``compute_rdp(q, σ, 1, orders)``)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    return tuple(compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=RDPAccountant.DEFAULT_ALPHAS))
+
+
 @functools.lru_cache(maxsize=4096)
 def epsilon(sigma: float, q: float, steps: int, delta: float, kind: str = "rdp") -> float:
-    """ε(δ) of ``steps`` compositions of the Poisson-sampled Gaussian mechanism, from Opacus."""
+    """ε(δ) of ``steps`` compositions of the Poisson-sampled Gaussian mechanism, from Opacus.
+
+    RDP: exactly what ``RDPAccountant.get_epsilon`` returns for the history [(σ, q, steps)]
+    (``compute_rdp`` is the one-step RDP times ``steps``; the one-step vector is cached, so a
+    round's accounting costs Opacus's RDP-to-(ε, δ) conversion alone, ~1 ms instead of ~30 ms).
+    """
     if steps <= 0:
         return 0.0
-    acc = _accountant(kind)
-    acc.history = [(float(sigma), float(q), int(steps))]
     with warnings.catch_warnings():  # "optimal order is the largest alpha": a looser, still valid bound
         warnings.simplefilter("ignore", UserWarning)
+        if kind == "rdp":
+            import numpy as np
+            from opacus.accountants import RDPAccountant
+            from opacus.accountants.analysis.rdp import get_privacy_spent
+
+            rdp = np.array(_rdp_one_step(float(sigma), float(q))) * int(steps)
+            return float(get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0])
+        acc = _accountant(kind)
+        acc.history = [(float(sigma), float(q), int(steps))]
         return float(acc.get_epsilon(delta=delta))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from torch import nn
@@ -32,6 +33,8 @@ def make_private(
     """The private algorithm (noise multiplier given, or calibrated for ``privacy.epsilon`` over the
     run's rounds, sampling rate and steps) and the trainer (DP-SGD at sample level)."""
     p: PrivacySection = cfg.privacy
+    if importlib.util.find_spec("opacus") is None:
+        raise ConfigError("privacy: accounting uses Opacus's accountants: pip install 'hpcfl[privacy]'")
     check_model(model, p.level)
     K = population.size
     rate = 1.0

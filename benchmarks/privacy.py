@@ -1,0 +1,277 @@
+"""Differential privacy in hpcfl: DP-SGD throughput against Opacus and non-private training, the
+client-level round overhead, and accuracy against ε (issue 29).
+
+    HPCFL_DATA=/path/to/datasets python benchmarks/privacy.py --out bench-out/privacy [--tiny]
+
+1. ``throughput`` — sample-level DP-SGD samples/s on one fixed batch (default 256 of Fashion-MNIST's
+   shape 1×28×28, ``--threads`` 2 on the CPU) for simplecnn and resnet8-GN, every step a full
+   private step (per-sample gradients, clip, sum, noise, SGD update), beside:
+   - ``nonprivate``: hpcfl's plain local step (forward, mean loss, backward, ``sgd_step``);
+   - ``opacus_hooks``: Opacus's ``GradSampleModule`` (per-sample gradient hooks) + ``DPOptimizer``;
+   - ``opacus_ghost``: Opacus's ghost clipping (``GradSampleModuleFastGradientClipping`` with
+     ``use_ghost_clipping=True`` + ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping``),
+     its fastest documented mode (two backward passes, no per-sample gradients held);
+   and the ratios hpcfl/Opacus (both modes) and hpcfl/non-private, all in ONE process so the ratios
+   compare like with like. Targets (issue 29): ≥ 2× Opacus, ≥ 0.5× non-private.
+2. ``overhead`` — client-level DP-FedAvg's round time against plain FedAvg on the same federation
+   (K = 1000 synthetic-split clients of Fashion-MNIST, M = 100 per round; median of the rounds'
+   ``seconds``); target ≤ 5 %.
+3. ``accuracy`` — test accuracy after ``--rounds`` rounds at ε ∈ {1, 3, 8, ∞} (δ = 1e-5), client
+   level (K = 1000, M = 100, σ calibrated by Opacus for the run) and sample level (10 clients),
+   one plot ``accuracy_vs_epsilon.png``.
+
+``--tiny`` shrinks everything (synthetic data, 8 steps, few clients and rounds) to check the script
+end to end in about a minute; its numbers mean nothing. Results: ``<out>/privacy.json`` and
+``<out>/privacy.md`` (printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MODELS = {"simplecnn": {}, "resnet8-gn": {"norm": "gn"}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--data-root", help="datasets directory (default: $HPCFL_DATA)")
+    p.add_argument("--parts", nargs="+", default=["throughput", "overhead", "accuracy"])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per mode (after 3 warm-up steps)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=30, help="rounds of every accuracy run")
+    p.add_argument("--overhead-rounds", type=int, default=10)
+    p.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0, 8.0, float("inf")])
+    p.add_argument("--tiny", action="store_true", help="a one-minute end-to-end check (meaningless numbers)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.batch, args.steps, args.rounds, args.overhead_rounds = 32, 4, 2, 3
+    return args
+
+
+# -- 1. throughput -----------------------------------------------------------------------------
+
+
+def _model(name: str) -> nn.Module:
+    from hpcfl.models import build_model
+
+    torch.manual_seed(0)
+    return build_model(name.split("-")[0], (1, 28, 28), 10, **MODELS[name])
+
+
+def _timed(step: Any, steps: int) -> float:
+    for _ in range(3):
+        step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t) / steps
+
+
+def throughput(name: str, batch: int, steps: int) -> dict[str, float]:
+    """Samples/s of each mode on one batch (see the module docstring)."""
+    import torch.nn.functional as F
+    from opacus import GradSampleModule
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    from hpcfl.privacy.sgd import clipped_grad_sum
+    from hpcfl.training.flat import FlatModel
+    from hpcfl.training.sgd import LocalSchedule, cross_entropy_loss, sgd_step
+
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    clip, sigma, lr = 1.0, 1.0, 0.05
+    schedule = LocalSchedule(lr=lr, batch_size=batch, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    seconds: dict[str, float] = {}
+
+    flat = FlatModel(_model(name))
+
+    def plain() -> None:
+        flat.grad.zero_()
+        cross_entropy_loss(flat.model, x, y).backward()
+        sgd_step(flat.params, flat.grad, schedule, None, None)
+
+    seconds["nonprivate"] = _timed(plain, steps)
+
+    flat = FlatModel(_model(name))
+    total = torch.empty_like(flat.grad)
+
+    def hpcfl_dp() -> None:
+        clipped_grad_sum(flat.model, cross_entropy_loss, x, y, clip, total)
+        noise = torch.randn(total.shape, generator=gen) * (sigma * clip)
+        sgd_step(flat.params, (total + noise) / batch, schedule, None, None)
+
+    seconds["hpcfl"] = _timed(hpcfl_dp, steps)
+
+    hooked = GradSampleModule(_model(name))
+    opt = DPOptimizer(
+        torch.optim.SGD(hooked.parameters(), lr=lr), noise_multiplier=sigma, max_grad_norm=clip,
+        expected_batch_size=batch,
+    )  # fmt: skip
+
+    def opacus_hooks() -> None:
+        opt.zero_grad()
+        F.cross_entropy(hooked(x), y).backward()
+        opt.step()
+
+    seconds["opacus_hooks"] = _timed(opacus_hooks, steps)
+
+    ghost = GradSampleModuleFastGradientClipping(_model(name), max_grad_norm=clip, use_ghost_clipping=True)
+    gopt = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(ghost.parameters(), lr=lr), noise_multiplier=sigma, max_grad_norm=clip,
+        expected_batch_size=batch,
+    )  # fmt: skip
+    criterion = DPLossFastGradientClipping(ghost, gopt, nn.CrossEntropyLoss())
+
+    def opacus_ghost() -> None:
+        gopt.zero_grad()
+        criterion(ghost(x), y).backward()
+        gopt.step()
+
+    seconds["opacus_ghost"] = _timed(opacus_ghost, steps)
+    row = {f"{mode}_samples_per_s": batch / s for mode, s in seconds.items()}
+    row["hpcfl_vs_opacus_hooks"] = seconds["opacus_hooks"] / seconds["hpcfl"]
+    row["hpcfl_vs_opacus_ghost"] = seconds["opacus_ghost"] / seconds["hpcfl"]
+    row["hpcfl_vs_nonprivate"] = seconds["nonprivate"] / seconds["hpcfl"]
+    return row
+
+
+# -- 2./3. runs --------------------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace, level: str, epsilon: float | None, rounds: int) -> dict[str, Any]:
+    """The federation of a run: client level K = 1000, M = 100; sample level 10 clients."""
+    keys: dict[str, Any] = dict(
+        name="privacy", dataset="fashion-mnist", partition="dir:0.5", model="simplecnn", algorithm="fedavg",
+        rounds=rounds, local_epochs=1, lr=0.05, batch_size=64, seed=0, threads=args.threads, progress=False,
+        download=False,
+    )  # fmt: skip
+    if args.data_root:
+        keys["data_root"] = args.data_root
+    if level == "client":
+        keys.update(num_clients=1000, clients_per_round=100, partition="iid")
+    else:
+        keys.update(num_clients=10)
+    if args.tiny:
+        keys.update(
+            dataset="synthetic", dataset_options={"n_train": 600, "n_test": 100, "seed": 3}, model="mlp"
+        )
+        keys.update(num_clients=20, clients_per_round=5) if level == "client" else keys.update(num_clients=3)
+    if epsilon is not None:
+        privacy: dict[str, Any] = {"level": level, "clip": 1.0 if level == "sample" else 0.5}
+        if epsilon == float("inf"):
+            privacy["noise_multiplier"] = 1e-9  # clipping alone: the ε = ∞ point of the curve
+        else:
+            privacy["epsilon"] = epsilon
+        if level == "client":
+            privacy["adaptive_clip"] = {"target_quantile": 0.5, "count_stddev": 5.0}  # M/20 at M = 100
+        keys["privacy"] = privacy
+    return keys
+
+
+def _run(args: argparse.Namespace, keys: dict[str, Any], tag: str) -> list[dict[str, Any]]:
+    from hpcfl.config import config_from_dict
+    from hpcfl.runner import run_experiment
+
+    run_dir = args.out / "runs" / tag
+    result = run_experiment(config_from_dict(keys), run_dir, overwrite=True)
+    return result.metrics
+
+
+def overhead(args: argparse.Namespace) -> dict[str, float]:
+    """Median round seconds of FedAvg and client-level DP-FedAvg (adaptive clipping) alike."""
+    plain = _run(args, _config(args, "client", None, args.overhead_rounds), "overhead_fedavg")
+    private = _run(args, _config(args, "client", 3.0, args.overhead_rounds), "overhead_dp")
+    a = statistics.median(r["seconds"] for r in plain[1:] or plain)
+    b = statistics.median(r["seconds"] for r in private[1:] or private)
+    return {"fedavg_round_s": a, "dp_fedavg_round_s": b, "overhead": b / a - 1.0}
+
+
+def accuracy(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Final test accuracy per (level, ε), and the non-private reference."""
+    out: dict[str, dict[str, float]] = {}
+    for level in ("client", "sample"):
+        out[level] = {"nonprivate": _run(args, _config(args, level, None, args.rounds), f"{level}_nonprivate")[-1][
+            "test_accuracy"
+        ]}  # fmt: skip
+        for eps in args.epsilons:
+            rows = _run(args, _config(args, level, eps, args.rounds), f"{level}_eps{eps:g}")
+            out[level][f"{eps:g}"] = rows[-1]["test_accuracy"]
+    return out
+
+
+def plot(acc: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for level, points in acc.items():
+        eps = [k for k in points if k != "nonprivate"]
+        xs = [float(k) if k != "inf" else 30.0 for k in eps]
+        ax.plot(xs, [100 * points[k] for k in eps], "o-", label=f"{level} level")
+        ax.axhline(100 * points["nonprivate"], ls=":", color=ax.lines[-1].get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("ε at δ = 1e-5 (∞ drawn at 30; dotted: non-private)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    lines = ["# Differential privacy benchmark", ""]
+    if "throughput" in args.parts:
+        lines += [f"## DP-SGD samples/s (batch {args.batch}, {args.threads} threads)", "",
+                  "| model | non-private | hpcfl DP-SGD | Opacus hooks | Opacus ghost | hpcfl/hooks | hpcfl/ghost "
+                  "| hpcfl/non-private |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        results["throughput"] = {}
+        for name in MODELS:
+            r = throughput(name, args.batch, args.steps)
+            results["throughput"][name] = r
+            lines.append(
+                f"| {name} | {r['nonprivate_samples_per_s']:.0f} | {r['hpcfl_samples_per_s']:.0f} "
+                f"| {r['opacus_hooks_samples_per_s']:.0f} | {r['opacus_ghost_samples_per_s']:.0f} "
+                f"| {r['hpcfl_vs_opacus_hooks']:.2f}× | {r['hpcfl_vs_opacus_ghost']:.2f}× "
+                f"| {r['hpcfl_vs_nonprivate']:.2f}× |"
+            )
+        lines.append("")
+    if "overhead" in args.parts:
+        o = results["overhead"] = overhead(args)
+        lines += ["## Client-level round overhead", "",
+                  f"FedAvg {o['fedavg_round_s']:.3f} s/round, DP-FedAvg {o['dp_fedavg_round_s']:.3f} s/round: "
+                  f"{100 * o['overhead']:+.1f} %", ""]  # fmt: skip
+    if "accuracy" in args.parts:
+        acc = results["accuracy"] = accuracy(args)
+        plot(acc, args.out / "accuracy_vs_epsilon.png")
+        lines += ["## Test accuracy against ε (δ = 1e-5)", "", "| level | " + " | ".join(acc["client"]) + " |",
+                  "|---|" + "---:|" * len(acc["client"])]  # fmt: skip
+        for level, points in acc.items():
+            lines.append(f"| {level} | " + " | ".join(f"{100 * v:.2f}%" for v in points.values()) + " |")
+        lines.append("")
+    (args.out / "privacy.json").write_text(json.dumps(results, indent=1))
+    text = "\n".join(lines)
+    (args.out / "privacy.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
