@@ -41,7 +41,8 @@ def test_clipped_sum_equals_opacus(name: str, options: dict) -> None:
     from opacus import GradSampleModule
 
     from hpcfl.models import build_model
-    from hpcfl.privacy.sgd import clipped_grad_sum
+    from hpcfl.privacy import ghost
+    from hpcfl.privacy.sgd import OPACUS_EPS, clipped_grad_sum, vmap_clipped_grad_sum
     from hpcfl.training.flat import FlatModel
     from hpcfl.training.sgd import cross_entropy_loss
 
@@ -58,11 +59,20 @@ def test_clipped_sum_equals_opacus(name: str, options: dict) -> None:
     factor = (clip / (norms + 1e-6)).clamp(max=1.0)  # Opacus's DPOptimizer.clip_and_accumulate
     expected = (factor[:, None] * per_sample).sum(0)
     flat = FlatModel(model)
-    out = torch.empty_like(flat.grad)
-    _, ours_norms = clipped_grad_sum(model, cross_entropy_loss, x, y, clip, out)
     assert bool((norms > clip).any()), "the test should clip some samples"
-    torch.testing.assert_close(ours_norms, norms, rtol=0, atol=1e-10)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    assert ghost.supported(model)
+    paths = {
+        "auto": lambda out: clipped_grad_sum(model, cross_entropy_loss, x, y, clip, out),
+        "book-keeping": lambda out: ghost.hooked_clipped_grad_sum(model, x, y, clip, out, OPACUS_EPS),
+        "vmap": lambda out: vmap_clipped_grad_sum(model, cross_entropy_loss, x, y, clip, out),
+    }
+    for path, run in paths.items():
+        out = torch.empty_like(flat.grad)
+        losses, ours_norms = run(out)
+        torch.testing.assert_close(ours_norms, norms, rtol=0, atol=1e-10, msg=path)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-10, msg=path)
+        mean = torch.nn.functional.cross_entropy(model(x), y)
+        torch.testing.assert_close(losses.mean(), mean, rtol=0, atol=1e-12, msg=path)
 
 
 def test_dp_sgd_noise_has_the_configured_scale() -> None:

@@ -9,8 +9,9 @@ sums, adds N(0, (σC)²·I) from the client's generator, and divides by the EXPE
 proximal term) and momentum do not read the data, so they act on the privatised gradient as in
 :func:`hpcfl.training.sgd.sgd_step`.
 
-Per-sample gradients are materialised chunk by chunk (vmap); ghost clipping (Li et al. 2022;
-Bu et al. 2023: per-sample norms without per-sample gradients) is not implemented here.
+Per-sample norms and the clipped sum come from :mod:`hpcfl.privacy.ghost` (layer activations and
+output gradients of one backward, Linear layers by their ghost norm) where the model allows, else
+from ``vmap`` per-sample gradients, chunk by chunk.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from hpcfl.algorithms.base import ClientData, LocalTask, NonFiniteLoss, Trainer
 from hpcfl.entk.reference import VMAP_BUDGET_ELEMS
+from hpcfl.privacy import ghost
 from hpcfl.training.batched import _Loss
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import (
@@ -42,7 +44,25 @@ def clipped_grad_sum(
     model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip: float, out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_i g_i·min(1, C/(‖g_i‖ + 1e-6)) over the batch, written into ``out`` (P,) in the flat layout
-    (``model.parameters()`` order); returns (per-sample losses (B,), per-sample norms (B,))."""
+    (``model.parameters()`` order); returns (per-sample losses (B,), per-sample norms (B,)).
+
+    The fastest correct path: the book-keeping one (:mod:`hpcfl.privacy.ghost`: one forward and one
+    backward, Linear layers never form per-sample gradients) for Linear/Conv2d/GroupNorm models with
+    the default loss, ``vmap`` per-sample gradients otherwise (the losses then come back as the
+    batch mean repeated: the same sum).
+    """
+    if loss_fn is cross_entropy_loss and x.shape[0] and ghost.supported(model):
+        try:
+            return ghost.hooked_clipped_grad_sum(model, x, y, clip, out, OPACUS_EPS)
+        except NotImplementedError:
+            pass
+    return vmap_clipped_grad_sum(model, loss_fn, x, y, clip, out)
+
+
+def vmap_clipped_grad_sum(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip: float, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`clipped_grad_sum` through ``vmap(grad_and_value(...))``, chunk by chunk (any model)."""
     wrapped = _Loss(model, loss_fn)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {f"model.{n}": p.detach() for n, p in model.named_parameters() if p.requires_grad}
