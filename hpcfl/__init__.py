@@ -21,6 +21,9 @@ from hpcfl.data import partition_stats as partition_stats
 from hpcfl.errors import HpcflError as HpcflError
 from hpcfl.models import MODELS as MODELS
 from hpcfl.models import build_model as build_model
+from hpcfl.registry import register_algorithm as register_algorithm
+from hpcfl.registry import register_dataset as register_dataset
+from hpcfl.registry import register_model as register_model
 from hpcfl.runner import RunResult as RunResult
 from hpcfl.runner import StopRequest as StopRequest
 from hpcfl.runner import run_experiment as run_experiment
@@ -45,5 +48,8 @@ __all__ = [
     "load_dataset",
     "partition",
     "partition_stats",
+    "register_algorithm",
+    "register_dataset",
+    "register_model",
     "run_experiment",
 ]

@@ -19,6 +19,7 @@ import yaml
 from hpcfl.algorithms.base import HyperParams
 from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
 from hpcfl.errors import ConfigError, suggest
+from hpcfl.registry import ALGORITHMS, MODEL_SPECS, import_modules
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Config:
     """One federated run. Field comments are the documentation ``hpcfl run --help`` points to."""
 
     name: str = "run"
+    imports: list[str] = field(default_factory=list)  # modules imported first (plugins that register names)
     dataset: str = "fashion-mnist"
     data_root: str | None = None  # else $HPCFL_DATA, else ~/.cache/hpcfl
     download: bool = True
@@ -68,8 +70,6 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.params is None:
-            from hpcfl.algorithms import ALGORITHMS
-
             cls = ALGORITHMS.get(self.algorithm)
             self.params = cls.Params() if cls is not None else HyperParams()
 
@@ -107,8 +107,6 @@ LEGACY_SECTIONS = {
 
 
 def _validate_legacy(key: str, value: Any) -> None:
-    from hpcfl.algorithms import ALGORITHMS
-
     cls = {"stage1": Stage1Section, "stage2": Stage2Section}.get(key) or ALGORITHMS[key].Params
     if value is None:
         return
@@ -293,8 +291,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     ``params`` is validated against the algorithm's frozen Params dataclass (unknown key: the
     closest valid one; wrong type: one line); legacy sections are migrated first.
     """
-    from hpcfl.algorithms import ALGORITHMS
-
+    import_modules(data.get("imports"))
     data = migrate(data)
     cfg = _build(Config, data)
     if cfg.algorithm not in ALGORITHMS:
@@ -345,8 +342,6 @@ def _check_positive(cfg: Any, keys: tuple[str, ...], prefix: str = "") -> None:
 
 def validate(cfg: Config) -> None:
     """Check every name and range that can be checked without touching data."""
-    from hpcfl.algorithms import ALGORITHMS
-
     _validate_run_name(cfg.name)
     _check_positive(cfg, ("num_clients", "batch_size", "eval_every", "checkpoint_every", "local_epochs"))
     _check_positive(cfg, ("local_steps", "threads", "lr"))
@@ -506,10 +501,8 @@ def _validate_names(cfg: Config) -> None:
 
     cfg.dataset = canonical_name(cfg.dataset)
     parse_partition_spec(cfg.partition)
-    from hpcfl.models import MODELS
-
-    if cfg.model not in MODELS:
-        raise unknown("model", cfg.model, MODELS)
+    if cfg.model not in MODEL_SPECS:
+        raise unknown("model", cfg.model, MODEL_SPECS)
 
 
 def dump_config(cfg: Config, path: Path) -> None:
