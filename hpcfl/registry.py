@@ -257,6 +257,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
             ("feddyn", "feddyn", "FedDyn"),
             ("fednova", "fednova", "FedNova"),
             ("fedadam", "fedadam", "FedAdam"),
+            ("fedavgm", "fedavgm", "FedAvgM"),
             ("ntkfl", "ntkfl", "NTKFL"),
             ("cp_ntkfl", "cp_ntkfl", "CPNTKFL"),
         )

@@ -438,3 +438,41 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(tmp_path: Path, alg
         assert torch.equal(getattr(resumed.server, key), value), key
     rows = [r["test_accuracy"] for r in resumed.metrics]
     assert rows == [r["test_accuracy"] for r in reference.metrics][-len(rows) :]
+
+
+# -- FedAvgM -------------------------------------------------------------------------------------
+
+
+def test_fedavgm_without_momentum_and_unit_step_is_fedavg_to_rounding():
+    from hpcfl.algorithms.fedavgm import FedAvgM
+
+    m, _ = _simulate(FedAvgM, FedAvgM.Params(beta=0.0, server_lr=1.0), momentum=0.5, per_round=2)
+    avg, _ = _simulate(FedAvg, FedAvg.Params(), momentum=0.5, per_round=2)
+    torch.testing.assert_close(m.x, avg.x, rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(m.v) > 0  # v = Δ of the last round, kept server-side
+
+
+def test_fedavgm_server_steps_are_heavy_ball_momentum_on_the_pseudo_gradient():
+    """Two server steps against a direct computation: v ← βv + Δ, x ← x + ηv on the trainable
+    parameters; the BatchNorm buffers take the mean; v is server-only (not in bytes_down)."""
+    from hpcfl.algorithms.base import Aggregate, ServerContext
+    from hpcfl.algorithms.fedavgm import FedAvgM, FedAvgMServerState
+    from hpcfl.algorithms.participation import Population
+
+    layout = StateLayout.of_model(_model())
+    P, L = layout.num_params, layout.size
+    assert P < L  # the model has BatchNorm buffers after its parameters
+    algo = FedAvgM(FedAvgM.Params(server_lr=0.7, beta=0.9), layout=layout)
+    g = torch.Generator().manual_seed(1)
+    server = algo.init_server(torch.randn(L, generator=g))
+    x, v = server.x.clone(), torch.zeros(P)
+    ctx = ServerContext(0, (0, 1), Population((3, 4)), lambda t: t)
+    for _ in range(2):
+        total = torch.randn(L, generator=g) * 7.0
+        server, _ = algo.server_update(server, Aggregate({"x": total}, 7.0, 2), ctx)
+        mean = total / 7.0
+        v = 0.9 * v + (mean[:P] - x[:P])
+        x = torch.cat([x[:P] + 0.7 * v, mean[P:]])
+        torch.testing.assert_close(server.v, v)
+        torch.testing.assert_close(server.x, x)
+    assert FedAvgMServerState.server_only == ("v",)

@@ -270,6 +270,9 @@ class Algorithm(ABC, Generic[P, S, C]):
 
     name: ClassVar[str]
     Params: ClassVar[type[HyperParams]] = HyperParams
+    #: small hyper-parameters the contract tests (tests/test_contract.py) run it with on a tiny
+    #: synthetic federation; None: ``Params()``
+    example_params: ClassVar[HyperParams | None] = None
     #: why the participants train one by one when :meth:`local_task` declares nothing
     unbatched_reason: ClassVar[str] = "its local work is not a declared local task"
 
