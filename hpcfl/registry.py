@@ -259,7 +259,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
             ("fedadam", "fedadam", "FedAdam"),
             ("fedavgm", "fedavgm", "FedAvgM"),
             ("ntkfl", "ntkfl", "NTKFL"),
-            ("cp_ntkfl", "cp_ntkfl", "CPNTKFL"),
+            ("cp-ntkfl", "cp_ntkfl", "CPNTKFL"),
         )
     },
     _check_algorithm,

@@ -163,6 +163,7 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
 
     name = "ntkfl"
     Params = NTKFLParams
+    example_params = NTKFLParams(grid=(10, 20))
     unbatched_reason = "its clients compute Jacobians, not local SGD"
 
     network: nn.Module | None = None  # the model the server evaluates candidates with (attach)

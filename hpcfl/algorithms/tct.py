@@ -38,6 +38,9 @@ class TCT(Algorithm[TCTParams, ServerState, ClientState]):
 
     name = "tct"
     Params = TCTParams
+    example_params = TCTParams(
+        Stage1Section(rounds=1), Stage2Section(p=200, rounds=2, local_steps=3, lr=1e-3)
+    )
 
     def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
