@@ -20,6 +20,7 @@ from hpcfl.algorithms.base import HyperParams
 from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
 from hpcfl.errors import ConfigError, suggest
 from hpcfl.registry import ALGORITHMS, MODEL_SPECS, import_modules
+from hpcfl.units import parse_client_batch, parse_memory_budget
 
 
 @dataclass
@@ -333,6 +334,24 @@ def load_config(
     return config_from_dict(merge(migrate(data, algorithm), migrate(extra, algorithm)))
 
 
+def load_cli_config(
+    path: str | Path | None, sets: list[str], data_root: str | None, values: dict[str, Any] | None = None
+) -> Config:
+    """The validated config of ``path`` with ``--set`` and ``--data-root`` applied (``run``,
+    ``compare``, ``submit`` and every sweep point load their config so).
+
+    The data root (from the flag or the file) is made absolute here, where it enters, so a relative
+    one keeps naming the same directory after a launcher or a job changes the working directory.
+    ``values`` are typed ``{dotted key: value}`` overrides applied after ``sets`` (a sweep point's).
+    """
+    from hpcfl.data.root import absolute_data_root
+
+    overrides = list(sets) + ([f"data_root={data_root}"] if data_root else [])
+    cfg = load_config(path, overrides, values)
+    cfg.data_root = absolute_data_root(cfg.data_root)
+    return cfg
+
+
 def _check_positive(cfg: Any, keys: tuple[str, ...], prefix: str = "") -> None:
     for key in keys:
         value = getattr(cfg, key)
@@ -457,41 +476,6 @@ def _validate_run_name(name: str) -> None:
             f"config key 'name' must be a plain file name (no '/', '\\', newline or control "
             f"character, not '.', '..' or starting with '-'), got {name!r}"
         )
-
-
-def parse_client_batch(value: Any) -> int | str:
-    """``auto`` or a positive group size; a ConfigError naming the key otherwise."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return "auto"
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != text:
-        raise ConfigError(f"config key 'client_batch' must be auto or a positive integer, got {value!r}")
-    return n
-
-
-def parse_memory_budget(value: str) -> int | str:
-    """``auto`` | ``memory`` | ``disk`` | a byte count such as ``512MB`` or ``2GiB``."""
-    text = str(value).strip().lower()
-    if text in ("auto", "memory", "disk"):
-        return text
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-    num = text.rstrip("kmgib")
-    unit = text[len(num) :]
-    try:
-        if unit not in units:
-            raise ValueError
-        out = int(float(num) * units[unit])
-        if out < 0:
-            raise ValueError
-    except ValueError:
-        raise ConfigError(
-            f"config key 'client_state_memory' must be auto, memory, disk or a size such as 2GB, got {value!r}"
-        ) from None
-    return out
 
 
 def _validate_names(cfg: Config) -> None:

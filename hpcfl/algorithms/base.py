@@ -22,10 +22,12 @@ that the runner checkpoints as they are.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from abc import ABC
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -34,6 +36,9 @@ from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.training.batched import ClientJob, batched_local_sgd
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import Correction, LocalResult, LocalSchedule, LossFn, cross_entropy_loss, local_sgd
+
+if TYPE_CHECKING:  # the runner's types, named in annotations only (the runner depends on this module)
+    from hpcfl.runner.stages import StageInput, StagePlan
 
 P = TypeVar("P", bound="HyperParams")
 S = TypeVar("S", bound="ServerState")
@@ -242,23 +247,40 @@ class ServerContext:
     world: int = 1
 
 
+#: A stage hook by reference, ``"package.module:function"``: how an algorithm's file names its stage
+#: code (``hpcfl.tct.*``, ``hpcfl.ntk.*``), which sits above the contract and depends on it, so the
+#: algorithm never imports it; the runner imports it when it calls the hook.
+HookRef = str
+
+
+def resolve_hook(hook: Callable[..., Any] | HookRef) -> Callable[..., Any]:
+    """The function a stage hook names (a callable is returned as it is)."""
+    if callable(hook):
+        return hook
+    module, _, name = hook.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class Stage:
     """One stage of a run: ``rounds`` rounds of the algorithm ``enter`` builds.
 
     ``enter`` is None for the stage that trains the configured model with this algorithm; otherwise
     the runner calls it with a :class:`hpcfl.runner.stages.StageInput` (the previous stage's server
-    state and the run's federation) and runs the plan it returns. ``check`` runs before the first
-    round of the run (a refusal that needs only the config and the data, e.g. disk space);
-    ``finish`` runs when the stage's rounds are done (TCT keeps θ_T1). Only the runner calls them,
-    so algorithms stay free of I/O.
+    state and the run's federation) and runs the :class:`hpcfl.runner.stages.StagePlan` it returns.
+    ``check`` runs before the first round of the run (a refusal that needs only the config and the
+    data, e.g. disk space); ``finish`` runs when the stage's rounds are done (TCT keeps θ_T1). Each
+    is a function or a :data:`HookRef` (:func:`resolve_hook`). Only the runner calls them, so
+    algorithms stay free of I/O.
     """
 
     name: str
     rounds: int
-    enter: Callable[[Any], Any] | None = None
-    check: Callable[[Any, Any], None] | None = None  # (federation, run_dir): refuse before any round
-    finish: Callable[[Any], None] | None = None  # called with a StageInput when the stage's rounds are done
+    enter: Callable[[StageInput], StagePlan] | HookRef | None = None
+    check: Callable[[Any, Path], None] | HookRef | None = (
+        None  # (federation, run_dir): refuse before any round
+    )
+    finish: Callable[[StageInput], None] | HookRef | None = None  # when the stage's rounds are done
 
 
 class Algorithm(ABC, Generic[P, S, C]):

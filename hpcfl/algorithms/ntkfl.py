@@ -143,9 +143,9 @@ class NTKFLParams(HyperParams):
                 f"with params.loss: ce every params.grid step must be a multiple of params.ce_dt={self.ce_dt}"
             )
         if self.memory_budget != "auto":
-            from hpcfl.config import parse_memory_budget
+            from hpcfl.units import parse_memory_budget
 
-            parse_memory_budget(str(self.memory_budget))
+            parse_memory_budget(str(self.memory_budget), key="params.memory_budget")
 
 
 @dataclass
@@ -199,9 +199,7 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         return [others[i] for i in self.participation.sample(sub, generator)]
 
     def stages(self) -> Sequence[Stage]:
-        from hpcfl.ntk.stage import enter_ntk
-
-        return (Stage("train", -1, enter=enter_ntk),)
+        return (Stage("train", -1, enter="hpcfl.ntk.stage:enter_ntk"),)
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
         names = ("jacobian", "output", "label") + (("input",) if self.params.select == "train" else ())

@@ -48,11 +48,13 @@ class TCT(Algorithm[TCTParams, ServerState, ClientState]):
         return local_training(server, client, data)
 
     def stages(self) -> Sequence[Stage]:
-        from hpcfl.tct.features import check_features_fit
-        from hpcfl.tct.pipeline import enter_stage2, keep_stage1_model
-
         p = self.params
         return (
-            Stage("stage1", p.stage1.rounds, finish=keep_stage1_model),
-            Stage("stage2", p.stage2.rounds, enter=enter_stage2, check=check_features_fit),
+            Stage("stage1", p.stage1.rounds, finish="hpcfl.tct.pipeline:keep_stage1_model"),
+            Stage(
+                "stage2",
+                p.stage2.rounds,
+                enter="hpcfl.tct.pipeline:enter_stage2",
+                check="hpcfl.tct.features:check_features_fit",
+            ),
         )

@@ -11,7 +11,7 @@ import argparse
 from importlib import resources
 from pathlib import Path
 
-from hpcfl.cli._config import load_cli_config
+from hpcfl.config import load_cli_config
 from hpcfl.errors import EXIT_RESUMABLE
 from hpcfl.report import markdown_table, write_report
 from hpcfl.runner import StopRequest

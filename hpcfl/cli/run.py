@@ -7,8 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from hpcfl.cli._config import load_cli_config
 from hpcfl.comm import launched_world_size, launcher_rank
+from hpcfl.config import load_cli_config
 from hpcfl.errors import EXIT_RESUMABLE, CommError, StoppedError
 from hpcfl.runner import StopRequest, default_run_dir, run_experiment
 

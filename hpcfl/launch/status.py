@@ -162,7 +162,7 @@ ACTIVE = frozenset(
 
 def active_job(run_dir: Path) -> tuple[str, str] | None:
     """``(job id, state)`` of the newest recorded job of ``run_dir`` while it is queued or running."""
-    from hpcfl.launch.submit import read_job_records
+    from hpcfl.launch.records import read_job_records
 
     records = read_job_records(run_dir)
     if not records:
@@ -231,7 +231,7 @@ def _run_progress(run_dir: Path, status: RunStatus) -> None:
 def run_status(run_dir: Path, views: dict[str, SlurmView] | None = None) -> RunStatus:
     """Where the run in ``run_dir`` stands (raises :class:`RunDirError` when it is no run dir).
     ``views``: SLURM's answers already fetched for many runs at once (:func:`slurm_views`)."""
-    from hpcfl.launch.submit import read_job_records
+    from hpcfl.launch.records import read_job_records
 
     if not run_dir.is_dir():
         raise RunDirError(f"{run_dir} does not exist; give the --run-dir the run was submitted with")
