@@ -295,6 +295,9 @@ class Algorithm(ABC, Generic[P, S, C]):
     #: small hyper-parameters the contract tests (tests/test_contract.py) run it with on a tiny
     #: synthetic federation; None: ``Params()``
     example_params: ClassVar[HyperParams | None] = None
+    #: whether the last stage logs ``val_accuracy`` on the held-out split (``validation``), which
+    #: ``hpcfl sweep --search`` selects on; False where it evaluates its own way (TCT's stage 2)
+    logs_validation: ClassVar[bool] = True
     #: why the participants train one by one when :meth:`local_task` declares nothing
     unbatched_reason: ClassVar[str] = "its local work is not a declared local task"
 

@@ -163,6 +163,7 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
 
     name = "ntkfl"
     Params = NTKFLParams
+    logs_validation = False  # the evolved model is evaluated on the test set only
     example_params = NTKFLParams(grid=(10, 20))
     unbatched_reason = "its clients compute Jacobians, not local SGD"
 
