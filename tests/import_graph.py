@@ -123,11 +123,13 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def layer(module: str) -> int:
-    """0 for the top layer (cli), larger further down; the longest matching prefix decides."""
+    """0 for the top layer (cli), larger further down; the longest matching prefix decides, and a
+    module no layer names (a new top-level helper such as ``hpcfl.chunks``) is in the bottom one."""
     best, depth = -1, len(LAYERS) - 1
     for i, names in enumerate(LAYERS):
         for prefix in names:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+            below = module.startswith(prefix + ".") and prefix != "hpcfl"  # the package itself: only itself
+            if (module == prefix or below) and len(prefix) > best:
                 best, depth = len(prefix), i
     return depth
 
