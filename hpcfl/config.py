@@ -74,16 +74,6 @@ class Config:
             cls = ALGORITHMS.get(self.algorithm)
             self.params = cls.Params() if cls is not None else HyperParams()
 
-    @property
-    def stage1(self) -> Stage1Section:
-        """TCT's stage-1 section (defaults for other algorithms)."""
-        return getattr(self.params, "stage1", Stage1Section())
-
-    @property
-    def stage2(self) -> Stage2Section:
-        """TCT's stage-2 section (defaults for other algorithms)."""
-        return getattr(self.params, "stage2", Stage2Section())
-
     def to_dict(self) -> dict[str, Any]:
         """The config as plain YAML values (tuples become lists, as YAML reads them back)."""
         return _plain(dataclasses.asdict(self))
@@ -403,32 +393,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
     parse_memory_budget(cfg.client_state_memory)
     parse_client_batch(cfg.client_batch)
-    if cfg.algorithm != "tct":
-        return
-    s2 = cfg.stage2
-    _check_positive(s2, ("p", "lr", "local_steps", "batch_size"), prefix="stage2.")
-    if cfg.stage1.rounds < 0 or s2.rounds < 0:
-        raise ConfigError("config keys 'stage1.rounds' and 'stage2.rounds' must be >= 0")
-    for key, value, choices in (
-        ("stage2.params", s2.params, ("all", "features")),
-        ("stage2.solver", s2.solver, ("closed_form", "primal")),
-        ("stage2.variant", s2.variant, ("scaffold", "fedavg", "gd")),
-        ("stage2.loss", s2.loss, ("mse", "ce")),
-        ("stage2.features", s2.features, ("entk", "last_layer")),
-        ("stage2.head", s2.head, ("fresh1", "keep")),
-        ("stage2.dtype", s2.dtype, ("float32", "float16", "bfloat16")),
-        ("stage2.method", s2.method, ("auto", "fused", "vmap", "loop")),
-    ):
-        if value not in choices:
-            raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
-    if s2.loss == "ce" and s2.solver == "closed_form":
-        raise ConfigError("stage2.loss=ce has no closed form; set stage2.solver=primal")
-    if s2.head == "fresh1" and s2.logit != 0:
-        raise ConfigError(
-            f"config key 'stage2.logit' ({s2.logit}) applies only with stage2.head=keep: the default fresh "
-            "1-output head has the single output 0; drop stage2.logit, or set stage2.head=keep for the "
-            "legacy C-output head"
-        )
     _check_against_dataset(cfg)
 
 
@@ -461,11 +425,8 @@ def _check_against_dataset(cfg: Config) -> None:
             f"num_clients={cfg.num_clients} is more than the {n_train} training samples of {cfg.dataset}; "
             "use fewer clients"
         )
-    if cfg.algorithm == "tct" and cfg.stage2.head == "keep" and not 0 <= cfg.stage2.logit < classes:
-        raise ConfigError(
-            f"config key 'stage2.logit' must be a class index in [0, {classes}) for {cfg.dataset}, "
-            f"got {cfg.stage2.logit}"
-        )
+    if isinstance(cfg.params, HyperParams):
+        cfg.params.check_data(cfg.dataset, classes)
 
 
 def _validate_run_name(name: str) -> None:

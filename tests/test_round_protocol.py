@@ -225,7 +225,7 @@ def test_params_are_validated_against_the_algorithm(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="params.mu"):
         load_config(None, ["algorithm=fedprox", "params.mu=abc"])
     tct = load_config(None, ["algorithm=tct", "stage2.lr=0.001", "params.stage1.rounds=3"])
-    assert tct.stage2.lr == 0.001 and tct.stage1.rounds == 3
+    assert tct.params.stage2.lr == 0.001 and tct.params.stage1.rounds == 3
 
 
 # kill -9 with client states on disk, then resume: every algorithm, in tests/test_contract.py

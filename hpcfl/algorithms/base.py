@@ -84,7 +84,15 @@ class ClientData:
 
 @dataclass(frozen=True)
 class HyperParams:
-    """Base class of the per-algorithm hyper-parameter dataclasses (frozen, documented fields)."""
+    """Base class of the per-algorithm hyper-parameter dataclasses (frozen, documented fields).
+
+    A subclass validates its own fields in ``__post_init__`` (one :class:`ConfigError` line naming
+    the key), so the config validates every algorithm's section without knowing the algorithm.
+    """
+
+    def check_data(self, dataset: str, num_classes: int) -> None:
+        """Refuse values the dataset rules out (called with its class count before any data is
+        read; default: nothing to check)."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from hpcfl.algorithms.base import (
 )
 from hpcfl.algorithms.fedavg import local_training
 from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
+from hpcfl.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,14 @@ class TCTParams(HyperParams):
 
     stage1: Stage1Section = field(default_factory=Stage1Section)
     stage2: Stage2Section = field(default_factory=Stage2Section)
+
+    def check_data(self, dataset: str, num_classes: int) -> None:
+        s2 = self.stage2
+        if s2.head == "keep" and not 0 <= s2.logit < num_classes:
+            raise ConfigError(
+                f"config key 'stage2.logit' must be a class index in [0, {num_classes}) for {dataset}, "
+                f"got {s2.logit}"
+            )
 
 
 class TCT(Algorithm[TCTParams, ServerState, ClientState]):
