@@ -17,7 +17,6 @@ from typing import Any
 import yaml
 
 from hpcfl.algorithms.base import HyperParams
-from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
 from hpcfl.errors import ConfigError, suggest
 from hpcfl.registry import ALGORITHMS, MODEL_SPECS, import_modules
 from hpcfl.units import parse_client_batch, parse_memory_budget
@@ -87,18 +86,25 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# Sections of configs written before ``params:`` existed; each becomes ``params`` of its algorithm.
-LEGACY_SECTIONS = {
-    "fedprox": ("fedprox",),
-    "moon": ("moon",),
-    "fedcka": ("fedcka",),
-    "stage1": ("tct",),
-    "stage2": ("tct",),
-}
+def legacy_sections() -> dict[str, str]:
+    """Config sections written before ``params:`` existed → the built-in algorithm owning each
+    (declared by the algorithms, :attr:`hpcfl.algorithms.Algorithm.legacy_sections`)."""
+    return {
+        section: name for name in ALGORITHMS.builtin_names() for section in ALGORITHMS[name].legacy_sections
+    }
 
 
-def _validate_legacy(key: str, value: Any) -> None:
-    cls = {"stage1": Stage1Section, "stage2": Stage2Section}.get(key) or ALGORITHMS[key].Params
+def _legacy_target(owner: str, key: str) -> tuple[type, bool]:
+    """(the dataclass a legacy section ``key`` of algorithm ``owner`` builds, whether it is a field
+    of the params rather than the params themselves)."""
+    params_cls = ALGORITHMS[owner].Params
+    if key in {f.name for f in dataclasses.fields(params_cls)}:
+        return type(getattr(params_cls(), key)), True
+    return params_cls, False
+
+
+def _validate_legacy(owner: str, key: str, value: Any) -> None:
+    cls, _ = _legacy_target(owner, key)
     if value is None:
         return
     if not isinstance(value, dict):
@@ -112,14 +118,14 @@ def migrate(data: dict[str, Any], algorithm: str | None = None) -> dict[str, Any
     data = dict(data)
     algorithm = algorithm or str(data.get("algorithm", Config.algorithm))
     params = dict(data.get("params") or {})
-    for key, owners in LEGACY_SECTIONS.items():
+    for key, owner in legacy_sections().items():
         if key not in data:
             continue
         value = data.pop(key)
-        if algorithm not in owners:
-            _validate_legacy(key, value)  # unused here, but a typo is still named
+        if algorithm != owner:
+            _validate_legacy(owner, key, value)  # unused here, but a typo is still named
             continue
-        if algorithm == "tct":
+        if _legacy_target(owner, key)[1]:
             params[key] = merge(value or {}, params.get(key) or {}) if isinstance(value, dict) else value
         elif isinstance(value, dict):
             params = merge(value, params)

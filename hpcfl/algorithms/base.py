@@ -303,6 +303,10 @@ class Algorithm(ABC, Generic[P, S, C]):
     #: small hyper-parameters the contract tests (tests/test_contract.py) run it with on a tiny
     #: synthetic federation; None: ``Params()``
     example_params: ClassVar[HyperParams | None] = None
+    #: top-level config sections of configs written before ``params:`` existed that belong to this
+    #: algorithm: one named after the algorithm holds its params, one named after a params field
+    #: holds that field (TCT's ``stage1``/``stage2``); the config moves them into ``params``
+    legacy_sections: ClassVar[tuple[str, ...]] = ()
     #: whether the last stage logs ``val_accuracy`` on the held-out split (``validation``), which
     #: ``hpcfl sweep --search`` selects on; False where it evaluates its own way (TCT's stage 2)
     logs_validation: ClassVar[bool] = True

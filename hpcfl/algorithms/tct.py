@@ -47,6 +47,7 @@ class TCT(Algorithm[TCTParams, ServerState, ClientState]):
 
     name = "tct"
     Params = TCTParams
+    legacy_sections = ("stage1", "stage2")
     logs_validation = False  # stage 2 evaluates the linear model on the test set only
     example_params = TCTParams(
         Stage1Section(rounds=1), Stage2Section(p=200, rounds=2, local_steps=3, lr=1e-3)
