@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from hpcfl.errors import ConfigError
-from hpcfl.report import write_report
 from hpcfl.report.protocol import DEFAULT_LAST_K, DEFAULT_WINDOW, Protocol
 
 
@@ -67,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcfl.report import write_report  # here: building the parser must not import matplotlib
     from hpcfl.sweep.plan import is_sweep_dir
 
     if args.target is not None and not 0 < args.target <= 100:

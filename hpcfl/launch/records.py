@@ -1,7 +1,7 @@
-"""The job records of a run directory: ``RUN_DIR/slurm/jobs.jsonl``, one row per submission.
+"""What a submission leaves in a run directory: ``RUN_DIR/slurm/jobs.jsonl`` and the error files.
 
-``hpcfl submit`` and sweep job arrays append them; ``hpcfl status`` (of a run or of a sweep) reads
-them. A module of its own so that the readers import neither submitit nor the submission code.
+``hpcfl submit`` and sweep arrays write these records, ``hpcfl status`` reads them; this module
+imports neither submitit nor the runner, so that reading them stays light (no torch, no zarr).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+#: Sub-directory of the run directory that holds submitit's files and the job records.
 SLURM_DIR = "slurm"
 JOBS_FILE = "jobs.jsonl"
 
@@ -39,3 +40,8 @@ def read_job_records(run_dir: Path) -> list[JobRecord]:
         except TypeError:  # a row of another version, or edited by hand: not a record
             continue
     return records
+
+
+def error_path(folder: Path, job_id: str, rank: int = 0) -> Path:
+    """Where the job's rank ``rank`` records its error: ``<folder>/<job>_<rank>_error.json``."""
+    return Path(folder) / f"{job_id}_{rank}_error.json"

@@ -31,11 +31,8 @@ from hpcfl.config import Config, config_differences, read_yaml
 from hpcfl.errors import CommError, ConfigError, RunDirError
 from hpcfl.files import append_jsonl
 from hpcfl.launch.job import HpcflJob
-from hpcfl.launch.records import JOBS_FILE, SLURM_DIR, JobRecord, read_job_records
+from hpcfl.launch.records import JOBS_FILE, SLURM_DIR, JobRecord
 
-__all__ = ["JOBS_FILE", "SLURM_DIR", "JobRecord", "read_job_records"]  # the records' old home
-
-#: Sub-directory of the run directory that holds submitit's files and the job records.
 EXECUTORS = ("slurm", "local")
 PMI_CHOICES = ("pmi2", "pmix", "pmi1", "none", "default")
 

@@ -8,9 +8,8 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcfl.config import read_yaml
 from hpcfl.errors import RunDirError
-from hpcfl.files import read_jsonl
+from hpcfl.files import read_jsonl, read_yaml
 
 
 @dataclass
