@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpcfl.algorithms import FedAvg, FedDyn, FedPVR, Scaffold, Trainer
+from hpcfl.algorithms import FedAvg, FedDyn, FedProx, FedPVR, Scaffold, Trainer
 from hpcfl.algorithms.base import ClientData, upload_weight
 from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
@@ -95,7 +95,11 @@ def test_scaffold_with_momentum_reaches_the_optimum_of_the_mean_objective(form, 
     x_star = _mean_objective_optimum(clients)
     L = max(float(torch.linalg.eigvalsh(c.x.T @ c.x / c.n).max()) for c in clients)
     sched = LocalSchedule(
-        lr=0.3 / L, batch_size=10_000, steps=QUADRATIC["steps"], momentum=QUADRATIC["momentum"], weight_decay=0.0
+        lr=0.3 / L,
+        batch_size=10_000,
+        steps=QUADRATIC["steps"],
+        momentum=QUADRATIC["momentum"],
+        weight_decay=0.0,
     )
     algo = _algo(Scaffold, Scaffold.Params(form=form, weighting="uniform"))
     server, _ = _simulate(algo, clients, sched, QUADRATIC["rounds"], client_batch=client_batch)
@@ -122,7 +126,11 @@ def test_scaffold_local_step_and_variate_equal_the_fedpvr_authors_client_at_mome
     the last partial batch), on the same batches, float64: equal to hpcfl's control-variate form."""
     g = torch.Generator().manual_seed(3)
     n, B, E, lr = 70, 16, 2, 0.05
-    data = ClientData(0, torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64))
+    data = ClientData(
+        0,
+        torch.randn(n, 6, generator=g, dtype=torch.float64),
+        torch.randn(n, generator=g, dtype=torch.float64),
+    )
     c = torch.randn(7, generator=g, dtype=torch.float64)
     c_k = torch.randn(7, generator=g, dtype=torch.float64)
     x0 = torch.randn(7, generator=g, dtype=torch.float64)
@@ -232,8 +240,10 @@ def test_one_model_is_another_algorithm_with_weighted_means_or_unequal_steps():
         (Scaffold, Scaffold.Params(form="control_variates")),
         (Scaffold, Scaffold.Params(form="one_model")),
         (FedPVR, FedPVR.Params(start_param=1)),
+        (FedAvg, FedAvg.Params()),
+        (FedProx, FedProx.Params(mu=0.0)),
     ],
-    ids=["scaffold-cv", "scaffold-one", "fedpvr"],
+    ids=["scaffold-cv", "scaffold-one", "fedpvr", "fedavg", "fedprox"],
 )
 def test_uniform_weighting_is_the_plain_mean_of_the_client_models(cls, params):
     """Round 1 (every variate 0): the new x is the plain mean of the clients' local models, which
@@ -272,7 +282,11 @@ def test_drop_last_gives_e_floor_n_over_b_steps_in_both_trainers(drop_last):
     g = torch.Generator().manual_seed(0)
     sizes = [70, 16, 33, 9]
     clients = [
-        ClientData(k, torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64))
+        ClientData(
+            k,
+            torch.randn(n, 6, generator=g, dtype=torch.float64),
+            torch.randn(n, generator=g, dtype=torch.float64),
+        )
         for k, n in enumerate(sizes)
     ]
     sched = LocalSchedule(lr=0.01, batch_size=16, epochs=2, drop_last=drop_last, weight_decay=0.0)
@@ -336,6 +350,8 @@ def test_fedpvr_corrected_weight_decay_zero_matches_torch_parameter_groups():
         ("feddyn", {"weighting": "equal"}, "params.weighting"),
         ("feddyn", {"max_grad_norm": 0}, "params.max_grad_norm"),
         ("fedpvr", {"corrected_weight_decay": -1}, "params.corrected_weight_decay"),
+        ("fedavg", {"weighting": "n"}, "params.weighting"),
+        ("fedprox", {"weighting": "n"}, "params.weighting"),
     ],
 )
 def test_bad_params_are_one_clear_line(algorithm, params, key):
@@ -357,6 +373,7 @@ def test_feddyn_reports_the_client_mean_and_the_corrected_model(tmp_path: Path):
     from hpcfl.models import build_model
     from hpcfl.runner import run_experiment
     from hpcfl.training.evaluate import evaluate
+
     cfg = config_from_dict(
         dict(
             dataset="synthetic",
@@ -397,7 +414,9 @@ def test_feddyn_uniform_mean_is_the_plain_mean_of_the_uploads():
     server = algo.init_server(torch.zeros(7, dtype=torch.float64))
     ys = [torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(k)) for k in range(3)]
     new, _ = algo.server_update(
-        server, Aggregate({"x": sum(ys)}, 3.0, 3), ServerContext(0, (0, 1, 2), Population((5, 9, 20)), lambda t: t)
+        server,
+        Aggregate({"x": sum(ys)}, 3.0, 3),
+        ServerContext(0, (0, 1, 2), Population((5, 9, 20)), lambda t: t),
     )
     torch.testing.assert_close(new.mean, sum(ys) / 3)
     assert new.evaluated()[""] is new.mean and new.evaluated()["_corrected"] is new.x
@@ -429,3 +448,18 @@ def test_feddyn_clipping_and_per_client_alpha_follow_the_official_code():
         ys.append(-0.01 * grad)  # w = 0: the α_k·w and wd·w terms vanish
     torch.testing.assert_close(server.mean, (ys[0] + ys[1]) / 2, rtol=1e-12, atol=1e-15)
     assert float(torch.linalg.norm(ys[0])) == pytest.approx(0.01 * 0.01, rel=1e-5)
+
+
+def test_resnet8_for_fedpvr_comparisons_is_groupnorm_2_through_model_options():
+    """``model_options: {norm: gn}``: the FedPVR authors' ResNet-8 (GroupNorm, 2 groups, no
+    BatchNorm buffers to average); the default stays BatchNorm."""
+    from hpcfl.config import config_from_dict
+    from hpcfl.models import build_model
+
+    cfg = config_from_dict({"model": "resnet8", "model_options": {"norm": "gn"}, "dataset": "cifar10"})
+    gn = build_model(cfg.model, (3, 32, 32), 10, **cfg.model_options)
+    norms = [m for m in gn.modules() if isinstance(m, (nn.GroupNorm, nn.BatchNorm2d))]
+    assert norms and all(isinstance(m, nn.GroupNorm) and m.num_groups == 2 for m in norms)
+    assert not list(gn.buffers())
+    bn = build_model("resnet8", (3, 32, 32), 10)
+    assert any(isinstance(m, nn.BatchNorm2d) for m in bn.modules())

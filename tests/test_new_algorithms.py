@@ -196,7 +196,12 @@ def test_fedpvr_full_mask_equals_scaffold_one_model_only_with_the_uniform_mean()
     ):
         w_pvr = _run(FedPVR, FedPVR.Params(weighting=weighting), clients, rounds=20, steps=5, lr=0.01)
         w_one = _run(
-            Scaffold, Scaffold.Params(form="one_model", weighting=weighting), clients, rounds=20, steps=5, lr=0.01
+            Scaffold,
+            Scaffold.Params(form="one_model", weighting=weighting),
+            clients,
+            rounds=20,
+            steps=5,
+            lr=0.01,
         )
         gap = float(torch.linalg.norm(w_pvr - w_one) / torch.linalg.norm(w_one))
         assert (gap < 1e-12) if same else (gap > 1e-6), (weighting, same, gap)
