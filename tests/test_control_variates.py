@@ -106,6 +106,21 @@ def test_scaffold_with_momentum_reaches_the_optimum_of_the_mean_objective(form, 
     assert float(torch.linalg.norm(server.x - x_star) / torch.linalg.norm(x_star)) < 1e-6
 
 
+def test_the_papers_k_eta_denominator_diverges_on_that_problem(monkeypatch):
+    """The same problem with the variates divided by Kη (the code before issue 25): the error grows
+    ~2.8× per round (relative error 28 after 10 rounds, 9.5e5 after 20)."""
+    import hpcfl.algorithms.scaffold as scaffold
+
+    monkeypatch.setattr(scaffold, "local_norm", lambda steps, momentum: float(steps))
+    clients = _least_squares_clients(K=4, d=6, seed=2)
+    x_star = _mean_objective_optimum(clients)
+    L = max(float(torch.linalg.eigvalsh(c.x.T @ c.x / c.n).max()) for c in clients)
+    sched = LocalSchedule(lr=0.3 / L, batch_size=10_000, steps=10, momentum=0.9, weight_decay=0.0)
+    algo = _algo(Scaffold, Scaffold.Params(form="control_variates", weighting="uniform"))
+    server, _ = _simulate(algo, clients, sched, 10)
+    assert float(torch.linalg.norm(server.x - x_star) / torch.linalg.norm(x_star)) > 10
+
+
 @pytest.mark.parametrize("client_batch", [1, 4], ids=["sequential", "batched"])
 def test_fedpvr_momentum_on_the_corrected_slice_reaches_the_optimum(client_batch):
     """FedPVR's corrected slice (here every parameter) with momentum 0.9 on it: same recursion as
