@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from hpcfl.errors import ConfigError
@@ -18,7 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "target test accuracy with the speed-up over the FedAvg run of the same partition "
             "(FedPVR Table 2's form); with drift_diversity: true, a layers x rounds heatmap "
             "(drift_diversity.png); with conformal: true, coverage vs set size of the final model "
-            "(conformal.png/.csv). Also report.csv, targets.csv and accuracy.png. For a sweep directory "
+            "(conformal.png/.csv). Also report.csv, targets.csv and accuracy.png; runs with the same config "
+            "but other threads per rank, reduction, client_batch or device (so not bit-identical) get a "
+            "note naming the difference. For a sweep directory "
             "(hpcfl sweep): tables in the papers' layout, one row per method and one column per grid "
             "value, of final and best accuracy and rounds to the target as mean ± std over seeds "
             "(report.md, summary.csv) and curves with a ± std band (curves.png), in SWEEP_DIR/report."
@@ -55,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
     write_report(args.run_dirs, out, target=None if args.target is None else args.target / 100)
     print((out / "report.md").read_text(), end="")
     print(f"plots and tables in {out}")
+    from hpcfl.runner.determinism import comparison_notes
+
+    for note in comparison_notes(args.run_dirs):  # same config, other threads/reduction/...: say so
+        print(note, file=sys.stderr)
     return 0
 
 

@@ -228,6 +228,25 @@ def _run_progress(run_dir: Path, status: RunStatus) -> None:
     status.finished = (run_dir / "DONE").exists()
 
 
+def _unsubmitted_state(run_dir: Path, status: RunStatus) -> None:
+    """The state of a run no job was submitted for, from what its markers say: FINISHED (DONE),
+    RUNNING (an ``hpcfl run`` holds its lock), FAILED (a sweep's ``FAILED`` line), UNFINISHED (rounds
+    logged, no DONE: ``--resume`` continues it) or NOT SUBMITTED."""
+    from hpcfl.runner.lock import lock_holder
+    from hpcfl.sweep.local import failure
+
+    if status.finished:
+        status.state = "FINISHED"
+    elif (holder := lock_holder(run_dir)) is not None:
+        status.state, status.node_list = "RUNNING", f"{holder[0]} (PID {holder[1]})"
+    elif (error := failure(run_dir)) is not None:
+        status.state, status.error = "FAILED", error
+    elif status.rounds_done:
+        status.state, status.reason = "UNFINISHED", "resume it with hpcfl run ... --resume"
+    else:
+        status.state = "NOT SUBMITTED"
+
+
 def run_status(run_dir: Path, views: dict[str, SlurmView] | None = None) -> RunStatus:
     """Where the run in ``run_dir`` stands (raises :class:`RunDirError` when it is no run dir).
     ``views``: SLURM's answers already fetched for many runs at once (:func:`slurm_views`)."""
@@ -243,7 +262,7 @@ def run_status(run_dir: Path, views: dict[str, SlurmView] | None = None) -> RunS
             raise RunDirError(
                 f"{run_dir} holds no run and no submitted job; submit one with: hpcfl submit CONFIG --run-dir {run_dir}"
             )
-        status.state = "FINISHED" if status.finished else "NOT SUBMITTED"
+        _unsubmitted_state(run_dir, status)
         return status
     record = records[-1]
     status.job_id, status.executor = record.job_id, record.executor

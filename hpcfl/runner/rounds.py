@@ -21,15 +21,22 @@ from __future__ import annotations
 import functools
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from hpcfl.algorithms import Algorithm, ClientData, ClientState, ServerState, Trainer
-from hpcfl.algorithms.base import Aggregate, ClientContext, ServerContext, Upload
+from hpcfl.algorithms.base import (
+    Aggregate,
+    ClientContext,
+    ServerContext,
+    Upload,
+    state_from_dict,
+    state_to_dict,
+)
 from hpcfl.algorithms.participation import Population
 from hpcfl.comm.base import Communicator
 from hpcfl.comm.placement import place_round
@@ -38,6 +45,9 @@ from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.runner.buffer import BufferLayout
 from hpcfl.runner.executor import ClientExecutor
+
+if TYPE_CHECKING:
+    from hpcfl.runner.checkpoint import Checkpoint
 
 # Called after every round with (round_done, server, states, metrics_row or None); returns True to stop.
 RoundHook = Callable[[int, ServerState, "ClientStore", dict[str, Any] | None], bool]
@@ -56,6 +66,14 @@ class ClientStore(Protocol):
 
     def written_elsewhere(self, k: int) -> None:
         """Another rank trained client ``k`` this round and stored its state."""
+
+    def checkpoint(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        """What a round checkpoint keeps: (per-client files this rank writes, entries of the
+        checkpoint's ``extra``)."""
+        ...
+
+    def restore(self, ckpt: Checkpoint, reset: Iterable[int] = ()) -> None:
+        """Return to ``ckpt``; the clients in ``reset`` start again from ``init(k)``."""
 
 
 class MemoryStates:
@@ -76,6 +94,17 @@ class MemoryStates:
 
     def written_elsewhere(self, k: int) -> None:
         """Nothing to do: in memory, a client is always trained on the same rank."""
+
+    def checkpoint(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        """One file per held client (the tensors themselves: saved before they change)."""
+        return {k: state_to_dict(c) for k, c in self.states.items()}, {}
+
+    def restore(self, ckpt: Checkpoint, reset: Iterable[int] = ()) -> None:
+        """Take the checkpoint's per-client files (a zip CRC-checked by the loader), ``reset`` aside."""
+        if "client_map" in ckpt.extra:
+            raise RuntimeError("a checkpoint with a client-state store must restore into ClientStates")
+        dropped, cls = set(reset), type(self.init(0))
+        self.states.update({k: state_from_dict(cls, d) for k, d in ckpt.clients.items() if k not in dropped})
 
 
 class StateIO:
@@ -277,10 +306,12 @@ def run_rounds(
             plan.data,
             functools.partial(_client_context, plan, rnd, tuple(who)),
         )
+        diverged = []
         for k, upload, new_state in outcomes:
             i = position[k]
             if upload is None:
                 flags[i] = 1.0
+                diverged.append(k)
                 continue
             io.put(k, new_state)
             _accumulate(upload, sums, ex, bdtype)
@@ -297,6 +328,9 @@ def run_rounds(
                     upload.sums["x"][: algo.num_params], server.x[: algo.num_params], upload.weight, drift
                 )
         state_io = io.finish()
+        for k in diverged:  # a NaN right after reading a state: check that state first
+            if not _finite(states.get(k)):
+                flags[position[k]] = 2.0
         t1 = time.perf_counter()
         layout.view(buf, "rank_compute")[comm.rank] = t1 - t0
         layout.view(buf, "rank_state_io")[comm.rank] = state_io
@@ -308,6 +342,14 @@ def run_rounds(
         bad = [who[i] for i in torch.nonzero(flags).flatten().tolist()]
         for k in set(who) - set(mine):
             states.written_elsewhere(k)
+        damaged = [who[i] for i in torch.nonzero(flags > 1.5).flatten().tolist()]
+        if damaged:
+            raise DivergenceError(
+                f"loss became NaN/inf in round {round_offset + rnd + 1} on client {damaged[0]}, whose stored "
+                f"state already held NaN/inf when it was read (clients {','.join(map(str, damaged))}): the "
+                f"state is damaged, not the learning rate; resume with --reset-client-states "
+                f"{','.join(map(str, damaged))} to re-initialise it"
+            )
         if bad:
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise DivergenceError(
@@ -358,6 +400,15 @@ def run_rounds(
         if hook is not None and hook(done, server, states, row):
             return server, done
     return server, done
+
+
+def _finite(state: ClientState) -> bool:
+    """True when every tensor of a client state is finite (None fields count as finite)."""
+    return all(
+        bool(torch.isfinite(v).all())
+        for f in fields(state)
+        if isinstance(v := getattr(state, f.name), torch.Tensor) and v.is_floating_point()
+    )
 
 
 def _client_context(plan: RoundPlan, rnd: int, who: tuple[int, ...], k: int) -> ClientContext:

@@ -39,7 +39,9 @@ class PointStatus:
             text = f"{self.state} round {self.rounds_done}/{total}"
         else:
             text = self.state
-        if self.error:  # failed: the error; queued: SLURM's reason; ended early: the job's state
+        if (
+            self.error
+        ):  # failed: the error; queued: SLURM's reason; ended early: the job's state; done: a stale FAILED
             text += f": {self.error}" if self.state == "failed" else f" ({self.error})"
         return text
 
@@ -66,6 +68,8 @@ def point_status(
     status = PointStatus(point.name, "not started", rounds, rounds_total, seconds_per_round=per_round)
     if (point.run_dir / DONE).exists():
         status.state = "done"
+        if (error := failure(point.run_dir)) is not None:  # both markers: say so, never count it twice
+            status.error = f"a stale FAILED marker also says: {error}"
         return status
     if (point.run_dir / "slurm" / "jobs.jsonl").exists():
         from hpcfl.launch import run_status
