@@ -189,6 +189,69 @@ def test_scaffold_local_step_and_variate_equal_the_fedpvr_authors_client_at_mome
     torch.testing.assert_close(server.c, c + (ci_plus - c_k), rtol=1e-11, atol=1e-11)
 
 
+def test_after_step_placement_equals_a_transcription_of_niid_bench():
+    """``correction: after_step`` at momentum 0.9 on one client (float64, full batch): NIID-Bench's
+    client — ``optimizer.step()`` (momentum SGD on the loss gradient), then w ← w − η(c − c_k); after
+    K steps c_k⁺ = c_k − c + (x − y)/(Kη) — equals hpcfl's in-buffer form of the same placement."""
+    g = torch.Generator().manual_seed(8)
+    data = ClientData(
+        0,
+        torch.randn(30, 6, generator=g, dtype=torch.float64),
+        torch.randn(30, generator=g, dtype=torch.float64),
+    )
+    c, c_k, x0 = (torch.randn(7, generator=g, dtype=torch.float64) for _ in range(3))
+    K, lr = 6, 0.05
+    sched = LocalSchedule(lr=lr, batch_size=10_000, steps=K, momentum=0.9, weight_decay=0.0)
+    model = _linear()
+    FlatModel(model).load(x0)
+    algo = _algo(Scaffold, Scaffold.Params(form="control_variates", correction="after_step"), model=model)
+
+    from hpcfl.runner.rounds import MemoryStates
+
+    init = algo.init_server
+
+    def init_server(x: torch.Tensor):
+        s = init(x)
+        s.c = c.clone()
+        return s
+
+    algo.init_server = init_server  # type: ignore[method-assign]
+    states = MemoryStates(lambda k: ScaffoldClientState(h=c_k.clone()))
+    server, states = _simulate(algo, [data], sched, 1, model=model, states=states)
+
+    ref = _linear()
+    FlatModel(ref).load(x0)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9, weight_decay=0.0)
+    for _ in range(K):
+        opt.zero_grad()
+        _mse(ref, data.x, data.y).backward()
+        opt.step()
+        with torch.no_grad():
+            ref.weight -= lr * (c - c_k)[:6].view(1, 6)
+            ref.bias -= lr * (c - c_k)[6:]
+    y = torch.cat([ref.weight.detach().flatten(), ref.bias.detach()])
+    torch.testing.assert_close(server.x, y, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(states.get(0).h, c_k - c + (x0 - y) / (K * lr), rtol=1e-10, atol=1e-10)
+
+
+def test_after_step_placement_is_biased_under_momentum_and_the_buffer_form_at_momentum_zero():
+    """NIID-Bench's placement stalls off the optimum at β = 0.9 (O(η) bias, module docstring) on
+    the problem the in-buffer form solves to 1e-6; at β = 0 the two are one algorithm, bit for bit."""
+    clients = _least_squares_clients(K=4, d=6, seed=2)
+    x_star = _mean_objective_optimum(clients)
+    L = max(float(torch.linalg.eigvalsh(c.x.T @ c.x / c.n).max()) for c in clients)
+    sched = LocalSchedule(lr=0.3 / L, batch_size=10_000, steps=10, momentum=0.9, weight_decay=0.0)
+    after = _algo(Scaffold, Scaffold.Params(form="control_variates", correction="after_step"))
+    buffer = _algo(Scaffold, Scaffold.Params(form="control_variates"))
+    rel = [
+        float(torch.linalg.norm(_simulate(a, clients, sched, 150)[0].x - x_star) / torch.linalg.norm(x_star))
+        for a in (after, buffer)
+    ]
+    assert rel[0] > 0.1 and rel[1] < 1e-6, rel
+    plain = dataclasses.replace(sched, momentum=0.0)
+    assert torch.equal(_simulate(after, clients, plain, 3)[0].x, _simulate(buffer, clients, plain, 3)[0].x)
+
+
 # -- issue 33: the form auto picks, weighting, drop_last, weight decay ---------------------------
 
 
@@ -367,6 +430,7 @@ def test_fedpvr_corrected_weight_decay_zero_matches_torch_parameter_groups():
         ("fedpvr", {"corrected_weight_decay": -1}, "params.corrected_weight_decay"),
         ("fedavg", {"weighting": "n"}, "params.weighting"),
         ("fedprox", {"weighting": "n"}, "params.weighting"),
+        ("scaffold", {"correction": "later"}, "params.correction"),
     ],
 )
 def test_bad_params_are_one_clear_line(algorithm, params, key):
