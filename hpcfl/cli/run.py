@@ -7,10 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from hpcfl.cli._config import load_cli_config
 from hpcfl.comm import launched_world_size, launcher_rank
 from hpcfl.errors import EXIT_RESUMABLE, CommError, ConfigError, StoppedError
-from hpcfl.runner import StopRequest, default_run_dir, run_experiment
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -74,6 +72,9 @@ def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcfl.cli._config import load_cli_config  # here: building the parser must not import torch
+    from hpcfl.runner import StopRequest, default_run_dir, run_experiment
+
     cfg = load_cli_config(args.config, args.set, args.data_root)
     ranks = launched_world_size() if cfg.comm != "local" else 1
     if ranks > cfg.num_clients:  # before any data is read or any rank waits on another

@@ -81,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--search",
         metavar="KEY=V1,V2",
-        help="values to choose among per method and setting, by validation accuracy (never the test set)",
+        help="values to choose among per method and setting, by the mean validation accuracy of the last K "
+        "evaluated rounds (hpcfl report --last K, default 5; never the test set)",
     )
     s.add_argument(
         "--validation",

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from hpcfl.files import atomic_write_text, read_yaml
 
-from hpcfl.comm.base import Communicator
-from hpcfl.config import Config
-from hpcfl.files import atomic_write_text
+if TYPE_CHECKING:  # `hpcfl report` reads records: no torch, no config (which imports every algorithm)
+    from hpcfl.comm.base import Communicator
+    from hpcfl.config import Config
 
 RECORD = "determinism.json"
 
 
 def collect(cfg: Config, comm: Communicator) -> dict[str, Any]:
     """This run's record (collective: every rank reports its thread count)."""
+    import torch
+
     return {
         "threads_per_rank": [int(t) for t in comm.allgather(torch.get_num_threads())],
         "reduction": cfg.reduction,
@@ -91,8 +93,6 @@ def resume_note(run_dir: Path, now: dict[str, Any]) -> str | None:
 def comparison_notes(run_dirs: list[Path]) -> list[str]:
     """For runs whose configs agree (resumable keys aside), one note per pair whose records differ:
     the runs should agree bit for bit only when these settings match."""
-    from hpcfl.config import config_differences, read_yaml
-
     runs = []
     for d in run_dirs:
         record = read_record(d)
@@ -100,7 +100,11 @@ def comparison_notes(run_dirs: list[Path]) -> list[str]:
             cfg = read_yaml(Path(d) / "config.yaml")
             cfg.pop("name", None)
             runs.append((Path(d), cfg, record))
-    notes = []
+    notes: list[str] = []
+    if len(runs) < 2:
+        return notes
+    from hpcfl.config import config_differences  # imports torch: only when there is a pair to compare
+
     for i, (da, ca, ra) in enumerate(runs):
         for db, cb, rb in runs[i + 1 :]:
             if config_differences(ca, cb):

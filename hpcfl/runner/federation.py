@@ -24,6 +24,7 @@ from hpcfl.metrics.conformal import conformal_metrics
 from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.models import build_model
+from hpcfl.runner.observers import Drift, LayerCKA, Observer
 from hpcfl.runner.rounds import Evaluator, RoundPlan
 from hpcfl.training.evaluate import evaluate, evaluate_with_probs
 from hpcfl.training.flat import FlatModel
@@ -153,8 +154,7 @@ def model_plan(fed: Federation) -> RoundPlan:
         reduction=fed.cfg.reduction,
         eval_every=fed.cfg.eval_every,
         lr_hint=f" (lr is {fed.cfg.lr})",
-        similarity=LayerSimilarity.for_federation(fed) if fed.cfg.cka_metrics else None,
-        drift=drift_of(fed) if fed.cfg.drift_diversity else None,
+        observers=chosen_observers(fed),
         client_batch=parse_client_batch(fed.cfg.client_batch),
     )
 
@@ -167,6 +167,16 @@ def participation_of(cfg: Config) -> Participation:
     if count is not None and count >= cfg.num_clients:
         count = None
     return Participation(count=count, weighting=cfg.participation_weighting)
+
+
+def chosen_observers(fed: Federation) -> tuple[Observer, ...]:
+    """The metrics the config asks for beyond the standard ones (:mod:`hpcfl.runner.observers`)."""
+    chosen: list[Observer] = []
+    if fed.cfg.cka_metrics:
+        chosen.append(LayerCKA(LayerSimilarity.for_federation(fed)))
+    if fed.cfg.drift_diversity:
+        chosen.append(Drift(drift_of(fed), fed.algorithm.num_params))
+    return tuple(chosen)
 
 
 def drift_of(fed: Federation) -> DriftDiversity:

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hpcfl.config import Config, config_differences, read_yaml
 from hpcfl.errors import RunDirError
+from hpcfl.files import read_yaml
+
+if TYPE_CHECKING:  # the config imports every algorithm (torch); the markers here are read by `status`
+    from hpcfl.config import Config
 
 DONE = "DONE"
 FAILED = "FAILED"  # a sweep point's one-line error (hpcfl.sweep.local); never beside DONE
@@ -39,6 +43,15 @@ RUN_ENTRIES = (
     "determinism.json",  # the threads per rank etc. the run used (hpcfl.runner.determinism)
 )
 _RUN_SIGNS = ("config.yaml", "checkpoints", DONE)
+
+
+def failure(run_dir: Path) -> str | None:
+    """The recorded error of a failed point, or None."""
+    path = Path(run_dir) / FAILED
+    try:
+        return path.read_text().strip() or "failed without a message"
+    except OSError:
+        return None
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -98,6 +111,8 @@ def check_resumable(run_dir: Path, cfg: Config) -> None:
             f"cannot resume {run_dir}: its config.yaml is missing, so the config cannot be checked "
             "against the checkpoints; restore it or start over with --overwrite"
         )
+    from hpcfl.config import config_differences
+
     saved_cfg = read_yaml(saved)
     diffs = config_differences(saved_cfg, cfg.to_dict())
     if diffs:

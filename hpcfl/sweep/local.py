@@ -23,7 +23,7 @@ from typing import Any
 from hpcfl.config import Config, config_differences, config_from_dict, read_yaml
 from hpcfl.errors import HpcflError, StoppedError
 from hpcfl.files import atomic_write_text
-from hpcfl.runner.rundir import DONE, FAILED
+from hpcfl.runner.rundir import DONE, FAILED, failure
 
 WALL_SECONDS = "WALL_SECONDS"  # wall-clock seconds of the point's last (re)run
 
@@ -60,15 +60,6 @@ def same_config(run_dir: Path, cfg: Config) -> bool:
     """True when ``run_dir`` holds a run (finished or not) of ``cfg`` (resumable keys aside)."""
     saved = Path(run_dir) / "config.yaml"
     return saved.exists() and not config_differences(read_yaml(saved), cfg.to_dict())
-
-
-def failure(run_dir: Path) -> str | None:
-    """The recorded error of a failed point, or None."""
-    path = Path(run_dir) / FAILED
-    try:
-        return path.read_text().strip() or "failed without a message"
-    except OSError:
-        return None
 
 
 def wall_seconds(run_dir: Path) -> float:

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from hpcfl.files import read_jsonl
 from hpcfl.launch.status import SlurmView, slurm_views
-from hpcfl.runner.rundir import DONE
-from hpcfl.sweep.local import failure
+from hpcfl.runner.rundir import DONE, failure
 from hpcfl.sweep.plan import Sweep, SweepPoint
 
 
@@ -101,7 +100,7 @@ def point_status(
 
 def sweep_status(sweep: Sweep) -> list[PointStatus]:
     """Every point's status, in the manifest's order. SLURM is asked once for all points' jobs."""
-    from hpcfl.launch.submit import read_job_records
+    from hpcfl.launch.records import read_job_records
 
     jobs = []
     for p in sweep.points:
