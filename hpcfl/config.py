@@ -46,6 +46,7 @@ class Config:
     momentum: float = 0.0
     weight_decay: float = 1e-5
     batch_size: int = 64
+    drop_last: bool = False  # drop each epoch's last partial batch: E·⌊n/B⌋ local steps (FedPVR's code)
     eval_every: int = 1
     eval_train: bool = False
     checkpoint_every: int = 1
