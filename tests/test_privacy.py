@@ -313,3 +313,27 @@ def test_sample_level_epsilon_is_the_worst_client_and_report_shows_it(tmp_path: 
         expected.append(acc.get_epsilon(delta=1e-5))
     assert _rows(tmp_path / "run")[-1]["epsilon"] == max(expected)
     assert "sample-level DP, ε=" in markdown_table([summarise(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("algorithm", ["fedprox", "fedadam", "fedavgm"])
+def test_client_level_server_steps_resume_bit_identical(tmp_path: Path, algorithm: str) -> None:
+    """FedProx, FedAdam and FedAvgM under client-level DP with adaptive clipping: 2 rounds + a
+    resume end bit-identical to 3 rounds (server optimiser state, clip and accountant checkpointed)."""
+    from hpcfl.config import load_config
+    from hpcfl.runner import run_experiment
+
+    cfg = _client_cfg(
+        tmp_path,
+        algorithm=algorithm,
+        privacy={"adaptive_clip": {"target_quantile": 0.5, "count_stddev": 2.0}},
+        dataset_options={"n_train": 400, "n_test": 40, "seed": 3},
+    )
+    full = run_experiment(load_config(cfg), tmp_path / "full")
+    run_experiment(load_config(cfg, ["rounds=2"]), tmp_path / "part")
+    resumed = run_experiment(load_config(cfg), tmp_path / "part", resume=True)
+    assert torch.equal(resumed.server.x, full.server.x)
+    assert torch.equal(resumed.server.dp_clip, full.server.dp_clip)
+    assert torch.equal(resumed.server.dp_steps, full.server.dp_steps) and float(full.server.dp_steps[0]) == 3
+    assert [r["epsilon"] for r in _rows(tmp_path / "part")] == [
+        r["epsilon"] for r in _rows(tmp_path / "full")
+    ]

@@ -123,6 +123,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
     ) -> None:
         super().__init__(inner.params, layout=inner.layout, participation=inner.participation)
         self.name = inner.name  # type: ignore[misc]
+        self.unbatched_reason = inner.unbatched_reason  # type: ignore[misc]
         self.inner = inner
         self.mech = mechanism
         self.population = population

@@ -35,7 +35,7 @@ REFUSED_BECAUSE = {
     "moon": "its contrastive loss reads previous local models outside the clipped update",
     "fedcka": "its loss reads previous local models outside the clipped update",
     "ntkfl": "it uploads Jacobians and labels, not a clippable update",
-    "cp_ntkfl": "it uploads Jacobians, not a clippable update",
+    "cp-ntkfl": "it uploads Jacobians, not a clippable update",
     "tct": "it uploads eNTK features, not a clippable update",
 }
 

@@ -17,7 +17,7 @@ from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Tra
 from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.comm import Communicator, place_clients
-from hpcfl.config import Config, parse_client_batch
+from hpcfl.config import Config
 from hpcfl.data import Dataset, load_dataset, partition
 from hpcfl.errors import ConfigError
 from hpcfl.metrics.conformal import conformal_metrics
@@ -29,6 +29,7 @@ from hpcfl.runner.rounds import Evaluator, RoundPlan
 from hpcfl.training.evaluate import evaluate, evaluate_with_probs
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import LocalSchedule
+from hpcfl.units import parse_client_batch
 
 
 @dataclass
@@ -93,6 +94,7 @@ def schedule_of(cfg: Config) -> LocalSchedule:
         steps=cfg.local_steps,
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
+        drop_last=cfg.drop_last,
     )
 
 
@@ -104,10 +106,12 @@ def client_generator(seed: int, rnd: int, k: int) -> torch.Generator:
 
 
 def model_evaluator(fed: Federation) -> Evaluator:
-    """Test (and, when asked, train) accuracy and loss of the server model."""
+    """Test (and, when asked, train) accuracy and loss of the server's reported model, and the test
+    columns of any other model it names (:meth:`ServerState.evaluated`)."""
 
     def evaluate_server(server: ServerState) -> dict[str, float]:
-        fed.flat.load(server.x)
+        models = server.evaluated()
+        fed.flat.load(models[""])
         model, ds = fed.flat.model, fed.dataset
         row: dict[str, float] = {}
         if fed.cfg.conformal:
@@ -126,6 +130,12 @@ def model_evaluator(fed: Federation) -> Evaluator:
             row["val_accuracy"], row["val_loss"] = evaluate(model, ds.train.x[idx], ds.train.y[idx], fed.comm)
         if fed.cfg.eval_train:
             row["train_accuracy"], row["train_loss"] = evaluate(model, ds.train.x, ds.train.y, fed.comm)
+        for suffix, vec in models.items():
+            if suffix:
+                fed.flat.load(vec)
+                row[f"test_accuracy{suffix}"], row[f"test_loss{suffix}"] = evaluate(
+                    model, ds.test.x, ds.test.y, fed.comm
+                )
         return row
 
     return evaluate_server
@@ -231,12 +241,13 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, dataset.input_shape, dataset.num_classes, **cfg.model_options).to(device)
     flat = FlatModel(model)
-    algorithm = make_algorithm(cfg, model)
-    trainer = Trainer(flat, schedule_of(cfg))
+    schedule = schedule_of(cfg)
+    population = Population(tuple(int(p.numel()) for p in parts))
+    algorithm = make_algorithm(cfg, model).resolved(population, schedule)
+    trainer = Trainer(flat, schedule)
     if cfg.privacy.enabled:
         from hpcfl.privacy.build import make_private
 
-        population = Population(tuple(int(p.numel()) for p in parts))
         algorithm, trainer = make_private(cfg, algorithm, trainer, model, population)
     return Federation(
         cfg=cfg,
