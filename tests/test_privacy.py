@@ -337,3 +337,18 @@ def test_client_level_server_steps_resume_bit_identical(tmp_path: Path, algorith
     assert [r["epsilon"] for r in _rows(tmp_path / "part")] == [
         r["epsilon"] for r in _rows(tmp_path / "full")
     ]
+
+
+def test_a_round_without_participants_is_noised_and_accounted(tmp_path: Path) -> None:
+    """Poisson sampling may draw nobody: the round still releases noise and counts one step."""
+    from hpcfl.config import load_config
+    from hpcfl.runner import run_experiment
+
+    cfg = _client_cfg(
+        tmp_path, clients_per_round=1, rounds=3, dataset_options={"n_train": 400, "n_test": 40, "seed": 3}
+    )
+    run_experiment(load_config(cfg), tmp_path / "run")
+    rows = _rows(tmp_path / "run")
+    assert [r["participants"] for r in rows][2] == []  # seed 7 draws nobody in round 3
+    assert rows[2]["epsilon"] > rows[1]["epsilon"]
+    assert "local_loss" not in rows[2]

@@ -214,6 +214,8 @@ class ClientMetrics(Observer):
     def row(self, end: RoundEnd, slots: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         table = slots["metrics"].view(len(end.work.start.who), len(self.names)).to(torch.float64)
         out: dict[str, float] = {}
+        if not len(end.work.start.who):  # a Poisson-sampled round (client-level DP) may have none
+            return out
         for j, key in enumerate(self.columns[::3]):
             col = table[:, j]
             out[key] = float(col.mean())
