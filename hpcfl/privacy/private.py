@@ -216,7 +216,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         def finish(y: torch.Tensor, result: Any) -> tuple[Upload, ClientState]:
             upload, state = inner_finish(y, result)
             delta, below = clip_update(upload.sums["x"] - x, clip)
-            b = torch.tensor([float(below)], dtype=x.dtype)
+            b = torch.tensor([float(below)], dtype=x.dtype, device=x.device)
             return Upload(sums={"x": delta, "dp_below": b}, weight=1.0, metrics=upload.metrics), state
 
         return dataclasses.replace(task, finish=finish)
@@ -231,7 +231,8 @@ class Private(Algorithm[Any, ServerState, ClientState]):
             expected = mech.rate * self.population.size  # qK: the fixed denominator
             gen = noise_generator(mech.seed, ctx.round)
             noise = torch.randn(self.state_size, generator=gen, dtype=torch.float64) * (mech.update_sigma * S)
-            total = aggregate.sums["x"] + noise.to(aggregate.sums["x"].dtype)
+            summed = aggregate.sums["x"]
+            total = summed + noise.to(device=summed.device, dtype=summed.dtype)
             if mech.adaptive is not None:
                 count_noise = float(torch.randn(1, generator=gen, dtype=torch.float64)) * mech.count_stddev
                 below = (float(aggregate.sums["dp_below"][0]) + count_noise) / expected
