@@ -352,3 +352,15 @@ def test_a_round_without_participants_is_noised_and_accounted(tmp_path: Path) ->
     assert [r["participants"] for r in rows][2] == []  # seed 7 draws nobody in round 3
     assert rows[2]["epsilon"] > rows[1]["epsilon"]
     assert "local_loss" not in rows[2]
+
+
+def test_prv_accountant_is_opacus_prv() -> None:
+    """accountant: prv gives exactly Opacus's PRVAccountant for the same (σ, q, steps)."""
+    from opacus.accountants import PRVAccountant
+
+    from hpcfl.privacy import accountant
+
+    acc = PRVAccountant()
+    acc.history = [(1.1, 0.05, 200)]
+    assert accountant.epsilon(1.1, 0.05, 200, 1e-5, "prv") == acc.get_epsilon(delta=1e-5)
+    assert accountant.epsilon(1.1, 0.05, 300, 1e-5, "prv") > accountant.epsilon(1.1, 0.05, 200, 1e-5, "prv")
