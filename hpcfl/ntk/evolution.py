@@ -196,7 +196,7 @@ def evolve(
     grid: Sequence[float],
     mode: str = "discrete",
     loss: str = "ce",
-    dt: float = 1.0,
+    dt: float = 10.0,
     dtype: torch.dtype = torch.float64,
 ) -> Evolution:
     """The function-space evolution over ``grid`` (see the module docstring), in float64; the
