@@ -1,4 +1,6 @@
-"""FedAvg / FedProx / MOON / FedCKA on Fashion-MNIST under Dirichlet label skew (FedCKA, Table 2).
+"""FedAvg / FedProx / MOON / FedCKA on Fashion-MNIST under Dirichlet label skew (FedCKA, Table 2),
+under the comparison protocol: lr chosen per method and α on a validation split, 3 seeds, last-k
+mean ± std.
 
     HPCFL_DATA=/path/to/datasets python benchmarks/fedcka_accuracy.py --out bench-out/fedcka_acc
 
@@ -6,35 +8,36 @@ The paper's Table 2 compares the four methods on CIFAR-10 with 10 clients and α
 (100 rounds of 10 local epochs on a GPU; ``configs/cifar10_*.yaml`` reproduce that set-up). This
 script runs the same grid on Fashion-MNIST at a CPU budget: by default ``cnn-proj`` (the paper's
 CNN with projection head, on 1×28×28), 10 clients, ``--rounds 10`` rounds of ``--local-steps 10``
-SGD steps of batch 64 per client (lr 0.05, momentum 0.9, weight decay 1e-5; evaluation every 2nd
-round), one seed, two runs at a time (``--jobs 2``, one thread each), the
-hyper-parameters' defaults (FedProx μ = 0.01, MOON μ = 1 and τ = 0.5, FedCKA μ = 3) without the
-paper's per-setting μ tuning; every run records per-layer CKA (``cka_metrics``). Larger budgets:
-``--rounds``, ``--local-steps`` or ``--local-epochs``, ``--seeds``.
+SGD steps of batch 64 per client (momentum 0.9, weight decay 1e-5; evaluation every 2nd round),
+the hyper-parameters' defaults (FedProx μ = 0.01, MOON μ = 1 and τ = 0.5, FedCKA μ = 3; fixed, not
+the paper's per-setting μ tuning); every run records per-layer CKA (``cka_metrics``).
+
+Protocol (``benchmarks/_runs.py``, :mod:`hpcfl.report.protocol`, as every table script): each lr
+of ``--lrs`` (0.01, 0.05) runs at the first seed with ``--validation`` (5 %) of each client's data
+held out; the lr with the best mean validation accuracy over the last ``--last`` (5) evaluated
+rounds is chosen, then ``--seeds`` (3) seeds run at it. The table: mean ± std over seeds of each
+seed's last-5 mean test accuracy (at eval every 2nd round of 10: rounds 2–10), rounds to target on
+a running mean of 3 evaluations, final accuracy as a secondary table. Budget: 3 partitions × 4
+methods × (2 + 2) runs = 48 runs, two at a time, one thread each.
 
 Every run is an ordinary run directory under ``<out>/runs/`` (``hpcfl report``-able; a finished one
-is reused, an unfinished one resumed, a diverged one reported as such); the script
-writes ``accuracy.{csv,md,json}`` (final and best test accuracy per method and α) and
-``accuracy.png`` (test accuracy vs round), and prints the markdown table.
+is reused, an unfinished one resumed, a diverged one reported as such); the script writes
+``<out>/accuracy.{md,csv,json,png}`` (the protocol's tables, curves with ± std bands; the paper's
+CIFAR-10 numbers beside, for orientation) and prints the markdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import csv
-import json
-import math
-import multiprocessing
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _runs import run_cached
+from _runs import Setting, run_protocol, write_tables
 
-from hpcfl.config import config_from_dict
+from hpcfl.report.protocol import Protocol
+from hpcfl.report.targets import default_target
 
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "fedavg": {},
@@ -60,9 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--local-steps", type=int, default=10, help="M local steps per round (0: use epochs)")
     p.add_argument("--local-epochs", type=int, default=1, help="used when --local-steps 0")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.05], help="lr candidates")
+    p.add_argument("--validation", type=float, default=0.05, help="held-out share for the lr choice")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--seeds", type=int, default=3, help="seeds at the chosen lr (0, 1, ...)")
+    p.add_argument("--last", type=int, default=5, help="k of the last-k mean (evaluated rounds)")
+    p.add_argument("--window", type=int, default=3, help="running-mean window of rounds to target")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     p.add_argument("--eval-every", type=int, default=2)
@@ -71,10 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config(args: argparse.Namespace, partition: str, algorithm: str, seed: int) -> dict[str, Any]:
-    name = f"{partition.replace(':', '')}_{algorithm}_s{seed}"
+def config(args: argparse.Namespace, partition: str, algorithm: str) -> dict[str, Any]:
+    """The run config of ``algorithm`` on ``partition`` (without lr and seed)."""
     cfg: dict[str, Any] = dict(
-        name=name,
         dataset="fashion-mnist",
         partition=partition,
         num_clients=args.clients,
@@ -83,11 +88,10 @@ def config(args: argparse.Namespace, partition: str, algorithm: str, seed: int) 
         rounds=args.rounds,
         local_epochs=args.local_epochs,
         local_steps=args.local_steps or None,
-        lr=args.lr,
         momentum=0.9,
         weight_decay=1e-5,
         batch_size=args.batch,
-        seed=seed,
+        validation=args.validation,
         threads=args.threads,
         progress=False,
         eval_every=args.eval_every,
@@ -99,138 +103,45 @@ def config(args: argparse.Namespace, partition: str, algorithm: str, seed: int) 
     return cfg
 
 
-def _run_one(cfg_dict: dict[str, Any], run_dir: str, tags: dict[str, Any]) -> dict[str, Any]:
-    """One run (in a worker process when ``--jobs`` > 1); a diverged run gets NaN accuracies."""
-    res = run_cached(cfg_dict, run_dir)
-    rows = [r for r in res["rows"] if "test_accuracy" in r]
-    acc = [r["test_accuracy"] for r in rows]
-    failed = res["status"].startswith("failed")
-    out = {
-        **tags,
-        "final_accuracy": float("nan") if failed or not acc else acc[-1],
-        "best_accuracy": float("nan") if failed or not acc else max(acc),
-        "seconds": res["seconds"],
-        "status": res["status"],
-    }
-    print(
-        f"{tags['partition']:8s} {tags['algorithm']:8s} seed {tags['seed']}: final {out['final_accuracy']:.4f} "
-        f"({res['seconds']:.0f} s, {res['status']})",
-        flush=True,
-    )
-    return {**out, "rounds": [r["round"] for r in rows], "curve": acc, "run_dir": run_dir}
-
-
-def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
-    jobs = [
-        (
-            config(args, partition, algorithm, seed),
-            str(args.out / "runs" / config(args, partition, algorithm, seed)["name"]),
-            {"partition": partition, "algorithm": algorithm, "seed": seed},
-        )
-        for partition in args.partitions
-        for algorithm in args.algorithms
-        for seed in args.seeds
-    ]
-    for cfg, _, _ in jobs:  # validate everything before the first run starts
-        config_from_dict(cfg)
-    if args.jobs <= 1:
-        return [_run_one(*job) for job in jobs]
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-        return list(pool.map(_run_one, *zip(*jobs, strict=True)))
-
-
-def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    table = []
+def paper_markdown(args: argparse.Namespace) -> str:
+    """The paper's CIFAR-10 numbers for orientation (other data and budget)."""
+    lines = ["| method | " + " | ".join(args.partitions) + " |", "|---|" + "---:|" * len(args.partitions)]
     for algorithm in args.algorithms:
-        row: dict[str, Any] = {"algorithm": algorithm}
-        for partition in args.partitions:
-            runs = [r for r in results if r["algorithm"] == algorithm and r["partition"] == partition]
-            row[partition] = statistics.mean(r["final_accuracy"] for r in runs)
-            row[f"{partition} best"] = statistics.mean(r["best_accuracy"] for r in runs)
-            row[f"{partition} s"] = statistics.mean(r["seconds"] for r in runs)
-        table.append(row)
-    return table
-
-
-def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    head = "| method | " + " | ".join(f"α = {p[4:]} final (best)" for p in args.partitions)
-    head += " | seconds per run | paper CIFAR-10 (" + ", ".join(p[4:] for p in args.partitions) + ") |"
-    lines = [head, "|" + "---|" * (len(args.partitions) + 3)]
-    for row in table:
-        cells = [
-            "diverged" if math.isnan(row[p]) else f"{100 * row[p]:.2f}% ({100 * row[p + ' best']:.2f}%)"
-            for p in args.partitions
-        ]
-        secs = statistics.mean(row[f"{p} s"] for p in args.partitions)
-        paper = ", ".join(
-            f"{PAPER_TABLE2[row['algorithm']].get(p, float('nan')):.2f}" for p in args.partitions
-        )
-        lines.append(f"| {row['algorithm']} | " + " | ".join(cells) + f" | {secs:.0f} | {paper} |")
+        cells = [f"{PAPER_TABLE2[algorithm].get(p, float('nan')):.2f}" for p in args.partitions]
+        lines.append(f"| {algorithm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(
-        1, len(args.partitions), figsize=(4.2 * len(args.partitions), 3.6), squeeze=False
-    )
-    for ax, partition in zip(axes[0], args.partitions, strict=True):
-        for algorithm in args.algorithms:
-            curves = [
-                r["curve"] for r in results if r["algorithm"] == algorithm and r["partition"] == partition
-            ]
-            length = min(len(c) for c in curves)  # a diverged run stops early
-            if not length:
-                continue
-            mean = [statistics.mean(v) for v in zip(*(c[:length] for c in curves), strict=True)]
-            rounds = next(
-                r["rounds"] for r in results if r["partition"] == partition and r["algorithm"] == algorithm
-            )[:length]
-            ax.plot(rounds, mean, marker="o", ms=3, label=algorithm)
-        ax.set_title(f"Fashion-MNIST, {partition}")
-        ax.set_xlabel("round")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("test accuracy")
-    axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    protocol = Protocol(last_k=args.last, window=args.window)
     t0 = time.perf_counter()
-    results = run_grid(args)
-    table = summarise(results, args)
-    md = markdown(table, args)
-    budget = (
-        f"{args.rounds} rounds × {args.local_steps} local steps (batch {args.batch})"
-        if args.local_steps
-        else f"{args.rounds} rounds × {args.local_epochs} local epochs (batch {args.batch})"
+    settings = [
+        Setting(algorithm, partition, config(args, partition, algorithm), tuple(args.lrs))
+        for partition in args.partitions
+        for algorithm in args.algorithms
+    ]
+    cells = run_protocol(
+        settings, seeds=list(range(args.seeds)), out=args.out, jobs=args.jobs, protocol=protocol
     )
+    targets = {}
+    for partition in args.partitions:
+        runs = [r for c in cells if c.column == partition for r in c.runs]
+        targets[partition] = default_target(runs, window=protocol.window) if runs else 0.5
+    local = f"{args.local_steps} local steps" if args.local_steps else f"{args.local_epochs} local epoch(s)"
     header = (
-        f"Fashion-MNIST, {args.clients} clients, {args.model}, {budget}, lr {args.lr}, momentum 0.9, "
-        f"seeds {args.seeds}, {args.jobs} job(s) × {args.threads} thread(s); "
-        f"total {time.perf_counter() - t0:.0f} s\n\n"
+        "# FedCKA Table 2's grid on Fashion-MNIST\n\n"
+        f"**Budget.** {args.model}, {args.clients} clients, {args.rounds} rounds × {local} (batch "
+        f"{args.batch}), evaluation every {args.eval_every} round(s), momentum 0.9, weight decay 1e-5; lr "
+        f"chosen from {args.lrs} on a {100 * args.validation:g}% validation split at seed 0, then "
+        f"{args.seeds} seeds; μ fixed (FedProx 0.01, MOON 1 with τ 0.5, FedCKA 3); {args.jobs} run(s) at a "
+        f"time × {args.threads} thread(s); wall time {time.perf_counter() - t0:.0f} s (finished runs count 0)."
     )
-    (args.out / "accuracy.md").write_text(header + md + "\n")
-    with open(args.out / "accuracy.csv", "w", newline="") as f:
-        writer = csv.DictWriter(
-            f, fieldnames=[k for k in results[0] if k not in ("curve", "rounds")], extrasaction="ignore"
-        )
-        writer.writeheader()
-        writer.writerows(results)
-    (args.out / "accuracy.json").write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": results}, indent=1)
-    )
-    plot(results, args, args.out / "accuracy.png")
-    print(header + md)
+    text = write_tables(cells, protocol, targets, args.out / "accuracy", header)
+    text += "\nThe paper's CIFAR-10 top-1 accuracy (%), for orientation only (other data and budget):\n\n"
+    text += paper_markdown(args) + "\n"
+    (args.out / "accuracy.md").write_text(text)
+    print(text)
     print(f"wrote {args.out}/accuracy.{{csv,md,json,png}}")
     return 0
 

@@ -19,6 +19,7 @@ import yaml
 from hpcfl.algorithms.base import HyperParams
 from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
 from hpcfl.errors import ConfigError, suggest
+from hpcfl.files import read_yaml as read_yaml  # where it lives (light); named here for callers
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Config:
     momentum: float = 0.0
     weight_decay: float = 1e-5
     batch_size: int = 64
+    drop_last: bool = False  # drop each epoch's last partial batch: E·⌊n/B⌋ local steps (FedPVR's code)
     eval_every: int = 1
     eval_train: bool = False
     checkpoint_every: int = 1
@@ -262,29 +264,6 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     for k, v in extra.items():
         out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping, turning every failure into one clear line."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} not found") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {err.__class__.__name__}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or "invalid YAML"
-        raise ConfigError(f"malformed YAML in {str(path)!r}{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(data).__name__}")
-    return data
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

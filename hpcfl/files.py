@@ -15,8 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-
 
 def _umask() -> int:
     """The process umask (read without changing it where /proc allows)."""
@@ -62,11 +60,15 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_torch_save(path: Path, obj: Any) -> None:
     """``torch.save`` through a temp file and a rename."""
+    import torch  # here, not at the top: the commands that only read files never import torch
+
     _atomic(path, lambda fh: torch.save(obj, fh))
 
 
 def load_torch_file(path: Path, fix: str) -> Any:
     """``torch.load(path, weights_only=True)``, a damaged or missing file as one line naming ``fix``."""
+    import torch
+
     from hpcfl.errors import RunDirError
 
     try:
@@ -131,3 +133,30 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
         fh.write(json.dumps(row) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, turning every failure into one clear line."""
+    import yaml
+
+    from hpcfl.errors import ConfigError
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {err.__class__.__name__}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise ConfigError(f"malformed YAML in {str(path)!r}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(data).__name__}")
+    return data

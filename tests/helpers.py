@@ -122,6 +122,7 @@ def simulate(
     """
     from hpcfl.algorithms.participation import Population
     from hpcfl.comm import LocalComm
+    from hpcfl.runner.observers import Drift
     from hpcfl.runner.rounds import MemoryStates, RoundPlan, run_rounds
 
     by_id = {c.k: c for c in clients}
@@ -138,7 +139,7 @@ def simulate(
         seed=seed,
         reduction=reduction,
         eval_every=10**9,
-        drift=drift,
+        observers=(Drift(drift, algo.num_params),) if drift is not None else (),
     )
     server, _ = run_rounds(plan, server, states, 0, rounds, hook=hook)
     return server, states

@@ -175,7 +175,7 @@ def test_slot_protocol_survives_a_crash_after_the_checkpoint(tmp_path: Path) -> 
     del cs, store  # "kill -9"
 
     resumed = ClientStates(init, num_clients=8, budget_bytes=0, path=path)
-    resumed.restore(cmap)
+    resumed.restore_map(cmap)
     assert resumed.mode == "disk"
     for k in range(8):
         assert same(resumed.get(k), expect[k]), k
@@ -183,7 +183,7 @@ def test_slot_protocol_survives_a_crash_after_the_checkpoint(tmp_path: Path) -> 
     # training on after the resume writes the other slot again, the checkpoint's slot stays intact
     resumed.put(0, random_state(rng, 0, 9))
     fresh = ClientStates(init, num_clients=8, budget_bytes=0, path=path)
-    fresh.restore(cmap)
+    fresh.restore_map(cmap)
     assert same(fresh.get(0), expect[0])
 
 
@@ -193,7 +193,7 @@ def test_never_written_client_reads_init(tmp_path: Path) -> None:
         cs.put(1, State(a=torch.ones(4, 5)))
         for k in (0, 2, 4):
             assert same(cs.get(k), init(k))
-        cs.restore(through_checkpoint(cs.checkpoint_map()))
+        cs.restore_map(through_checkpoint(cs.checkpoint_map()))
         assert same(cs.get(3), init(3)) and same(cs.get(1), State(a=torch.ones(4, 5)))
         with pytest.raises(IndexError):
             cs.get(5)
@@ -231,7 +231,7 @@ def test_disk_and_memory_give_identical_states(tmp_path: Path) -> None:
             maps = {n: through_checkpoint(f.checkpoint_map(chosen)) for n, f in facades.items()}
         elif maps:
             for n, f in facades.items():
-                f.restore(maps[n])
+                f.restore_map(maps[n])
         ref = facades["memory"]
         for k in range(K) if op >= 0.7 or step % 10 == 0 else [rng.randrange(K)]:
             for name in ("disk", "spill"):
@@ -271,7 +271,7 @@ def test_crash_at_every_write_resumes_bit_identical(tmp_path: Path) -> None:
         assert run(ClientStates(init, num_clients=K, budget_bytes=0, path=path), 0, crash_at, ckpt) == -1
         resumed = ClientStates(init, num_clients=K, budget_bytes=0, path=path)
         if ckpt[1] is not None:
-            resumed.restore(ckpt[1])
+            resumed.restore_map(ckpt[1])
         run(resumed, ckpt[0], None, [])
         for k in range(K):
             assert same(resumed.get(k), reference.get(k)), (crash_at, k)
@@ -322,7 +322,7 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path: Path) -> None:
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     stop = ckpt["round"] + 4
     resumed = ClientStates(init, num_clients=16, budget_bytes=0, path=tmp_path / "cs.zarr")
-    resumed.restore(ckpt["clients"])
+    resumed.restore_map(ckpt["clients"])
     kill_round(resumed, tmp_path, ckpt["round"], stop, save=lambda *a: None)
     reference = ClientStates(init, num_clients=16, budget_bytes=None, path=None)
     kill_round(reference, tmp_path, 0, stop, save=lambda *a: None)
@@ -401,8 +401,13 @@ def test_flush_without_syncfs_fsyncs_each_written_chunk(
         cs.put(k, State(a=torch.ones(4, 5), b=torch.zeros((), dtype=torch.float64), c=None))
     cs.checkpoint_map()
     files = {p for p in synced if p.is_file()}
-    assert len(files) == 2 * 3  # per client: the presence chunk, a and b
-    assert {p.relative_to(tmp_path / "cs.zarr").parts[0] for p in files} == {"present", "field_a", "field_b"}
+    assert len(files) == 2 * 4  # per client: the presence chunk, the CRC-32 chunk, a and b
+    assert {p.relative_to(tmp_path / "cs.zarr").parts[0] for p in files} == {
+        "present",
+        "crc32",
+        "field_a",
+        "field_b",
+    }
     synced.clear()
     cs.checkpoint_map()
     assert not synced  # nothing written since

@@ -90,8 +90,9 @@ def test_fedpvr_full_mask_without_momentum_on_corrected_is_scaffold_at_momentum_
 
 @pytest.mark.parametrize(("momentum", "per_round"), [(0.0, None), (0.9, None), (0.9, 2)])
 def test_fedpvr_empty_mask_is_fedavg_bit_for_bit(momentum, per_round):
+    """With FedAvg's n_k-weighted mean (``weighting: samples``; FedPVR's default is uniform)."""
     n_tensors = sum(1 for _ in _model().parameters())
-    params = FedPVR.Params(start_param=n_tensors)
+    params = FedPVR.Params(start_param=n_tensors, weighting="samples")
     pvr, _ = _simulate(FedPVR, params, momentum=momentum, per_round=per_round)
     avg, _ = _simulate(FedAvg, FedAvg.Params(), momentum=momentum, per_round=per_round)
     assert torch.equal(pvr.x, avg.x)
@@ -181,17 +182,29 @@ def test_fedpvr_with_the_full_mask_reaches_the_least_squares_optimum_like_scaffo
     assert torch.equal(w_pvr, w_sc)
 
 
-def test_fedpvr_full_mask_equals_scaffold_one_model_only_with_equal_client_sizes():
-    """Full participation, momentum 0: the control-variate form (FedPVR's) and TCT's one-model form
-    agree in exact arithmetic when the n_k-weighted and the uniform model means coincide (equal
-    client sizes), so up to rounding; with unequal sizes they are different algorithms."""
+def test_fedpvr_full_mask_equals_scaffold_one_model_only_with_the_uniform_mean():
+    """Full participation, momentum 0, equal step counts: the control-variate form (FedPVR's) and
+    TCT's one-model form agree in exact arithmetic when the server mean is the uniform one (both
+    defaults), so up to rounding, on clients of unequal sizes; with the n_k-weighted mean
+    (``weighting: samples``) they are different algorithms unless all sizes are equal."""
     unequal = _least_squares_clients(K=4)
     equal = [ClientData(c.k, c.x[:20], c.y[:20]) for c in unequal]
-    for clients, same in ((equal, True), (unequal, False)):
-        w_pvr = _run(FedPVR, FedPVR.Params(), clients, rounds=20, steps=5, lr=0.01)
-        w_one = _run(Scaffold, Scaffold.Params(form="one_model"), clients, rounds=20, steps=5, lr=0.01)
+    for clients, weighting, same in (
+        (unequal, "uniform", True),
+        (equal, "samples", True),
+        (unequal, "samples", False),
+    ):
+        w_pvr = _run(FedPVR, FedPVR.Params(weighting=weighting), clients, rounds=20, steps=5, lr=0.01)
+        w_one = _run(
+            Scaffold,
+            Scaffold.Params(form="one_model", weighting=weighting),
+            clients,
+            rounds=20,
+            steps=5,
+            lr=0.01,
+        )
         gap = float(torch.linalg.norm(w_pvr - w_one) / torch.linalg.norm(w_one))
-        assert (gap < 1e-12) if same else (gap > 1e-6), (same, gap)
+        assert (gap < 1e-12) if same else (gap > 1e-6), (weighting, same, gap)
         assert not torch.equal(w_pvr, w_one)
 
 

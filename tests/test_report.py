@@ -92,3 +92,140 @@ def test_target_out_of_range_is_one_line(tmp_path: Path, target: str) -> None:
     proc = run_cli("report", str(tmp_path), "--target", target)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "--target" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the comparison protocol: last-k mean ± std over seeds, rounds to target on a running mean
+
+
+def test_rounds_to_target_on_the_running_mean_equals_numpy() -> None:
+    """An oscillating run: a single spike to 0.6 at round 2 does not reach 0.5 on a mean of 3."""
+    import numpy as np
+
+    accs = [0.2, 0.6, 0.3, 0.55, 0.35, 0.6, 0.58, 0.62]
+    run = _run("osc", "fedavg", accs, every=2)
+    for window in (1, 2, 3, 5):
+        for target in (0.3, 0.45, 0.5, 0.55, 0.9):
+            smooth = [np.mean(accs[max(0, i - window + 1) : i + 1]) for i in range(len(accs))]
+            hit = np.flatnonzero(np.asarray(smooth) >= target)
+            want = (None, None) if hit.size == 0 else (2 * (hit[0] + 1), 150.0 * 2 * (hit[0] + 1))
+            assert rounds_to_target(run, target, window=window) == want, (window, target)
+    assert rounds_to_target(run, 0.5, window=1)[0] == 4
+    assert rounds_to_target(run, 0.5, window=3)[0] == 12  # (0.55 + 0.35 + 0.6) / 3
+
+
+def test_method_table_is_last_k_mean_and_std_over_seeds_of_metrics(tmp_path: Path) -> None:
+    """Two seeds each of FedAvg and SCAFFOLD (control-variate form): methods.csv and report.md hold
+    numpy's mean ± std (ddof 1) over seeds of each seed's mean test accuracy over its last k rows of
+    metrics.jsonl, rounds to target on the running mean, and the form SCAFFOLD ran in."""
+    import numpy as np
+
+    from hpcfl.config import load_config
+    from hpcfl.report import Protocol, write_report
+    from hpcfl.runner.experiment import run_experiment
+    from tests.helpers import synthetic_config
+
+    dirs = []
+    for algo, params in (("fedavg", {}), ("scaffold", {"form": "control_variates"})):
+        for seed in (1, 2):
+            here = tmp_path / f"{algo}{seed}"
+            here.mkdir()
+            cfg = synthetic_config(
+                here, name=f"{algo}-s{seed}", algorithm=algo, rounds=5, seed=seed, params=params,
+                dataset_options={"n_train": 600, "n_test": 200, "seed": 3},
+            )  # fmt: skip
+            run_experiment(load_config(cfg), here / "run")
+            dirs.append(here / "run")
+    protocol = Protocol(last_k=3, window=2)
+    write_report(dirs, tmp_path / "rep", target=0.3, protocol=protocol)
+    table = {r["method"]: r for r in csv.DictReader((tmp_path / "rep" / "methods.csv").open())}
+    assert set(table) == {"fedavg", "scaffold (control_variates)"}
+    md = (tmp_path / "rep" / "report.md").read_text()
+    for label, run_dirs in (("fedavg", dirs[:2]), ("scaffold (control_variates)", dirs[2:])):
+        accs = [
+            [json.loads(x)["test_accuracy"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+            for d in run_dirs
+        ]
+        last = [np.mean(a[-3:]) for a in accs]
+        row = table[label]
+        assert int(row["n"]) == 2 and int(row["last_k"]) == 3
+        assert float(row["last_k_mean"]) == pytest.approx(np.mean(last), abs=1e-12)
+        assert float(row["last_k_std"]) == pytest.approx(np.std(last, ddof=1), abs=1e-12)
+        reached = []
+        for a in accs:
+            smooth = np.convolve(a, np.ones(2) / 2)[: len(a)]
+            smooth[0] = a[0]  # the first round's window holds one round
+            hit = np.flatnonzero(smooth >= 0.3)
+            reached += [hit[0] + 1] if hit.size else []
+        assert int(row["reached"]) == len(reached)
+        if reached:
+            assert float(row["rounds_to_target_mean"]) == pytest.approx(np.mean(reached), abs=1e-12)
+        assert (
+            f"| {label} | dir:0.5 | 2 | {100 * np.mean(last):.2f} ± {100 * np.std(last, ddof=1):.2f} |" in md
+        )
+    assert md.index("last-3 test acc.") < md.index("final test acc.")  # the headline comes first
+
+
+@pytest.mark.parametrize("option", ["--last", "--window"])
+def test_last_and_window_below_one_are_one_line(tmp_path: Path, option: str) -> None:
+    from tests.helpers import run_cli
+
+    proc = run_cli("report", str(tmp_path), option, "0")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert option in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_benchmark_protocol_chooses_lr_on_last_k_validation_then_runs_the_seeds(tmp_path: Path) -> None:
+    """benchmarks/_runs.py's run_protocol: every lr at the first seed, the choice the best last-2
+    mean of val_accuracy (never test), the other seed only at the chosen lr."""
+    import sys
+
+    import numpy as np
+    import yaml
+
+    from tests.helpers import REPO, synthetic_config
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from _runs import Setting, run_dir_of, run_protocol
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from hpcfl.report import Protocol
+
+    base = yaml.safe_load(synthetic_config(tmp_path, rounds=3, validation=0.05).read_text())
+    base = {k: v for k, v in base.items() if k not in ("lr", "seed", "name")}
+    settings = [Setting(a, "dir:0.5", {**base, "algorithm": a}, (0.001, 0.05)) for a in ("fedavg", "fedprox")]
+    cells = run_protocol(settings, seeds=[7, 8], out=tmp_path / "b", jobs=1, protocol=Protocol(last_k=2))
+    for s, cell in zip(settings, cells, strict=True):
+        val = {}
+        for lr in s.lrs:
+            rows = [json.loads(x) for x in (run_dir_of(tmp_path / "b", s, lr, 7) / "metrics.jsonl").open()]
+            val[lr] = np.mean([r["val_accuracy"] for r in rows[-2:]])
+        chosen = max(val, key=lambda lr: (val[lr], -lr))
+        assert cell.choice is not None and cell.choice.value == chosen
+        assert cell.choice.val_mean == pytest.approx(val[chosen], abs=1e-12)
+        assert [r.config["seed"] for r in cell.runs] == [7, 8] and {r.config["lr"] for r in cell.runs} == {
+            chosen
+        }
+        other = next(lr for lr in s.lrs if lr != chosen)
+        assert not run_dir_of(tmp_path / "b", s, other, 8).exists()
+
+
+def test_the_form_a_run_recorded_is_shown_over_its_configured_auto(tmp_path: Path) -> None:
+    """``form: auto`` in config.yaml, ``scaffold_form`` in metrics.jsonl: the report shows the
+    recorded form; without the column, the configured one."""
+    import yaml
+
+    from hpcfl.report import summarise
+
+    for name, extra, want in (
+        ("rec", {"scaffold_form": "control_variates"}, "control_variates"),
+        ("cfg", {}, "auto"),
+    ):
+        run = tmp_path / name
+        run.mkdir()
+        cfg = {"name": name, "algorithm": "scaffold", "partition": "dir:0.5", "params": {"form": "auto"}}
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5, **extra}) + "\n")
+        summary = summarise(run)
+        assert summary.form == want and summary.label == f"scaffold ({want})"

@@ -211,7 +211,10 @@ def test_killed_sweep_reruns_only_missing_points_and_matches(
 def test_report_tables_equal_a_direct_computation(
     reference_sweep: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["report", str(reference_sweep)]) == 0
+    """summary.csv and report.md against numpy on the runs' metrics.jsonl: the headline last-k mean
+    (k = 2 here, of 3 rounds) ± std over seeds, rounds to target on the running mean of 2 rounds,
+    final and best accuracy."""
+    assert main(["report", str(reference_sweep), "--last", "2", "--window", "2"]) == 0
     md = capsys.readouterr().out
     report = reference_sweep / "report"
     assert (report / "curves.png").stat().st_size > 0
@@ -219,31 +222,33 @@ def test_report_tables_equal_a_direct_computation(
     assert len(table) == 4
     target = float(next(iter(table.values()))["target"])
     for (method, column), row in table.items():
-        finals, bests, reached = [], [], []
+        lasts, finals, bests, reached = [], [], [], []
         for seed in (0, 1):
             name = f"algorithm={method},partition={column.replace(':', '-')},seed={seed}"
             rows = [
                 json.loads(x)
                 for x in (reference_sweep / "runs" / name / "metrics.jsonl").read_text().splitlines()
             ]
-            accs = [r["test_accuracy"] for r in rows]
+            accs = np.array([r["test_accuracy"] for r in rows])
+            lasts.append(accs[-2:].mean())
             finals.append(accs[-1])
-            bests.append(max(accs))
-            reached += (
-                [next(r["round"] for r in rows if r["test_accuracy"] >= target)]
-                if max(accs) >= target
-                else []
-            )
-        assert int(row["n"]) == 2
+            bests.append(accs.max())
+            smooth = np.array([accs[max(0, i - 1) : i + 1].mean() for i in range(len(accs))])
+            hit = np.flatnonzero(smooth >= target)
+            reached += [rows[hit[0]]["round"]] if hit.size else []
+        assert int(row["n"]) == 2 and int(row["last_k"]) == 2 and int(row["window"]) == 2
+        assert float(row["last_k_mean"]) == pytest.approx(np.mean(lasts), abs=1e-12)
+        assert float(row["last_k_std"]) == pytest.approx(np.std(lasts, ddof=1), abs=1e-12)
         assert float(row["final_mean"]) == pytest.approx(np.mean(finals), abs=1e-12)
         assert float(row["final_std"]) == pytest.approx(np.std(finals, ddof=1), abs=1e-12)
         assert float(row["best_mean"]) == pytest.approx(np.mean(bests), abs=1e-12)
         assert float(row["best_std"]) == pytest.approx(np.std(bests, ddof=1), abs=1e-12)
         assert int(row["reached"]) == len(reached)
         assert float(row["rounds_to_target_mean"]) == pytest.approx(np.mean(reached), abs=1e-12)
-        cell = f"{100 * np.mean(finals):.2f} ± {100 * np.std(finals, ddof=1):.2f}"
+        cell = f"{100 * np.mean(lasts):.2f} ± {100 * np.std(lasts, ddof=1):.2f}"
         assert f"| {method} |" in md and cell in md
     assert "| method | dir:0.1 | dir:0.5 |" in md
+    assert md.index("Last-2 test accuracy") < md.index("Final test accuracy")  # the headline first
 
 
 def test_rerunning_a_finished_sweep_runs_nothing(
@@ -324,27 +329,30 @@ def test_choice_is_made_on_validation_not_test() -> None:
 def test_search_reports_the_test_accuracy_of_the_value_chosen_on_validation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = synthetic_config(tmp_path, rounds=2, algorithm="fedavg")
+    """The choice is the best mean over seeds of each seed's last-2 validation mean (of 3 rounds),
+    and the cell reports that value's last-2 test mean."""
+    cfg = synthetic_config(tmp_path, rounds=3, algorithm="fedavg")
     out = tmp_path / "sweep"
     argv = ["sweep", str(cfg), "--out", str(out), "--grid", "algorithm=fedavg,fedprox", "--seeds", "2"]
     assert main([*argv, "--search", "lr=0.001,0.05", "--validation", "0.05"]) == 0
-    assert main(["report", str(out)]) == 0
+    assert main(["report", str(out), "--last", "2"]) == 0
     capsys.readouterr()
     table = {r["method"]: r for r in csv.DictReader((out / "report" / "summary.csv").open())}
     for method in ("fedavg", "fedprox"):
         val, test = {}, {}
         for lr in (0.001, 0.05):
-            rows = [_last(out / "runs" / f"algorithm={method},lr={lr},seed={s}") for s in (7, 8)]
-            val[lr] = np.mean([r["val_accuracy"] for r in rows])
-            test[lr] = [r["test_accuracy"] for r in rows]
+            runs = [_all(out / "runs" / f"algorithm={method},lr={lr},seed={s}") for s in (7, 8)]
+            val[lr] = np.mean([np.mean([r["val_accuracy"] for r in rows[-2:]]) for rows in runs])
+            test[lr] = [np.mean([r["test_accuracy"] for r in rows[-2:]]) for rows in runs]
         chosen = max(val, key=lambda lr: (val[lr], -lr))
         assert float(table[method]["chosen"]) == chosen
-        assert float(table[method]["final_mean"]) == pytest.approx(np.mean(test[chosen]), abs=1e-12)
-    assert "the test set played no part in the choice" in (out / "report" / "report.md").read_text()
+        assert float(table[method]["last_k_mean"]) == pytest.approx(np.mean(test[chosen]), abs=1e-12)
+    md = (out / "report" / "report.md").read_text()
+    assert "the test set played no part in the choice" in md and "last 2 evaluated rounds" in md
 
 
-def _last(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+def _all(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import torch
 
 from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
+from hpcfl.errors import ConfigError
 from hpcfl.training.batched import ClientJob, batched_local_sgd
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import Correction, LocalResult, LocalSchedule, LossFn, cross_entropy_loss, local_sgd
@@ -57,6 +58,13 @@ class ServerState:
     server_only: ClassVar[tuple[str, ...]] = ()
 
     x: torch.Tensor
+
+    def evaluated(self) -> dict[str, torch.Tensor]:
+        """The models the runner evaluates, by metric-column suffix: ``""`` is the reported model
+        (``test_accuracy``, and the validation and train columns); another suffix adds
+        ``test_accuracy<suffix>``/``test_loss<suffix>`` (FedDyn: the plain client mean is reported,
+        its h-corrected x is ``_corrected``). Default: x alone."""
+        return {"": self.x}
 
 
 @dataclass
@@ -293,6 +301,12 @@ class Algorithm(ABC, Generic[P, S, C]):
         """The run's stages; ``rounds`` of the single default stage is set by the runner."""
         return (Stage("train", -1),)
 
+    def resolved(self, population: Population, schedule: LocalSchedule) -> Algorithm[P, S, C]:
+        """This algorithm with every ``auto`` choice that depends on the clients' sizes and the
+        local schedule made (SCAFFOLD's ``form``); the runner calls it once, before the first round.
+        Default: nothing to choose, ``self``."""
+        return self
+
     # -- states ------------------------------------------------------------------------------
     def init_server(self, x0: torch.Tensor) -> S:
         return ServerState(x=x0.clone())  # type: ignore[return-value]
@@ -322,13 +336,37 @@ class Algorithm(ABC, Generic[P, S, C]):
         return dataclasses.replace(server, x=aggregate.sums["x"] / aggregate.weight), {}
 
 
+#: How the server averages the participants' models: ``samples`` Σ n_k y_k / Σ n_k (FedAvg, McMahan
+#: et al. 2017; NIID-Bench for every method), ``uniform`` the plain mean (1/|S|) Σ y_k (SCAFFOLD's
+#: Algorithm 1, FedDyn's Algorithm 1, the FedPVR authors' code). Each algorithm that takes a
+#: ``weighting`` param states its default and the reference it follows.
+WEIGHTINGS = ("samples", "uniform")
+
+
+def check_weighting(value: str) -> None:
+    """Refuse a ``params.weighting`` outside :data:`WEIGHTINGS` (one clear line)."""
+    if value not in WEIGHTINGS:
+        raise ConfigError(f"config key 'params.weighting' must be samples or uniform, got {value!r}")
+
+
+def upload_weight(data: ClientData, weighting: str = "samples") -> float:
+    """A participant's weight in the server's model average: n_k (``samples``) or 1 (``uniform``)."""
+    return float(data.n) if weighting == "samples" else 1.0
+
+
 def model_upload(
-    x: torch.Tensor, data: ClientData, result: LocalResult | None = None, **metrics: float
+    x: torch.Tensor,
+    data: ClientData,
+    result: LocalResult | None = None,
+    *,
+    weighting: str = "samples",
+    **metrics: float,
 ) -> Upload:
-    """The default upload: the local model ``x`` weighted by n_k, with the local loss as a metric."""
+    """The default upload: the local model ``x`` weighted by :func:`upload_weight` (n_k unless
+    ``weighting`` is ``uniform``), with the local loss as a metric."""
     row = {"loss": result.loss} if result is not None else {}
     row.update(metrics)
-    return Upload(sums={"x": x}, weight=float(data.n), metrics=row)
+    return Upload(sums={"x": x}, weight=upload_weight(data, weighting), metrics=row)
 
 
 def state_to_dict(state: Any) -> dict[str, Any]:

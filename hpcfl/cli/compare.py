@@ -11,12 +11,7 @@ import argparse
 from importlib import resources
 from pathlib import Path
 
-from hpcfl.cli._config import load_cli_config
 from hpcfl.errors import EXIT_RESUMABLE
-from hpcfl.report import markdown_table, write_report
-from hpcfl.runner import StopRequest
-from hpcfl.runner.rundir import DONE
-from hpcfl.sweep.local import run_point, same_config
 
 DEFAULT_CONFIGS = ("compare_fedavg.yaml", "compare_tct.yaml")
 
@@ -57,6 +52,12 @@ def _config_paths(args: argparse.Namespace) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcfl.cli._config import load_cli_config  # here: building the parser must not import torch
+    from hpcfl.report import markdown_table, write_report
+    from hpcfl.runner import StopRequest
+    from hpcfl.runner.rundir import DONE
+    from hpcfl.sweep.local import run_point, same_config
+
     # validate all before running any
     cfgs = [load_cli_config(path, args.set, args.data_root) for path in _config_paths(args)]
     stop = StopRequest()

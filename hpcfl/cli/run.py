@@ -7,10 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from hpcfl.cli._config import load_cli_config
 from hpcfl.comm import launched_world_size, launcher_rank
-from hpcfl.errors import EXIT_RESUMABLE, CommError, StoppedError
-from hpcfl.runner import StopRequest, default_run_dir, run_experiment
+from hpcfl.errors import EXIT_RESUMABLE, CommError, ConfigError, StoppedError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Run a federated experiment. Works in one process (the default) and unchanged under "
             "`mpiexec -n R` or `srun`, where clients are spread over the ranks. Writes "
-            "config.yaml, metrics.jsonl, partition.json/png and checkpoints/ into the run directory."
+            "config.yaml, metrics.jsonl, partition.json/png, checkpoints/ and determinism.json into the "
+            "run directory. Bit-identical results (across rank counts and resumes) need the same config "
+            "AND the same torch threads per rank (set `threads`: unset, it is the node's cores shared by "
+            "its ranks, so 1 process and R ranks differ), `reduction` (float64; with float32 also the same "
+            "rank count), `client_batch` and `device`; determinism.json records what each rank used and a "
+            "resume that differs says so."
         ),
         epilog="example: hpcfl run configs/fmnist_fedavg.yaml --set rounds=5 lr=0.05 --run-dir runs/try",
     )
@@ -37,7 +40,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", type=Path, help="output directory (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete an existing run directory first")
+    p.add_argument(
+        "--reset-client-states",
+        metavar="CLIENTS",
+        help="with --resume: re-initialise these clients' states (e.g. 3,17: the ones a damaged "
+        "client-state file names) instead of refusing; recorded in metrics.jsonl",
+    )
     p.set_defaults(func=run)
+
+
+def parse_clients(text: str | None) -> list[int]:
+    """``--reset-client-states 3,17`` → [3, 17] (None → [])."""
+    if text is None:
+        return []
+    try:
+        return sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise ConfigError(
+            f"--reset-client-states takes client numbers separated by commas, got {text!r}"
+        ) from None
 
 
 def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
@@ -51,6 +72,9 @@ def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcfl.cli._config import load_cli_config  # here: building the parser must not import torch
+    from hpcfl.runner import StopRequest, default_run_dir, run_experiment
+
     cfg = load_cli_config(args.config, args.set, args.data_root)
     ranks = launched_world_size() if cfg.comm != "local" else 1
     if ranks > cfg.num_clients:  # before any data is read or any rank waits on another
@@ -62,7 +86,14 @@ def run(args: argparse.Namespace) -> int:
     stop = StopRequest()
     stop.install()
     try:
-        result = run_experiment(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, stop=stop)
+        result = run_experiment(
+            cfg,
+            run_dir,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            stop=stop,
+            reset_clients=parse_clients(args.reset_client_states),
+        )
     except StoppedError as err:
         if launcher_rank() == 0:
             print(f"hpcfl: {err}; continue with: {resume_command(args, run_dir)}", file=sys.stderr)

@@ -46,7 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "validated first. Locally one after another (or -j N at a time) by default; with "
             "--executor slurm as ONE job array, each task an MPI job of the requested size that "
             "requeues itself on preemption. Finished points are skipped and unfinished ones resumed "
-            "when the same command runs again. `hpcfl status SWEEP_DIR` and `hpcfl report "
+            "when the same command runs again. One sweep at a time per --out (it holds the sweep "
+            "directory's lock; a second one is refused naming the holder), and a point another process "
+            "is running is left alone as busy (exit 75: run the command again later). "
+            "`hpcfl status SWEEP_DIR` and `hpcfl report "
             "SWEEP_DIR` follow and summarise it (mean ± std over seeds)."
         ),
         epilog=_EPILOG,
@@ -78,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--search",
         metavar="KEY=V1,V2",
-        help="values to choose among per method and setting, by validation accuracy (never the test set)",
+        help="values to choose among per method and setting, by the mean validation accuracy of the last K "
+        "evaluated rounds (hpcfl report --last K, default 5; never the test set)",
     )
     s.add_argument(
         "--validation",
@@ -155,13 +159,19 @@ def run(args: argparse.Namespace) -> int:
             if p.name in mine:
                 print(f"{'run ' if p in todo else 'done'}  {p.name}")
         return 0
-    sweep.write()
-    if not todo:
-        print(f"hpcfl: nothing to run; summarise it with: hpcfl report {sweep.sweep_dir}", file=sys.stderr)
-        return 0
-    if args.executor == "slurm":
-        return _queue(args, sweep, todo)
-    return _run_local(args, sweep, todo)
+    from hpcfl.runner.lock import RunLock
+
+    # one sweep per sweep directory: a second one is refused here, naming the holder
+    with RunLock(sweep.sweep_dir, what="sweep directory", by="another hpcfl sweep", option="--out"):
+        sweep.write()
+        if not todo:
+            print(
+                f"hpcfl: nothing to run; summarise it with: hpcfl report {sweep.sweep_dir}", file=sys.stderr
+            )
+            return 0
+        if args.executor == "slurm":
+            return _queue(args, sweep, todo)
+        return _run_local(args, sweep, todo)
 
 
 def _run_local(args: argparse.Namespace, sweep: Sweep, todo: list[SweepPoint]) -> int:
@@ -181,12 +191,21 @@ def _run_local(args: argparse.Namespace, sweep: Sweep, todo: list[SweepPoint]) -
         print(f"hpcfl: stopped; run the same command again to continue ({sweep.sweep_dir})", file=sys.stderr)
         return EXIT_RESUMABLE
     failed = [n for n, o in outcomes.items() if o.failed]
+    busy = [n for n, o in outcomes.items() if o.busy]
+    if busy:
+        print(
+            f"hpcfl: {len(busy)} of {len(todo)} points are being run by another process and were left "
+            f"alone ({', '.join(busy)}); run the same command again once they end",
+            file=sys.stderr,
+        )
     if failed:
         print(
             f"hpcfl: {len(failed)} of {len(todo)} points failed (hpcfl status {sweep.sweep_dir} shows why)",
             file=sys.stderr,
         )
         return 1
+    if busy:
+        return EXIT_RESUMABLE
     print(f"hpcfl: sweep finished; summarise it with: hpcfl report {sweep.sweep_dir}", file=sys.stderr)
     return 0
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hpcfl.config import Config, config_from_dict, merge, parse_overrides, read_yaml
 from hpcfl.errors import ConfigError, RunDirError
+
+if TYPE_CHECKING:
+    from hpcfl.config import Config
 
 # stage-2 keys that change the features themselves: changing them needs a new run
 FEATURE_KEYS = ("p", "seed", "head", "logit", "params", "features", "dtype")
@@ -42,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
+    from hpcfl.config import config_from_dict, merge, parse_overrides, read_yaml  # not at parser build
+
     if not (run_dir / "config.yaml").exists():
         raise RunDirError(f"{run_dir} holds no run (no config.yaml); pass the directory of a TCT run")
     saved = read_yaml(run_dir / "config.yaml")

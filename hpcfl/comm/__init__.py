@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from hpcfl.comm.base import Communicator
+from hpcfl._lazy import lazy_exports
 from hpcfl.comm.guard import supervise_rank
-from hpcfl.comm.local import LocalComm
 from hpcfl.comm.placement import place_clients, place_round
+
+if TYPE_CHECKING:
+    from hpcfl.comm.base import Communicator
+
+# torch loads with the communicators, not with the launcher helpers every command uses
+lazy_exports(__name__, {"hpcfl.comm.base": ["Communicator"], "hpcfl.comm.local": ["LocalComm"]})
 
 # Environment variables set by common launchers, holding the world size.
 _WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
@@ -43,6 +49,8 @@ def launcher_rank() -> int:
 def get_comm(kind: str = "auto") -> Communicator:
     """Return the communicator for this process: ``local``, ``mpi`` or ``auto`` (MPI if launched so)."""
     if kind == "local" or (kind == "auto" and launched_world_size() <= 1):
+        from hpcfl.comm.local import LocalComm
+
         return LocalComm()
     from hpcfl.comm.mpi import MPIComm
 

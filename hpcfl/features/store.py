@@ -37,7 +37,6 @@ chunks are already large, so sharding does not pay here.
 from __future__ import annotations
 
 import shutil
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ import torch
 import zarr
 from torch import Tensor
 
+from hpcfl.chunks import chunk_file_problem, crc32
 from hpcfl.errors import StoreError
 from hpcfl.features.meta import FeatureMeta
 
@@ -228,17 +228,14 @@ def _update_crcs(crcs: list[int], encoded: np.ndarray, start: int, step: int) ->
     while row < encoded.shape[0]:
         chunk = (start + row) // step
         end = min(encoded.shape[0], (chunk + 1) * step - start)
-        crcs[chunk] = zlib.crc32(np.ascontiguousarray(encoded[row:end]).tobytes(), crcs[chunk])
+        crcs[chunk] = crc32(encoded[row:end], crcs[chunk])
         row = end
 
 
 def _read_crcs(array: Any) -> list[int]:
     """CRC-32 of each chunk's rows, read back from the array."""
     step = int(array.chunks[0])
-    return [
-        zlib.crc32(np.ascontiguousarray(array[a : a + step]).tobytes())
-        for a in range(0, array.shape[0], step)
-    ]
+    return [crc32(array[a : a + step]) for a in range(0, array.shape[0], step)]
 
 
 def _array(root: zarr.Group, name: str, path: Path) -> Any:
@@ -284,12 +281,9 @@ def check_chunk_files(path: Path, root: zarr.Group, k: int) -> None:
     size = step * p * feats.dtype.itemsize
     for i in range(len(crcs)):
         chunk = path / _features_name(k) / "c" / str(i) / "0"
-        try:
-            actual = chunk.stat().st_size
-        except FileNotFoundError:
-            raise _damaged(path, k, f"chunk file {chunk} is missing") from None
-        if actual != size:
-            raise _damaged(path, k, f"chunk file {chunk} has {actual} bytes, not {size}")
+        problem = chunk_file_problem(chunk, size)
+        if problem is not None:
+            raise _damaged(path, k, f"chunk file {chunk} {problem}")
 
 
 def verify_client(path: str | Path, k: int) -> bool:
@@ -353,7 +347,7 @@ class FeatureStoreReader:
         if isinstance(crcs, list):
             step = int(feats.chunks[0])
             for i, expected in enumerate(crcs):
-                if zlib.crc32(np.ascontiguousarray(data[i * step : (i + 1) * step]).tobytes()) != expected:
+                if crc32(data[i * step : (i + 1) * step]) != expected:
                     chunk = self.path / _features_name(k) / "c" / str(i) / "0"
                     raise _damaged(self.path, k, f"chunk file {chunk} fails its checksum")
         return data

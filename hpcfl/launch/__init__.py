@@ -13,14 +13,17 @@ except ImportError as err:  # pragma: no cover - the dev environment has it
 
     raise ConfigError("hpcfl submit/status need submitit: pip install 'hpcfl[slurm]'") from err
 
-from hpcfl.launch.job import HpcflJob as HpcflJob
-from hpcfl.launch.status import RunStatus as RunStatus
-from hpcfl.launch.status import format_status as format_status
-from hpcfl.launch.status import run_status as run_status
-from hpcfl.launch.submit import JobRecord as JobRecord
-from hpcfl.launch.submit import SubmitOptions as SubmitOptions
-from hpcfl.launch.submit import render_sbatch as render_sbatch
-from hpcfl.launch.submit import submit_run as submit_run
+from hpcfl._lazy import lazy_exports
+
+# loaded on first use: `hpcfl status` reads job records and must not import the runner (torch, zarr)
+lazy_exports(
+    __name__,
+    {
+        "hpcfl.launch.job": ["HpcflJob"],
+        "hpcfl.launch.status": ["RunStatus", "format_status", "run_status"],
+        "hpcfl.launch.submit": ["JobRecord", "SubmitOptions", "render_sbatch", "submit_run"],
+    },
+)
 
 __all__ = [
     "HpcflJob",

@@ -27,16 +27,12 @@ from submitit.core.utils import DelayedSubmission
 from hpcfl.comm import finalize_mpi
 from hpcfl.config import config_from_dict
 from hpcfl.errors import ConfigError, StoppedError
+from hpcfl.launch.records import error_path
 from hpcfl.runner import StopRequest, run_experiment
 from hpcfl.runner.checkpoint import latest_round
 
 #: Exit status of ranks that stopped for a requeue (submitit's own handler exits with -1 too).
 REQUEUE_EXIT = 255
-
-
-def error_path(folder: Path, job_id: str, rank: int = 0) -> Path:
-    """Where the job's rank ``rank`` records its error: ``<folder>/<job>_<rank>_error.json``."""
-    return Path(folder) / f"{job_id}_{rank}_error.json"
 
 
 def _record_error(err: BaseException) -> None:

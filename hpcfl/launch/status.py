@@ -162,7 +162,7 @@ ACTIVE = frozenset(
 
 def active_job(run_dir: Path) -> tuple[str, str] | None:
     """``(job id, state)`` of the newest recorded job of ``run_dir`` while it is queued or running."""
-    from hpcfl.launch.submit import read_job_records
+    from hpcfl.launch.records import read_job_records
 
     records = read_job_records(run_dir)
     if not records:
@@ -194,7 +194,7 @@ def _job_error(folder: Path, job_id: str) -> str | None:
     Never unpickles: submitit's ``*_result.pkl`` in a run directory could have been crafted to run
     code when loaded, and ``hpcfl status`` is run on directories others may write.
     """
-    from hpcfl.launch.job import error_path
+    from hpcfl.launch.records import error_path
 
     path = error_path(folder, job_id)
     try:
@@ -222,16 +222,35 @@ def _run_progress(run_dir: Path, status: RunStatus) -> None:
                 status.test_accuracy = float(row["test_accuracy"])
     config = run_dir / "config.yaml"
     if config.exists():
-        from hpcfl.config import read_yaml
+        from hpcfl.files import read_yaml
 
         status.rounds_total = read_yaml(config).get("rounds")
     status.finished = (run_dir / "DONE").exists()
 
 
+def _unsubmitted_state(run_dir: Path, status: RunStatus) -> None:
+    """The state of a run no job was submitted for, from what its markers say: FINISHED (DONE),
+    RUNNING (an ``hpcfl run`` holds its lock), FAILED (a sweep's ``FAILED`` line), UNFINISHED (rounds
+    logged, no DONE: ``--resume`` continues it) or NOT SUBMITTED."""
+    from hpcfl.runner.lock import lock_holder
+    from hpcfl.runner.rundir import failure
+
+    if status.finished:
+        status.state = "FINISHED"
+    elif (holder := lock_holder(run_dir)) is not None:
+        status.state, status.node_list = "RUNNING", f"{holder[0]} (PID {holder[1]})"
+    elif (error := failure(run_dir)) is not None:
+        status.state, status.error = "FAILED", error
+    elif status.rounds_done:
+        status.state, status.reason = "UNFINISHED", "resume it with hpcfl run ... --resume"
+    else:
+        status.state = "NOT SUBMITTED"
+
+
 def run_status(run_dir: Path, views: dict[str, SlurmView] | None = None) -> RunStatus:
     """Where the run in ``run_dir`` stands (raises :class:`RunDirError` when it is no run dir).
     ``views``: SLURM's answers already fetched for many runs at once (:func:`slurm_views`)."""
-    from hpcfl.launch.submit import read_job_records
+    from hpcfl.launch.records import read_job_records
 
     if not run_dir.is_dir():
         raise RunDirError(f"{run_dir} does not exist; give the --run-dir the run was submitted with")
@@ -243,7 +262,7 @@ def run_status(run_dir: Path, views: dict[str, SlurmView] | None = None) -> RunS
             raise RunDirError(
                 f"{run_dir} holds no run and no submitted job; submit one with: hpcfl submit CONFIG --run-dir {run_dir}"
             )
-        status.state = "FINISHED" if status.finished else "NOT SUBMITTED"
+        _unsubmitted_state(run_dir, status)
         return status
     record = records[-1]
     status.job_id, status.executor = record.job_id, record.executor

@@ -31,10 +31,8 @@ from hpcfl.config import Config, config_differences, read_yaml
 from hpcfl.errors import CommError, ConfigError, RunDirError
 from hpcfl.files import append_jsonl
 from hpcfl.launch.job import HpcflJob
+from hpcfl.launch.records import JOBS_FILE, SLURM_DIR, JobRecord
 
-#: Sub-directory of the run directory that holds submitit's files and the job records.
-SLURM_DIR = "slurm"
-JOBS_FILE = "jobs.jsonl"
 EXECUTORS = ("slurm", "local")
 PMI_CHOICES = ("pmi2", "pmix", "pmi1", "none", "default")
 
@@ -226,34 +224,6 @@ def render_sbatch(options: SubmitOptions, folder: Path, name: str) -> str:
     """The sbatch script ``hpcfl submit`` would queue (``--dry-run``; golden-file tested)."""
     executor = make_executor(options, folder, name, render_only=True)
     return str(executor._make_submission_file_text(executor._submitit_command_str, "dry-run"))
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """One submission of a run, as ``RUN_DIR/slurm/jobs.jsonl`` stores it."""
-
-    job_id: str
-    executor: str
-    folder: str
-    submitted: str
-    ranks: int
-    nodes: int
-    partition: str | None
-    command: str
-
-
-def read_job_records(run_dir: Path) -> list[JobRecord]:
-    """Every recorded submission of ``run_dir``, oldest first."""
-    from hpcfl.files import read_jsonl
-
-    path = run_dir / SLURM_DIR / JOBS_FILE
-    records = []
-    for row in read_jsonl(path) if path.exists() else []:
-        try:
-            records.append(JobRecord(**row))
-        except TypeError:  # a row of another version, or edited by hand: not a record
-            continue
-    return records
 
 
 def _sbatch_reason(stderr: str) -> str:

@@ -1,7 +1,11 @@
-"""Representation metrics: linear CKA (Kornblith et al. 2019) and the FedCKA regulariser."""
+"""Representation metrics: linear CKA (Kornblith et al. 2019) and the FedCKA regulariser.
 
-from hpcfl.metrics.cka import cka_per_layer as cka_per_layer
-from hpcfl.metrics.cka import fedcka_loss as fedcka_loss
-from hpcfl.metrics.cka import linear_cka as linear_cka
+The names load on first use (:mod:`hpcfl._lazy`): ``hpcfl report`` reads constants of
+:mod:`hpcfl.metrics.conformal_spec` and must not import torch.
+"""
+
+from hpcfl._lazy import lazy_exports
+
+lazy_exports(__name__, {"hpcfl.metrics.cka": ["cka_per_layer", "fedcka_loss", "linear_cka"]})
 
 __all__ = ["cka_per_layer", "fedcka_loss", "linear_cka"]

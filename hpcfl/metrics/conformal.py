@@ -27,8 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-METHODS: tuple[str, ...] = ("lac", "aps")
-ALPHAS: tuple[float, ...] = (0.1, 0.05, 0.01)  # target coverage 90%, 95%, 99% (FedPVR Figure 3)
+from hpcfl.metrics.conformal_spec import ALPHAS, METHODS
 
 
 def calibration_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,11 +36,10 @@ class DriftDiversity:
             [sum((v[a:b].to(torch.float64) ** 2).sum() for a, b in sl) for sl in self._slices]  # type: ignore[misc]
         )
 
-    def record(
-        self, x_client: torch.Tensor, x_server: torch.Tensor, weight: float, out: torch.Tensor
-    ) -> None:
-        """Add w_i² ‖m_i,l‖² of one participant into ``out`` (the round buffer's drift slots)."""
-        out.add_(self._per_layer(x_client - x_server).to(out.dtype), alpha=weight * weight)
+    def squares(self, x_client: torch.Tensor, x_server: torch.Tensor) -> torch.Tensor:
+        """‖m_i,l‖² of one participant, per layer; the round sums w_i² times these over participants
+        (the drift slots of the round buffer, :class:`hpcfl.runner.observers.Drift`)."""
+        return self._per_layer(x_client - x_server)
 
     def row(
         self, squares: torch.Tensor, weighted_sum: torch.Tensor, weight: float, x_server: torch.Tensor

@@ -43,7 +43,7 @@ class LayerSimilarity:
     Args:
         flat: the working model (states are loaded into it).
         probe: the probe inputs ``(P, ...)``, on the model's device.
-        num_clients: K; :meth:`record` writes client k's values into slots ``[k·S, (k+1)·S)``.
+        num_clients: K; client k's values sit in slots ``[k·S, (k+1)·S)`` of the round buffer.
         layers: module names (default: every layer of the model).
         chunk: batch size of the probe forwards.
     """
@@ -102,14 +102,12 @@ class LayerSimilarity:
         """Run the reference (global) model on the probe and keep its centred Grams."""
         self._reference = self._grams(state)
 
-    def record(self, k: int, state: Tensor, out: Tensor) -> None:
-        """Write client ``k``'s per-layer CKA against the reference into its slots of ``out``."""
+    def values(self, state: Tensor) -> Tensor:
+        """Per-layer CKA of the model ``state`` against the reference, ``(L,)`` (a client's slot)."""
         if self._reference is None:
-            raise RuntimeError("set_reference() must run before record()")
+            raise RuntimeError("set_reference() must run before values()")
         grams = self._grams(state)
-        values = torch.stack([cka_from_grams(a, b) for a, b in zip(grams, self._reference, strict=True)])
-        S = len(self.layers)
-        out[k * S : (k + 1) * S] = values.to(out.dtype)
+        return torch.stack([cka_from_grams(a, b) for a, b in zip(grams, self._reference, strict=True)])
 
     def row(self, values: Tensor) -> dict[str, Any]:
         """The metrics entry from the summed slots: ``{"cka": {layer: [value per client]}}``."""

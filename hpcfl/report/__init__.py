@@ -1,5 +1,7 @@
 """Turn run directories into what a person reads: tables and figures.
 
+- :mod:`hpcfl.report.protocol`: the comparison protocol (last-k mean, running-mean rounds to target);
+- :mod:`hpcfl.report.methods`: the headline table, one line per method, mean ± std over seeds;
 - :mod:`hpcfl.report.summary`: one line per run (final and best accuracy, participation, time);
 - :mod:`hpcfl.report.targets`: rounds and bytes to a target accuracy with the speed-up over FedAvg;
 - :mod:`hpcfl.report.plots`: accuracy curves, drift-diversity heatmaps, conformal coverage curves.
@@ -12,6 +14,7 @@ import io
 from pathlib import Path
 
 from hpcfl.files import atomic_write_text
+from hpcfl.report.methods import group_methods, method_csv, method_markdown
 from hpcfl.report.plots import (
     conformal_points,
     conformal_runs,
@@ -20,23 +23,36 @@ from hpcfl.report.plots import (
     plot_conformal,
     plot_drift,
 )
+from hpcfl.report.protocol import Protocol
 from hpcfl.report.summary import RunSummary, csv_table, markdown_table, summarise
 from hpcfl.report.targets import default_target, target_csv, target_markdown, target_rows
 
-__all__ = ["RunSummary", "markdown_table", "summarise", "write_report"]
+__all__ = ["Protocol", "RunSummary", "markdown_table", "summarise", "write_report"]
 
 
-def write_report(run_dirs: list[Path], out: Path, *, target: float | None = None) -> list[RunSummary]:
-    """Into ``out``: report.md (final results, rounds/bytes to ``target``, conformal table),
-    report.csv, targets.csv, accuracy.png; drift_diversity.png and conformal.{png,csv} when the runs
-    recorded them. ``target`` (a fraction) defaults to the level every run reaches."""
+def write_report(
+    run_dirs: list[Path], out: Path, *, target: float | None = None, protocol: Protocol | None = None
+) -> list[RunSummary]:
+    """Into ``out``: report.md (per method: last-k mean ± std over seeds and rounds/MB to ``target``
+    on the running mean; then per run: final results, rounds/bytes to target, conformal table),
+    methods.csv, report.csv, targets.csv, accuracy.png; drift_diversity.png and conformal.{png,csv}
+    when the runs recorded them. ``target`` (a fraction) defaults to the level every run's running
+    mean reaches."""
+    protocol = protocol or Protocol()
     runs = [summarise(d) for d in run_dirs]
     out.mkdir(parents=True, exist_ok=True)
-    level = default_target(runs) if target is None else target
-    rows = target_rows(runs, level)
-    md = [markdown_table(runs), target_markdown(rows, level)]
+    level = default_target(runs, window=protocol.window) if target is None else target
+    rows = target_rows(runs, level, window=protocol.window)
+    methods = group_methods(runs)
+    md = [
+        method_markdown(methods, protocol, level),
+        "Per run (single rounds):\n",
+        markdown_table(runs),
+        target_markdown(rows, level, window=protocol.window),
+    ]
+    atomic_write_text(out / "methods.csv", method_csv(methods, protocol, level))
     atomic_write_text(out / "report.csv", csv_table(runs))
-    atomic_write_text(out / "targets.csv", target_csv(rows, level))
+    atomic_write_text(out / "targets.csv", target_csv(rows, level, window=protocol.window))
     plot_accuracy(runs, out / "accuracy.png")
     if drifting := drift_runs(runs):
         plot_drift(drifting, out / "drift_diversity.png")

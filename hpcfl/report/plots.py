@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcfl.files import save_figure
-from hpcfl.metrics.conformal import ALPHAS, METHODS
+from hpcfl.metrics.conformal_spec import ALPHAS, METHODS
 from hpcfl.report.summary import RunSummary
 
 

@@ -1,15 +1,15 @@
-"""One line per run directory: its headline numbers as a markdown and a CSV table."""
+"""One line per run directory: its numbers as a markdown and a CSV table (secondary to the
+per-method table of :mod:`hpcfl.report.methods`: a single round's accuracy is no headline)."""
 
 from __future__ import annotations
 
 import csv
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcfl.config import read_yaml
 from hpcfl.errors import RunDirError
-from hpcfl.files import read_jsonl
+from hpcfl.files import read_jsonl, read_yaml
 
 
 @dataclass
@@ -25,6 +25,13 @@ class RunSummary:
     seconds: float
     rows: list[dict]
     participation: str = "all"  # "all", or "M of K (each client trained a..b times)"
+    form: str | None = None  # the form the algorithm ran in (SCAFFOLD's control_variates/one_model)
+    config: dict = field(default_factory=dict)  # the run's config.yaml, as written
+
+    @property
+    def label(self) -> str:
+        """The algorithm with the form it actually used: ``scaffold (control_variates)``."""
+        return f"{self.algorithm} ({self.form})" if self.form else self.algorithm
 
 
 def summarise(run_dir: Path) -> RunSummary:
@@ -44,7 +51,23 @@ def summarise(run_dir: Path) -> RunSummary:
         seconds=sum(float(r.get("seconds", 0.0)) for r in rows),
         rows=rows,
         participation=_participation(cfg, rows),
+        form=recorded_form(cfg, rows),
+        config=cfg,
     )
+
+
+def recorded_form(cfg: dict, rows: list[dict]) -> str | None:
+    """The form the run used: what its metrics rows record (``<algorithm>_form``, e.g. SCAFFOLD's
+    ``scaffold_form``, the form ``auto`` resolved to; or ``form``), else ``params.form`` of its
+    config.yaml; None when neither says (algorithms with one form)."""
+    keys = (f"{cfg.get('algorithm')}_form", "form")
+    for row in reversed(rows):
+        for key in keys:
+            if isinstance(row.get(key), str) and row[key]:
+                return row[key]
+    params = cfg.get("params")
+    form = params.get("form") if isinstance(params, dict) else None
+    return None if form is None else str(form)
 
 
 def _participation(cfg: dict, rows: list[dict]) -> str:
@@ -62,7 +85,7 @@ def _participation(cfg: dict, rows: list[dict]) -> str:
 
 
 def markdown_table(runs: list[RunSummary]) -> str:
-    """A markdown table with one line per run."""
+    """A markdown table with one line per run (single-round numbers: final and best)."""
     lines = [
         "| run | algorithm | partition | participants per round | rounds | final test acc. | best test acc. "
         "| time of all rounds (s) |",
@@ -70,20 +93,23 @@ def markdown_table(runs: list[RunSummary]) -> str:
     ]
     for r in runs:
         lines.append(
-            f"| {r.name} | {r.algorithm} | {r.partition} | {r.participation} | {r.rounds} | {100 * r.final_accuracy:.2f}% "
+            f"| {r.name} | {r.label} | {r.partition} | {r.participation} | {r.rounds} | {100 * r.final_accuracy:.2f}% "
             f"| {100 * r.best_accuracy:.2f}% | {r.seconds:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def csv_table(runs: list[RunSummary]) -> str:
+    """The markdown table's numbers, one line per run."""
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(
-        ["run", "algorithm", "partition", "rounds", "final_test_accuracy", "best_test_accuracy", "seconds"]
-    )
+        ["run", "algorithm", "form", "partition", "rounds", "final_test_accuracy", "best_test_accuracy",
+         "seconds"]
+    )  # fmt: skip
     for r in runs:
         writer.writerow(
-            [r.name, r.algorithm, r.partition, r.rounds, r.final_accuracy, r.best_accuracy, r.seconds]
-        )
+            [r.name, r.algorithm, r.form or "", r.partition, r.rounds, r.final_accuracy, r.best_accuracy,
+             r.seconds]
+        )  # fmt: skip
     return buf.getvalue()

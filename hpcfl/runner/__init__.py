@@ -1,5 +1,14 @@
-"""Running federations: set-up, the round loop, checkpoints and the run directory."""
+"""Running federations: set-up, the round loop, checkpoints and the run directory.
 
-from hpcfl.runner.experiment import RunResult, StopRequest, default_run_dir, run_experiment
+The names load on first use (:mod:`hpcfl._lazy`): reading a run directory's markers
+(:mod:`hpcfl.runner.rundir`) must not import the runner itself (torch, zarr).
+"""
+
+from hpcfl._lazy import lazy_exports
+
+lazy_exports(
+    __name__,
+    {"hpcfl.runner.experiment": ["RunResult", "StopRequest", "default_run_dir", "run_experiment"]},
+)
 
 __all__ = ["RunResult", "StopRequest", "default_run_dir", "run_experiment"]

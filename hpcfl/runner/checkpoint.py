@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import sys
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,18 +144,21 @@ def _zip_damage(d: Path, path: Path) -> str | None:
 
 
 def load_checkpoint(
-    root: Path, client_ids: list[int], *, all_clients: list[int] | None = None
+    root: Path, client_ids: list[int], *, all_clients: list[int] | None = None, reset: Sequence[int] = ()
 ) -> Checkpoint | None:
     """Load the newest sound checkpoint (server + the given clients), or None if there is none.
 
     A damaged newest checkpoint (checked by :func:`_damage` over ``all_clients``, default
     ``client_ids``) falls back to the older complete one with a note on stderr; when none is sound
-    the error names the damaged file and the fix.
+    the error names the damaged file and the fix. The files of the clients in ``reset``
+    (``--reset-client-states``) are neither checked nor loaded: those clients start again.
     """
     rnd = latest_round(root)
     if rnd is None:
         return None
-    checked = sorted(all_clients if all_clients is not None else client_ids)
+    dropped = set(reset)
+    client_ids = [k for k in client_ids if k not in dropped]
+    checked = sorted(k for k in (all_clients if all_clients is not None else client_ids) if k not in dropped)
     candidates = [r for r in _complete_rounds(root) if r <= rnd][::-1] or [rnd]
     first_damage = None
     for r in candidates:
@@ -167,7 +171,7 @@ def load_checkpoint(
             ):
                 raise RunDirError(
                     f"cannot resume: {first_damage}, and the older checkpoint {d.name} cannot be used because "
-                    "the client states on disk have moved on since; start over with --overwrite"
+                    f"the client states on disk have moved on since; start over with --overwrite{_reset_hint(first_damage)}"
                 )
             if first_damage is not None:
                 print(
@@ -179,8 +183,16 @@ def load_checkpoint(
         first_damage = first_damage or damage
     raise RunDirError(
         f"cannot resume: {first_damage} and no older complete checkpoint is sound; "
-        "start over with --overwrite"
+        f"start over with --overwrite{_reset_hint(first_damage)}"
     )
+
+
+def _reset_hint(damage: str | None) -> str:
+    """For a damaged client file: how to resume without that client's state."""
+    name = Path((damage or "").split(" ")[0]).name
+    if name.startswith("client_") and name.endswith(".pt"):
+        return f", or resume with --reset-client-states {name[len('client_') : -len('.pt')]}"
+    return ""
 
 
 def _load(d: Path, client_ids: list[int]) -> Checkpoint:

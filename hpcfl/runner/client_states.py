@@ -10,6 +10,8 @@ Layout (``client_states.zarr`` inside a run directory)::
 
     client_states.zarr/     group; attrs: format, version, num_clients, fields (names, in order)
       present               (2, K, F) uint8, chunk (1, 1, F): which fields slot s of client k holds
+      crc32                 (2, K, F) uint32, chunk (1, 1, F): the CRC-32 of each field's chunk
+                            (:mod:`hpcfl.chunks`, the feature store's scheme; 0 for an absent field)
       field_{name}          (2, K, *shape), chunk (1, 1, *shape), the field's dtype (bfloat16 as its
                             raw uint16 bits); attrs: torch_dtype. Created on the first non-None value.
 
@@ -20,6 +22,16 @@ torn under its final name; two ranks creating the same array write identical met
 write of one client is one trip through zarr's event loop with its chunks gathered (zarr's
 ``AsyncArray`` API): on the 2-core dev box ~1.5 ms per put and ~0.6 ms per get of a 10,000-float
 state, against ~1 ms per chunk with one synchronous call per array.
+
+Integrity: a client's slot is never trusted on its own. Each write records the CRC-32 of every field
+chunk beside it (``crc32``) and in memory; a checkpoint records, per client, the slot and the CRC-32
+of each field it expects there (None: absent), and a read checks the presence flags and every chunk
+against the expectation (the checkpoint's, this process's own write, or for a slot another rank
+wrote since the checkpoint the ``crc32`` chunk). A missing, truncated or bit-flipped chunk is a
+:class:`ClientStateError` naming the client, the slot and the file, never zeros: zarr would read a
+missing chunk as its fill value. :meth:`ClientStates.restore` checks every client the checkpoint
+names before the first round, so a resume refuses up front; ``hpcfl run --resume
+--reset-client-states K,...`` re-initialises the clients named instead.
 
 Consistency protocol (two slots per client; ``slot_of[k]`` ∈ {-1, 0, 1}, -1 = never written):
 
@@ -52,7 +64,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -60,15 +72,40 @@ import zarr
 from torch import Tensor
 from zarr.errors import ContainsArrayError, ContainsGroupError
 
-from hpcfl.errors import ConfigError, StoreError
+from hpcfl.chunks import chunk_file_problem, crc32
+from hpcfl.errors import ConfigError, RunDirError, StoreError
+
+if TYPE_CHECKING:
+    from hpcfl.runner.checkpoint import Checkpoint
 
 FORMAT = "hpcfl-client-states"
-VERSION = 1
+VERSION = 2  # 2: the crc32 array (a version-1 store is read, its chunks unchecked until rewritten)
 AUTO_FRACTION = 0.25  # share of the available memory that ``budget="auto"`` gives client states
 _CONFIG = {"write_empty_chunks": True}  # not persisted by zarr: passed at every open
 _KEYS = {"name": "default", "separator": "/"}  # chunk (s, k, 0, ...) is the file c/s/k/0/...
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
+# What a slot must hold, per field in order: None = absent, an int = the CRC-32 of its chunk,
+# UNCHECKED = present but written by a version-1 store without checksums.
+Record = list[int | None]
+UNCHECKED = -1
+
+
+class ClientStateError(StoreError):
+    """A client's stored state is missing, truncated or damaged; ``client`` names it, so the user can
+    re-initialise it (``--reset-client-states``) instead of losing the run."""
+
+    def __init__(self, message: str, client: int = -1) -> None:
+        super().__init__(message)
+        self.client = client
+
+
+def _damaged(k: int, slot: int, path: Path, problem: str) -> ClientStateError:
+    return ClientStateError(
+        f"client {k}'s state (slot {slot}) cannot be trusted: {path} {problem}; resume with "
+        f"--reset-client-states {k} to re-initialise that client's state (or restore the file)",
+        k,
+    )
 
 
 def _field_name(name: str) -> str:
@@ -139,6 +176,10 @@ class ClientStateStore:
         self._made: set[Path] = set()  # chunk directories known to exist
         self._root = root
         self._present = root["present"].with_config(_CONFIG)  # type: ignore[union-attr]
+        try:  # absent in a version-1 store opened without create: its chunks go unchecked
+            self._crcs: Any = root["crc32"].with_config(_CONFIG)  # type: ignore[union-attr]
+        except KeyError:
+            self._crcs = None
         self._arrays: dict[str, Any] = {}  # field name -> array handle (F entries)
         self._dirty: set[tuple[int, int]] = set()  # (slot, k) written since the last flush
 
@@ -197,6 +238,19 @@ class ClientStateStore:
                 )
             except ContainsArrayError:
                 pass  # another rank created it in between
+        if create and not (path / "crc32" / "zarr.json").is_file():
+            try:
+                root.create_array(
+                    "crc32",
+                    shape=(2, num_clients, len(names)),
+                    dtype="uint32",
+                    chunks=(1, 1, len(names)),
+                    compressors=None,
+                    fill_value=0,
+                    chunk_key_encoding=_KEYS,
+                )
+            except ContainsArrayError:
+                pass
         if not (path / "present" / "zarr.json").is_file():
             raise StoreError(
                 f"client-state store {path} is incomplete (no presence flags); delete it and rerun"
@@ -257,18 +311,57 @@ class ClientStateStore:
         if slot not in (0, 1):
             raise ValueError(f"slot must be 0 or 1, got {slot}")
 
-    def read(self, k: int, slot: int) -> dict[str, Tensor | None]:
-        """Client ``k``'s fields in ``slot`` as CPU tensors, bit for bit as written; absent → None."""
+    def record(self, k: int, slot: int) -> Record | None:
+        """What slot ``slot`` of client ``k`` holds by its own flags and CRCs (see :data:`Record`),
+        or None when the slot was never written (no presence chunk)."""
         k, slot = int(k), int(slot)
         self._check(k, slot)
-        present = self._read_chunk("present", self._present, slot, k)
+        flags_file = self._chunk_file("present", self._present, slot, k)
+        if not flags_file.exists():
+            return None
+        flags = self._read_chunk("present", self._present, slot, k)
+        crcs = None
+        if self._crcs is not None and self._chunk_file("crc32", self._crcs, slot, k).exists():
+            crcs = self._read_chunk("crc32", self._crcs, slot, k)
+        return [
+            None if not flags[i] else (int(crcs[i]) if crcs is not None else UNCHECKED)
+            for i in range(len(self.names))
+        ]
+
+    def read(self, k: int, slot: int, expect: Record | None = None) -> dict[str, Tensor | None]:
+        """Client ``k``'s fields in ``slot`` as CPU tensors, bit for bit as written; absent → None.
+
+        ``expect``: what the slot must hold (a checkpoint's record, or the writer's); None reads the
+        slot's own record (:meth:`record`), and a slot never written reads as all-absent. Every
+        present field's chunk is checked for its size and CRC-32.
+
+        Raises:
+            ClientStateError: a chunk is missing, truncated or fails its checksum, or the presence
+                flags disagree with ``expect``.
+        """
+        k, slot = int(k), int(slot)
+        self._check(k, slot)
+        if expect is None:
+            expect = self.record(k, slot)
+            if expect is None:
+                return dict.fromkeys(self.names)
+        else:
+            flags_file = self._chunk_file("present", self._present, slot, k)
+            problem = chunk_file_problem(flags_file, len(self.names))
+            if problem is not None:
+                raise _damaged(k, slot, flags_file, problem)
+            flags = self._read_chunk("present", self._present, slot, k)
+            if [bool(f) for f in flags] != [c is not None for c in expect]:
+                raise _damaged(k, slot, flags_file, "does not list the fields the checkpoint expects")
         out: dict[str, Tensor | None] = {}
-        for i, name in enumerate(self.names):
-            arr = self._array(name) if present[i] else None  # opens a field another rank created
-            if arr is None:
+        for name, want in zip(self.names, expect, strict=True):
+            if want is None:
                 out[name] = None
                 continue
-            chunk = self._read_chunk(_field_name(name), arr, slot, k)
+            arr = self._array(name)  # opens a field another rank created
+            if arr is None:
+                raise _damaged(k, slot, self.path / _field_name(name) / "zarr.json", "is missing")
+            chunk = self._read_chunk(_field_name(name), arr, slot, k, check=(k, slot, want))
             out[name] = _decode(chunk, _torch_dtype(str(arr.attrs["torch_dtype"])))
         return out
 
@@ -282,33 +375,46 @@ class ClientStateStore:
             path = path / "0"
         return path
 
-    def _read_chunk(self, array: str, arr: Any, slot: int, k: int) -> np.ndarray:
+    def _read_chunk(
+        self, array: str, arr: Any, slot: int, k: int, check: tuple[int, int, int] | None = None
+    ) -> np.ndarray:
+        """One chunk as an array; ``check`` = (client, slot, CRC-32 or UNCHECKED): the file must be
+        there at its full size with that checksum (else :class:`ClientStateError`)."""
         shape = tuple(arr.shape[2:])
         dtype = np.dtype(arr.dtype).newbyteorder("<")
         path = self._chunk_file(array, arr, slot, k)
+        size = int(np.prod(shape, dtype=np.int64))
+        if check is not None:
+            problem = chunk_file_problem(path, size * dtype.itemsize)
+            if problem is not None:
+                raise _damaged(check[0], check[1], path, problem)
         try:
-            data = np.fromfile(path, dtype=dtype)
+            raw = path.read_bytes()
         except FileNotFoundError:  # never written: zarr's fill value
             return np.zeros(shape, dtype=dtype)
-        if data.size != int(np.prod(shape, dtype=np.int64)):
-            raise StoreError(
-                f"client-state chunk {path} is truncated; the run's newest checkpoint does not name it"
-            )
-        return data.reshape(shape)
+        if len(raw) != size * dtype.itemsize:
+            raise _damaged(k, slot, path, f"has {len(raw)} bytes, not {size * dtype.itemsize}")
+        if check is not None and check[2] != UNCHECKED and crc32(raw) != check[2]:
+            raise _damaged(check[0], check[1], path, "fails its checksum")
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
-    def _write_chunk(self, array: str, arr: Any, slot: int, k: int, data: np.ndarray) -> None:
+    def _write_chunk(self, array: str, arr: Any, slot: int, k: int, data: np.ndarray) -> int:
+        """Write one chunk file; returns the CRC-32 of its bytes."""
         path = self._chunk_file(array, arr, slot, k)
         if path.parent not in self._made:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._made.add(path.parent)
+        raw = np.ascontiguousarray(data, dtype=np.dtype(arr.dtype).newbyteorder("<")).tobytes()
         with open(path, "wb") as fh:
-            fh.write(np.ascontiguousarray(data, dtype=np.dtype(arr.dtype).newbyteorder("<")).tobytes())
+            fh.write(raw)
+        return crc32(raw)
 
-    def write(self, k: int, slot: int, state: Mapping[str, Tensor | None]) -> None:
-        """Write client ``k``'s fields into ``slot`` (missing names and None values: absent).
+    def write(self, k: int, slot: int, state: Mapping[str, Tensor | None]) -> Record:
+        """Write client ``k``'s fields into ``slot`` (missing names and None values: absent); returns
+        the slot's record (each field's CRC-32, None when absent), for a later :meth:`read`.
 
-        The field chunks go first, then the presence chunk; the protocol never writes a slot that a
-        checkpoint names, so the order only matters for a reader of this very slot.
+        The field chunks go first, then their CRC-32s, then the presence chunk; the protocol never
+        writes a slot that a checkpoint names, so the order only matters for a reader of this slot.
 
         Raises:
             StoreError: a tensor's shape or dtype differs from the field's stored one.
@@ -328,14 +434,18 @@ class ClientStateStore:
             if not isinstance(value, Tensor):
                 raise TypeError(f"client-state field {name!r} must be a tensor or None, got {type(value)}")
             chunks.append(
-                (self._array(name, (tuple(value.shape), value.dtype)), _field_name(name), _encode(value))
+                (i, self._array(name, (tuple(value.shape), value.dtype)), _field_name(name), _encode(value))
             )
             flags[i] = 1
 
-        for arr, array, data in chunks:  # the field chunks first, then the flags
-            self._write_chunk(array, arr, slot, k, data)
+        crcs = np.zeros(len(self.names), dtype=np.uint32)
+        for i, arr, array, data in chunks:  # the field chunks first, then their CRCs, then the flags
+            crcs[i] = self._write_chunk(array, arr, slot, k, data)
+        if self._crcs is not None:
+            self._write_chunk("crc32", self._crcs, slot, k, crcs)
         self._write_chunk("present", self._present, slot, k, flags)
         self._dirty.add((slot, k))
+        return [int(crcs[i]) if flags[i] else None for i in range(len(self.names))]
 
     def flush(self) -> None:
         """Make the chunks written since the last flush durable (fsync) before a checkpoint names them.
@@ -349,7 +459,8 @@ class ClientStateStore:
         if not _syncfs(self.path):
             dirs: set[Path] = set()
             for slot, k in sorted(self._dirty):
-                for name, arr in [("present", self._present)] + [
+                extra = [("crc32", self._crcs)] if self._crcs is not None else []
+                for name, arr in [("present", self._present), *extra] + [
                     (_field_name(n), a) for n, a in self._arrays.items()
                 ]:
                     chunk = self.path / name / "c" / str(slot) / str(k)
@@ -422,10 +533,14 @@ def resolve_budget(budget: str | int) -> int:
     return budget
 
 
-def _nbytes(state: Any) -> int:
+def state_nbytes(state: Any, *, unset: int = 0) -> int:
+    """Bytes of a client state's tensors; each field that is None counts ``unset`` bytes."""
     if state is None:
         return 0
-    return sum(v.nbytes for f in dataclasses.fields(state) if isinstance(v := getattr(state, f.name), Tensor))
+    return sum(
+        v.nbytes if isinstance(v := getattr(state, f.name), Tensor) else unset if v is None else 0
+        for f in dataclasses.fields(state)
+    )
 
 
 class ClientStates:
@@ -470,6 +585,7 @@ class ClientStates:
         self._ckpt = np.full(self.num_clients, -1, dtype=np.int8)  # slot_of as of the last checkpoint
         self._live = np.full(self.num_clients, -1, dtype=np.int8)  # slot to read now
         self._devices: dict[str, str] = {}  # field -> device type of its last put
+        self._expect: dict[int, Record] = {}  # client -> what its live slot holds, where known
 
     @property
     def mode(self) -> Literal["memory", "disk"]:
@@ -505,7 +621,11 @@ class ClientStates:
             return state if state is not None else self._init(k)
         if self._live[k] < 0:
             return self._init(k)
-        data = self._open_store(k).read(k, int(self._live[k]))
+        store, slot = self._open_store(k), int(self._live[k])
+        expect = self._expect.get(k)
+        if expect is None:  # written by another rank since the checkpoint: its own record
+            expect = self._record(store, k, slot)
+        data = store.read(k, slot, expect)
         for name, value in data.items():
             if value is not None:
                 dev = self.device or torch.device(self._devices.get(name, "cpu"))
@@ -520,7 +640,7 @@ class ClientStates:
         if self._cls is None:
             self._cls = type(state)
         if not self._disk:
-            new_held = self._held - _nbytes(self._mem.get(k)) + _nbytes(state)
+            new_held = self._held - state_nbytes(self._mem.get(k)) + state_nbytes(state)
             if self.budget_bytes is None or new_held <= self.budget_bytes:
                 self._mem[k] = state
                 self._held = new_held
@@ -556,8 +676,17 @@ class ClientStates:
             if isinstance(value, Tensor):
                 self._devices[name] = value.device.type
         slot = 0 if self._ckpt[k] < 0 else 1 - int(self._ckpt[k])
-        store.write(k, slot, data)
+        self._expect[k] = store.write(k, slot, data)
         self._live[k] = slot
+
+    @staticmethod
+    def _record(store: ClientStateStore, k: int, slot: int) -> Record:
+        """The record of a slot that must have been written (a slot map names it)."""
+        record = store.record(k, slot)
+        if record is None:
+            flags = store._chunk_file("present", store._present, slot, k)
+            raise _damaged(k, slot, flags, "is missing")
+        return record
 
     def written_elsewhere(self, k: int) -> None:
         """Client ``k`` was trained and written by another rank this round: read its new slot from
@@ -565,6 +694,7 @@ class ClientStates:
         and any rank can train any client in the next round (disk mode only)."""
         if self.mode == "disk":
             self._live[k] = 0 if self._ckpt[k] < 0 else 1 - int(self._ckpt[k])
+            self._expect.pop(k, None)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -573,8 +703,10 @@ class ClientStates:
 
         Memory mode: ``{"mode": "memory", "clients": {k: {"state": {field: tensor|None}}}}`` (the
         tensors themselves, not copies: save before changing them in place). Store mode: the
-        written chunks are fsynced and ``{"mode": "disk", "clients": {k: {"slot": 0|1}}, "devices":
-        ...}``; the live slots of these clients become the checkpointed ones, so call this only to
+        written chunks are fsynced and ``{"mode": "disk", "clients": {k: {"slot": 0|1, "crc32":
+        [per field: CRC-32 or None]}}, "devices": ...}`` (what a resume checks the store against;
+        for a client another rank wrote, read from the slot's ``crc32`` chunk); the live slots of
+        these clients become the checkpointed ones, so call this only to
         write a checkpoint, and put nothing between this call and the checkpoint's completion.
         Clients never written are left out (they restore as ``init(k)``). Entries of several ranks
         merge by the union of their ``clients``.
@@ -592,22 +724,56 @@ class ClientStates:
             self._store.flush()
         idx = np.asarray(list(ks), dtype=np.int64)
         self._ckpt[idx] = self._live[idx]
-        slots = {int(k): {"slot": int(self._live[k])} for k in idx if self._live[k] >= 0}
+        slots: dict[int, dict[str, Any]] = {}
+        for k in (int(k) for k in idx if self._live[k] >= 0):
+            slot = int(self._live[k])
+            if k not in self._expect:
+                assert self._store is not None
+                self._expect[k] = self._record(self._store, k, slot)
+            slots[k] = {"slot": slot, "crc32": list(self._expect[k])}
         return {**head, "mode": "disk", "clients": slots, "devices": dict(self._devices)}
 
-    def restore(self, cmap: Mapping[str, Any]) -> None:
+    def checkpoint(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        """The store's part of a round checkpoint: no per-client files, the slot map in the server
+        file's ``extra`` (see :meth:`checkpoint_map`; commits the live slots)."""
+        return {}, {"client_map": self.checkpoint_map()}
+
+    def restore(self, ckpt: Checkpoint, reset: Iterable[int] = ()) -> None:
+        """Return to checkpoint ``ckpt`` (the newest), ``reset`` clients as never trained.
+
+        Raises:
+            RunDirError: the checkpoint holds its client states as files, not a slot map.
+            ClientStateError: a client's stored state is missing, truncated or damaged.
+        """
+        if "client_map" not in ckpt.extra:
+            raise RunDirError(
+                "the checkpoint holds client states in memory form but this run keeps them on disk; "
+                "resume with the client_state_memory it was started with"
+            )
+        self.restore_map(ckpt.extra["client_map"], reset)
+
+    def restore_map(self, cmap: Mapping[str, Any], reset: Iterable[int] = ()) -> None:
         """Return to the state saved by :meth:`checkpoint_map` (of the newest checkpoint only).
 
-        Clients without an entry restore as never written. Slot entries put this object in store
-        mode; state entries are held in memory (or written to the store when in store mode or past
-        the budget).
+        Clients without an entry, and those in ``reset``, restore as never written (``init(k)``).
+        Slot entries put this object in store mode and are checked at once against the CRC-32s the
+        checkpoint recorded (every chunk read), so damage is found before the first round; state
+        entries are held in memory (or written to the store when in store mode or past the budget).
 
         Raises:
             StoreError: ``cmap`` is not a client-state map, or names slots without a store path.
+            ClientStateError: a named slot is missing, truncated or damaged (the message names the
+                first such client, slot and file, and how many clients are affected).
         """
         if cmap.get("format") != FORMAT or cmap.get("mode") not in ("memory", "disk"):
             raise StoreError("the checkpoint's client-state map is damaged or from another version; rerun")
-        entries = {self._check(k): e for k, e in dict(cmap["clients"]).items()}
+        dropped = {self._check(k) for k in reset}
+        entries = {
+            k: e
+            for k, e in ((self._check(k), e) for k, e in dict(cmap["clients"]).items())
+            if k not in dropped
+        }
+        self._expect = {}
         self._devices.update(dict(cmap.get("devices", {})))
         self._mem, self._held = {}, 0
         self._ckpt.fill(-1)
@@ -618,6 +784,29 @@ class ClientStates:
             raise StoreError("the checkpoint keeps client states in a store but this run has no store path")
         for k, slot in slots.items():
             self._ckpt[k] = self._live[k] = slot
+            if entries[k].get("crc32") is not None:  # checkpoints of version 1 recorded no CRCs
+                self._expect[k] = list(entries[k]["crc32"])
+        self._verify(sorted(slots))
         for k, e in sorted(entries.items()):
             if "state" in e:
                 self.put(k, self._state_cls(k)(**dict(e["state"])))
+
+    def _verify(self, clients: list[int]) -> None:
+        """Read every listed client's live slot against its record; one error naming them all."""
+        bad: list[ClientStateError] = []
+        for k in clients:
+            try:
+                store, slot = self._open_store(k), int(self._live[k])
+                store.read(k, slot, self._expect.get(k) or self._record(store, k, slot))
+            except ClientStateError as err:
+                bad.append(err)
+        if len(bad) == 1:
+            raise bad[0]
+        if bad:
+            ids = ",".join(str(e.client) for e in bad)
+            first = str(bad[0]).split("; resume with")[0]
+            raise ClientStateError(
+                f"{len(bad)} clients' stored states cannot be trusted (first: {first}); resume with "
+                f"--reset-client-states {ids} to re-initialise them (or restore the files)",
+                bad[0].client,
+            )

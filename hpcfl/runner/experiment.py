@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -26,13 +27,14 @@ from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config, parse_memory_budget
 from hpcfl.errors import ConfigError, HpcflError, RunDirError
 from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
+from hpcfl.runner import determinism
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from hpcfl.runner.client_states import ClientStates
 from hpcfl.runner.federation import Federation, build_federation, model_plan
 from hpcfl.runner.lock import RunLock
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
-from hpcfl.runner.rundir import DONE, prepare_run_dir
+from hpcfl.runner.rundir import DONE, FAILED, prepare_run_dir
 from hpcfl.runner.stages import StageInput, StagePlan
 from hpcfl.tct.pipeline import STAGE1_MODEL as STAGE1_MODEL
 
@@ -173,12 +175,14 @@ class _Bookkeeper:
             write_jsonl(self.metrics_path, kept)
             self.rows = kept
         self.total = total
+        self.note: dict[str, Any] = {}  # columns for the next metrics row (a resume's resets)
         self.progress = Progress(total=total, initial=start, enabled=cfg.progress and comm.rank == 0)
 
     def hook(self, stage: str, offset: int, last: int) -> RoundHook:
         def after_round(done: int, srv: ServerState, states: Any, row: dict[str, Any] | None) -> bool:
             done += offset
             if row is not None and self.comm.rank == 0:
+                row, self.note = {**row, **self.note}, {}
                 append_jsonl(self.metrics_path, row)
                 self.rows.append(row)
             self.progress.update(done, row)
@@ -187,11 +191,8 @@ class _Bookkeeper:
             halt = bool(self.comm.allreduce(flag).item())
             if done % self.cfg.checkpoint_every == 0 or done in (last, self.total) or halt:
                 extra: dict[str, Any] = {"stage": stage}
-                if isinstance(states, ClientStates):  # on disk: the slot map, the same on every rank
-                    held: dict[int, Any] = {}
-                    extra["client_map"] = states.checkpoint_map()
-                else:
-                    held = {k: state_to_dict(c) for k, c in states.states.items()}
+                held, part = states.checkpoint()  # files per client, or the store's slot map
+                extra.update(part)
                 extra["clients"] = sorted(k for part in self.comm.allgather(sorted(held)) for k in part)
                 save_checkpoint(
                     self.run_dir / "checkpoints", done, state_to_dict(srv), held, self.comm, extra=extra
@@ -225,24 +226,42 @@ def run_experiment(
     overwrite: bool = False,
     comm: Communicator | None = None,
     stop: StopRequest | None = None,
+    reset_clients: Sequence[int] = (),
 ) -> RunResult:
     """Run (or continue) the configured federation; every rank returns the same server state.
 
     Rank 0 holds the run directory's lock for the whole run (a second run on it is refused).
+    ``reset_clients`` (with ``resume``): clients whose saved states are dropped and re-initialised
+    (``--reset-client-states``: a damaged client-state chunk); the first metrics row after the
+    resume records them as ``reset_client_states``.
     """
+    reset_clients = sorted({int(k) for k in reset_clients})
+    if reset_clients and not resume:
+        raise ConfigError("--reset-client-states applies to a resume; add --resume")
+    if outside := [k for k in reset_clients if not 0 <= k < cfg.num_clients]:
+        raise ConfigError(f"--reset-client-states names clients outside 0..{cfg.num_clients - 1}: {outside}")
     comm = comm or get_comm(cfg.comm)
     run_dir = Path(run_dir)
     lock = RunLock(run_dir) if comm.rank == 0 else None
     _collective_check(comm, lambda: lock.acquire() if lock else None)
     try:
-        return _run_locked(cfg, run_dir, resume=resume, overwrite=overwrite, comm=comm, stop=stop)
+        return _run_locked(
+            cfg, run_dir, resume=resume, overwrite=overwrite, comm=comm, stop=stop, reset=reset_clients
+        )
     finally:
         if lock is not None:
             lock.release()
 
 
 def _run_locked(
-    cfg: Config, run_dir: Path, *, resume: bool, overwrite: bool, comm: Communicator, stop: StopRequest | None
+    cfg: Config,
+    run_dir: Path,
+    *,
+    resume: bool,
+    overwrite: bool,
+    comm: Communicator,
+    stop: StopRequest | None,
+    reset: Sequence[int],
 ) -> RunResult:
     set_threads(cfg, comm)
     has_state = _collective_check(
@@ -257,21 +276,30 @@ def _run_locked(
             _collective_check(comm, lambda stage=stage: stage.check(fed, run_dir))
     held = fed.owned if comm.size > 1 else list(range(len(fed.parts)))  # states this rank may train
     every = list(range(len(fed.parts)))  # every rank checks all client files, so all pick one round
-    ckpt = load_checkpoint(run_dir / "checkpoints", held, all_clients=every) if has_state else None
+    record = determinism.collect(cfg, comm)  # collective: the threads every rank uses
+    if comm.rank == 0 and has_state and (note := determinism.resume_note(run_dir, record)) is not None:
+        print(note, file=sys.stderr)
+    ckpt = (
+        load_checkpoint(run_dir / "checkpoints", held, all_clients=every, reset=reset) if has_state else None
+    )
     start = ckpt.round if ckpt is not None else 0
     if comm.rank == 0:
         dump_config(cfg, run_dir / "config.yaml")
+        determinism.write_record(run_dir, record)
         _write_partition(fed, run_dir)
     total = sum(s.rounds for s in stages)
     if comm.rank == 0 and start < total:  # only now that the checkpoint loaded: unfinished again
         (run_dir / DONE).unlink(missing_ok=True)
     book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total)
+    if reset and ckpt is not None:
+        book.note["reset_client_states"] = reset
     t0 = time.perf_counter()
-    server, done = drive_stages(fed, stages, run_dir, ckpt, book)
+    server, done = drive_stages(fed, stages, run_dir, ckpt, book, reset=reset)
     book.progress.close()
     finished = done >= total
     if comm.rank == 0 and finished:
         atomic_write_text(run_dir / DONE, f"rounds={done} seconds={time.perf_counter() - t0:.3f}\n")
+        (run_dir / FAILED).unlink(missing_ok=True)  # a point that failed before is now done
     comm.barrier()
     return RunResult(run_dir=run_dir, rounds_done=done, server=server, metrics=book.rows, finished=finished)
 
@@ -286,8 +314,11 @@ def drive_stages(
     round_base: int = 0,
     first_index: int = 0,
     sweep: bool = False,
+    reset: Sequence[int] = (),
 ) -> tuple[ServerState, int]:
     """Run every stage from the checkpoint on; returns the final server state and rounds done.
+
+    ``reset``: clients whose checkpointed states are dropped (re-initialised) on the resume.
 
     ``run_dir`` is where stages find their inputs (TCT: θ_T1 and the feature stores); metrics and
     checkpoints go where ``book`` writes. ``round_base``/``first_index`` let a caller run only the
@@ -307,10 +338,15 @@ def drive_stages(
             continue
         resumed_here = ckpt is not None and si == resume_at
         entry = enter_stage(fed, stage, first_index + si, run_dir, server, book.stop, sweep=sweep)
-        srv, states = entry.server, client_states(fed, entry, book.run_dir, stage.name)
+        form = None
         if resumed_here:
             assert ckpt is not None
-            srv = _restore(ckpt, srv, entry, states)
+            form = "disk" if "client_map" in ckpt.extra else "memory"
+        srv, states = entry.server, client_states(fed, entry, book.run_dir, stage.name, resumed_form=form)
+        if resumed_here:
+            assert ckpt is not None
+            srv = state_from_dict(type(srv), ckpt.server)
+            states.restore(ckpt, reset)
         srv, stage_done = run_rounds(
             entry.plan,
             srv,
@@ -353,7 +389,7 @@ def enter_stage(
 
 
 def client_states(
-    fed: Federation, entry: StagePlan, run_dir: Path, stage: str
+    fed: Federation, entry: StagePlan, run_dir: Path, stage: str, *, resumed_form: str | None = None
 ) -> MemoryStates | ClientStates:
     """Where this stage's client states live.
 
@@ -361,6 +397,10 @@ def client_states(
     trained on the same rank (one rank, or full participation) and the states fit the budget;
     otherwise in the client-state store ``client_states_<stage>.zarr`` of the run directory, one
     chunk per client, which any rank reads and writes (``client_state_memory: disk`` forces it).
+    ``resumed_form`` (``"disk"``/``"memory"``): how the checkpoint being resumed keeps them. A
+    checkpoint with a store resumes with the store whatever the (resumable) ``client_state_memory``
+    or rank count says now, and a memory-form one in memory where a client keeps its rank: the
+    other choice would start every client's state again from zero without a word.
     """
     algo = entry.plan.algorithm
     probe = entry.init_client(0)
@@ -368,12 +408,16 @@ def client_states(
         return MemoryStates(entry.init_client)
     choice = parse_memory_budget(fed.cfg.client_state_memory)
     sticky = fed.comm.size == 1 or algo.participation.full(entry.plan.population)
+    if resumed_form == "disk":
+        choice = "disk"
+    elif resumed_form == "memory" and sticky:
+        choice = "memory"
     if choice == "memory" and not sticky:
         raise ConfigError(
             f"client_state_memory: memory cannot hold {algo.name}'s client states with partial participation "
             f"on {fed.comm.size} ranks (a client may train on another rank each round); use auto or disk"
         )
-    if choice == "memory" or (sticky and choice != "disk" and _fits(algo, fed, choice)):
+    if choice == "memory" or (sticky and choice != "disk" and _fits(probe, entry.server, fed, choice)):
         return MemoryStates(entry.init_client)
     return ClientStates(
         entry.init_client,
@@ -383,29 +427,18 @@ def client_states(
     )
 
 
-def _fits(algo: Any, fed: Federation, choice: int | str) -> bool:
-    """Whether every client's state fits the budget (``auto``: a quarter of available memory)."""
-    from hpcfl.runner.client_states import resolve_budget
+def _fits(probe: Any, server: ServerState, fed: Federation, choice: int | str) -> bool:
+    """Whether every client's state fits the budget (``auto``: a quarter of available memory).
 
-    per_client = sum(s.nbytes for s in algo.exchange().sums if s.name == "x") * 2  # e.g. h and θ̂ (SCAFFOLD)
+    A client's size is taken from its state (``probe``, a fresh one), not guessed from the upload:
+    each tensor field's bytes, and a field a fresh state leaves unset counted as one vector the
+    size of the server's ``x`` (what every built-in state field holds once trained).
+    """
+    from hpcfl.runner.client_states import resolve_budget, state_nbytes
+
+    per_client = state_nbytes(probe, unset=server.x.nbytes)
     budget = resolve_budget(choice if isinstance(choice, int) else "auto")
     return per_client * len(fed.parts) <= budget
-
-
-def _restore(
-    ckpt: Checkpoint, server: ServerState, entry: StagePlan, states: MemoryStates | ClientStates
-) -> ServerState:
-    server = state_from_dict(type(server), ckpt.server)
-    if isinstance(states, ClientStates):
-        if "client_map" not in ckpt.extra:
-            raise RunDirError(
-                "the checkpoint holds client states in memory form but this run keeps them on disk; resume with the client_state_memory it was started with"
-            )
-        states.restore(ckpt.extra["client_map"])
-    else:
-        probe = entry.init_client(0)
-        states.states.update({k: state_from_dict(type(probe), d) for k, d in ckpt.clients.items()})
-    return server
 
 
 def default_run_dir(cfg: Config) -> Path:

@@ -24,6 +24,7 @@ from hpcfl.metrics.conformal import conformal_metrics
 from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.models import build_model
+from hpcfl.runner.observers import Drift, LayerCKA, Observer
 from hpcfl.runner.rounds import Evaluator, RoundPlan
 from hpcfl.training.evaluate import evaluate, evaluate_with_probs
 from hpcfl.training.flat import FlatModel
@@ -92,6 +93,7 @@ def schedule_of(cfg: Config) -> LocalSchedule:
         steps=cfg.local_steps,
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
+        drop_last=cfg.drop_last,
     )
 
 
@@ -103,10 +105,12 @@ def client_generator(seed: int, rnd: int, k: int) -> torch.Generator:
 
 
 def model_evaluator(fed: Federation) -> Evaluator:
-    """Test (and, when asked, train) accuracy and loss of the server model."""
+    """Test (and, when asked, train) accuracy and loss of the server's reported model, and the test
+    columns of any other model it names (:meth:`ServerState.evaluated`)."""
 
     def evaluate_server(server: ServerState) -> dict[str, float]:
-        fed.flat.load(server.x)
+        models = server.evaluated()
+        fed.flat.load(models[""])
         model, ds = fed.flat.model, fed.dataset
         row: dict[str, float] = {}
         if fed.cfg.conformal:
@@ -125,6 +129,12 @@ def model_evaluator(fed: Federation) -> Evaluator:
             row["val_accuracy"], row["val_loss"] = evaluate(model, ds.train.x[idx], ds.train.y[idx], fed.comm)
         if fed.cfg.eval_train:
             row["train_accuracy"], row["train_loss"] = evaluate(model, ds.train.x, ds.train.y, fed.comm)
+        for suffix, vec in models.items():
+            if suffix:
+                fed.flat.load(vec)
+                row[f"test_accuracy{suffix}"], row[f"test_loss{suffix}"] = evaluate(
+                    model, ds.test.x, ds.test.y, fed.comm
+                )
         return row
 
     return evaluate_server
@@ -144,8 +154,7 @@ def model_plan(fed: Federation) -> RoundPlan:
         reduction=fed.cfg.reduction,
         eval_every=fed.cfg.eval_every,
         lr_hint=f" (lr is {fed.cfg.lr})",
-        similarity=LayerSimilarity.for_federation(fed) if fed.cfg.cka_metrics else None,
-        drift=drift_of(fed) if fed.cfg.drift_diversity else None,
+        observers=chosen_observers(fed),
         client_batch=parse_client_batch(fed.cfg.client_batch),
     )
 
@@ -158,6 +167,16 @@ def participation_of(cfg: Config) -> Participation:
     if count is not None and count >= cfg.num_clients:
         count = None
     return Participation(count=count, weighting=cfg.participation_weighting)
+
+
+def chosen_observers(fed: Federation) -> tuple[Observer, ...]:
+    """The metrics the config asks for beyond the standard ones (:mod:`hpcfl.runner.observers`)."""
+    chosen: list[Observer] = []
+    if fed.cfg.cka_metrics:
+        chosen.append(LayerCKA(LayerSimilarity.for_federation(fed)))
+    if fed.cfg.drift_diversity:
+        chosen.append(Drift(drift_of(fed), fed.algorithm.num_params))
+    return tuple(chosen)
 
 
 def drift_of(fed: Federation) -> DriftDiversity:
@@ -221,7 +240,9 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, dataset.input_shape, dataset.num_classes, **cfg.model_options).to(device)
     flat = FlatModel(model)
-    algorithm = make_algorithm(cfg, model)
+    schedule = schedule_of(cfg)
+    population = Population(tuple(int(p.numel()) for p in parts))
+    algorithm = make_algorithm(cfg, model).resolved(population, schedule)
     return Federation(
         cfg=cfg,
         comm=comm,
@@ -232,5 +253,5 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         validation=validation,
         flat=flat,
         algorithm=algorithm,
-        trainer=Trainer(flat, schedule_of(cfg)),
+        trainer=Trainer(flat, schedule),
     )

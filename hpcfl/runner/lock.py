@@ -6,7 +6,9 @@ when the holder exits, however it exits, so a killed run leaves no live lock beh
 holder's ``host pid`` inside it, so that the refused process can name who holds it. Where the file
 system does not support ``flock`` (some parallel file systems mount without it), the ``host pid``
 content alone decides: a holder on this host whose process is gone is stale and taken over.
-Under MPI only rank 0 takes the lock.
+Under MPI only rank 0 takes the lock. A sweep directory is locked the same way by the ``hpcfl sweep``
+that runs or queues its points (``RunLock(sweep_dir, what="sweep directory", ...)``), so two sweeps
+never race over one grid.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ from pathlib import Path
 from hpcfl.errors import RunDirError
 
 LOCK_FILE = ".lock"
+
+
+class LockedError(RunDirError):
+    """The directory is locked by another live process (``holder``: its host and PID, if known)."""
+
+    def __init__(self, message: str, holder: tuple[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 def _pid_alive(pid: int) -> bool:
@@ -65,18 +75,31 @@ def lock_holder(run_dir: Path) -> tuple[str, int] | None:
 
 
 class RunLock:
-    """``acquire()`` or refuse with one line naming the holder; ``release()`` on every exit path."""
+    """``acquire()`` or refuse with one line naming the holder; ``release()`` on every exit path.
 
-    def __init__(self, run_dir: Path) -> None:
+    ``what``, ``by`` and ``option`` word the refusal: "<what> D is in use by <by> (host H, PID P);
+    wait for it to end, stop it, or choose another <option>".
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        what: str = "run directory",
+        by: str = "another hpcfl run",
+        option: str = "--run-dir",
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
+        self.what, self.by, self.option = what, by, option
         self._fd: int | None = None
 
-    def _refuse(self, holder: tuple[str, int] | None) -> RunDirError:
+    def _refuse(self, holder: tuple[str, int] | None) -> LockedError:
         who = f"host {holder[0]}, PID {holder[1]}" if holder else "another process"
-        return RunDirError(
-            f"run directory {self.run_dir} is in use by another hpcfl run ({who}); wait for it to "
-            "end, stop it, or choose another --run-dir"
+        return LockedError(
+            f"{self.what} {self.run_dir} is in use by {self.by} ({who}); wait for it to "
+            f"end, stop it, or choose another {self.option}",
+            holder,
         )
 
     def acquire(self) -> None:
@@ -86,9 +109,9 @@ class RunLock:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
-            raise RunDirError(f"run directory {self.run_dir} is a file; choose another --run-dir") from None
+            raise RunDirError(f"{self.what} {self.run_dir} is a file; choose another {self.option}") from None
         except OSError as err:
-            raise RunDirError(f"cannot create run directory {self.run_dir}: {err.strerror}") from None
+            raise RunDirError(f"cannot create {self.what} {self.run_dir}: {err.strerror}") from None
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as err:

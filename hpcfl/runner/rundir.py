@@ -1,6 +1,6 @@
 """The run directory: what is in it, and whether this invocation may use it.
 
-``runs/<name>/.hpcfl-run config.yaml metrics.jsonl partition.json partition.png checkpoints/ DONE``
+``runs/<name>/.hpcfl-run config.yaml metrics.jsonl partition.json partition.png determinism.json checkpoints/ DONE``
 (TCT adds ``stage1_model.pt``, ``features*.zarr`` and ``stage2/``). A finished run (DONE) or an
 unfinished one is never silently reused: ``--resume`` continues it, ``--overwrite`` starts over.
 
@@ -12,13 +12,17 @@ writes there (:data:`RUN_ENTRIES`): a user's other files in it survive.
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hpcfl.config import Config, config_differences, read_yaml
 from hpcfl.errors import RunDirError
+from hpcfl.files import read_yaml
+
+if TYPE_CHECKING:  # the config imports every algorithm (torch); the markers here are read by `status`
+    from hpcfl.config import Config
 
 DONE = "DONE"
+FAILED = "FAILED"  # a sweep point's one-line error (hpcfl.sweep.local); never beside DONE
 MARKER = ".hpcfl-run"  # written when hpcfl starts a run in a directory
 #: Everything hpcfl writes at the top of a run directory (``slurm/`` holds job history and stays),
 #: besides the client-state stores ``client_states_<stage>.zarr``.
@@ -34,10 +38,20 @@ RUN_ENTRIES = (
     "features.zarr",
     "features_test.zarr",
     "stage2",
-    "FAILED",  # a sweep point's recorded error (hpcfl.sweep.local)
+    FAILED,
     "WALL_SECONDS",
+    "determinism.json",  # the threads per rank etc. the run used (hpcfl.runner.determinism)
 )
 _RUN_SIGNS = ("config.yaml", "checkpoints", DONE)
+
+
+def failure(run_dir: Path) -> str | None:
+    """The recorded error of a failed point, or None."""
+    path = Path(run_dir) / FAILED
+    try:
+        return path.read_text().strip() or "failed without a message"
+    except OSError:
+        return None
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -97,6 +111,8 @@ def check_resumable(run_dir: Path, cfg: Config) -> None:
             f"cannot resume {run_dir}: its config.yaml is missing, so the config cannot be checked "
             "against the checkpoints; restore it or start over with --overwrite"
         )
+    from hpcfl.config import config_differences
+
     saved_cfg = read_yaml(saved)
     diffs = config_differences(saved_cfg, cfg.to_dict())
     if diffs:
@@ -104,10 +120,4 @@ def check_resumable(run_dir: Path, cfg: Config) -> None:
             f"cannot resume {run_dir}: its checkpoint was made with a different config "
             f"(differs in: {', '.join(diffs)}); use the same config or --overwrite"
         )
-    if saved_cfg.get("threads") != cfg.threads:
-        print(
-            f"hpcfl: note: resuming with threads={cfg.threads} (the run began with "
-            f"threads={saved_cfg.get('threads')}): results stay valid but are not bit-identical to an "
-            "uninterrupted run",
-            file=sys.stderr,
-        )
+    # another threads, reduction, client_batch or device: noted by hpcfl.runner.determinism

@@ -8,16 +8,17 @@
 - :mod:`hpcfl.sweep.select`: a hyper-parameter chosen on a validation split, never on the test set.
 """
 
-from hpcfl.sweep.grid import Axis as Axis
-from hpcfl.sweep.grid import Point as Point
-from hpcfl.sweep.grid import expand as expand
-from hpcfl.sweep.local import PointOutcome as PointOutcome
-from hpcfl.sweep.local import run_point as run_point
-from hpcfl.sweep.local import run_points as run_points
-from hpcfl.sweep.plan import Sweep as Sweep
-from hpcfl.sweep.plan import SweepPoint as SweepPoint
-from hpcfl.sweep.plan import plan_sweep as plan_sweep
-from hpcfl.sweep.plan import read_sweep as read_sweep
+from hpcfl._lazy import lazy_exports
+
+# on first use: `hpcfl status`/`report` of a sweep read its manifest without importing the runner
+lazy_exports(
+    __name__,
+    {
+        "hpcfl.sweep.grid": ["Axis", "Point", "expand"],
+        "hpcfl.sweep.local": ["PointOutcome", "run_point", "run_points"],
+        "hpcfl.sweep.plan": ["Sweep", "SweepPoint", "plan_sweep", "read_sweep"],
+    },
+)
 
 __all__ = [
     "Axis",

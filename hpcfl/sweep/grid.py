@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from hpcfl.config import read_yaml
 from hpcfl.errors import ConfigError
+from hpcfl.files import read_yaml
 
 SEED = "seed"
 _NAME_MAX = 150  # a point name is a directory and a config name; longer ones end in a hash

@@ -4,7 +4,9 @@
 and the benchmark scripts use it): a point whose run directory holds a finished run of the same
 config is skipped, an unfinished one resumed (bit-identical to an uninterrupted run), and one that
 fails with an hpcfl error (a diverging learning rate, say) is recorded in ``FAILED`` — one line —
-instead of ending the grid.
+instead of ending the grid. A point whose run directory another process holds (its run lock) is
+``busy``: neither run nor marked, so ``DONE`` and ``FAILED`` never coexist — a point's markers are
+written only by the process holding its lock, and writing one removes the other.
 """
 
 from __future__ import annotations
@@ -21,16 +23,16 @@ from typing import Any
 from hpcfl.config import Config, config_differences, config_from_dict, read_yaml
 from hpcfl.errors import HpcflError, StoppedError
 from hpcfl.files import atomic_write_text
-from hpcfl.runner.rundir import DONE
+from hpcfl.runner.rundir import DONE, FAILED, failure
 
-FAILED = "FAILED"  # one line: the error that ended the point
 WALL_SECONDS = "WALL_SECONDS"  # wall-clock seconds of the point's last (re)run
 
 
 @dataclass(frozen=True)
 class PointOutcome:
-    """What :func:`run_point` did: ``status`` is cached, ran, resumed, stopped, failed: <error> or
-    failed (cached): <error>; ``seconds`` the wall time of the run (NaN when unknown)."""
+    """What :func:`run_point` did: ``status`` is cached, ran, resumed, stopped, busy (<holder>),
+    failed: <error> or failed (cached): <error>; ``seconds`` the wall time of the run (NaN when
+    unknown)."""
 
     status: str
     seconds: float
@@ -43,20 +45,21 @@ class PointOutcome:
     def stopped(self) -> bool:
         return self.status == "stopped"
 
+    @property
+    def busy(self) -> bool:
+        """Another process holds the point (its run lock): it was left alone."""
+        return self.status.startswith("busy")
+
+
+def _busy(holder: tuple[str, int] | None) -> PointOutcome:
+    who = f"host {holder[0]}, PID {holder[1]}" if holder else "another process"
+    return PointOutcome(f"busy (run by {who})", float("nan"))
+
 
 def same_config(run_dir: Path, cfg: Config) -> bool:
     """True when ``run_dir`` holds a run (finished or not) of ``cfg`` (resumable keys aside)."""
     saved = Path(run_dir) / "config.yaml"
     return saved.exists() and not config_differences(read_yaml(saved), cfg.to_dict())
-
-
-def failure(run_dir: Path) -> str | None:
-    """The recorded error of a failed point, or None."""
-    path = Path(run_dir) / FAILED
-    try:
-        return path.read_text().strip() or "failed without a message"
-    except OSError:
-        return None
 
 
 def wall_seconds(run_dir: Path) -> float:
@@ -89,12 +92,16 @@ def run_point(
     ``retry_failed=False`` keeps a recorded failure of the same config (the benchmarks: a diverging
     baseline is a result); ``replace_other=True`` starts over a run directory holding another
     config (the benchmarks' cache), where a sweep refuses it while planning;
-    ``record_failures=False`` lets an hpcfl error propagate (``hpcfl compare`` ends on it). ``stop``
+    ``record_failures=False`` lets an hpcfl error propagate (``hpcfl compare`` ends on it; a point
+    another process holds too, where a sweep reports it ``busy``). ``stop``
     is the process's :class:`~hpcfl.runner.StopRequest`.
     """
     from hpcfl.runner import run_experiment
+    from hpcfl.runner.lock import LockedError, lock_holder
 
     path = Path(run_dir)
+    if record_failures and (holder := lock_holder(path)) is not None:  # before any marker is touched
+        return _busy(holder)
     same = same_config(path, cfg)
     if same and (path / DONE).exists():
         return PointOutcome("cached", wall_seconds(path))
@@ -111,11 +118,16 @@ def run_point(
             status = "stopped"
     except StoppedError:
         status = "stopped"
+    except LockedError as err:  # taken by another process since the check above
+        if not record_failures:
+            raise
+        return _busy(err.holder)
     except HpcflError as err:
         if not record_failures:
             raise
         status = f"failed: {err}"
         path.mkdir(parents=True, exist_ok=True)
+        (path / DONE).unlink(missing_ok=True)
         atomic_write_text(path / FAILED, f"{err}\n")
     if path.is_dir():
         atomic_write_text(path / WALL_SECONDS, f"{time.perf_counter() - t0:.1f}\n")

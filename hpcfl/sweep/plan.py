@@ -13,12 +13,14 @@ import datetime as _dt
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpcfl.config import Config, config_differences, read_yaml
 from hpcfl.errors import ConfigError, HpcflError, RunDirError
-from hpcfl.files import atomic_write_text
+from hpcfl.files import atomic_write_text, read_yaml
 from hpcfl.sweep.grid import Axis, Point, expand
+
+if TYPE_CHECKING:  # the config module imports every algorithm (torch): not for reading a manifest
+    from hpcfl.config import Config
 
 MANIFEST = "sweep.json"
 RUNS = "runs"  # the points' run directories: SWEEP_DIR/runs/<point name>
@@ -105,6 +107,8 @@ def _check_point_dir(point: SweepPoint) -> None:
     saved = point.run_dir / "config.yaml"
     if point.cfg is None or not saved.exists():
         return
+    from hpcfl.config import config_differences
+
     diffs = config_differences(read_yaml(saved), point.cfg.to_dict())
     if diffs:
         raise RunDirError(

@@ -2,11 +2,17 @@
 
 One row per method (the ``algorithm`` axis, with an algorithm's own hyper-parameter values beside
 it: ``fedprox (mu=0.01)``), one column per value of the other axes (``dir:0.1``, ``dir:0.5``);
-each cell the mean ± sample standard deviation over the seeds of the finished points. Tables of
-final and best test accuracy and rounds to a target accuracy, in ``report.md`` and one long
-``summary.csv``; ``curves.png`` draws the mean test accuracy per round with a band of ± one
-standard deviation. With a ``--search``, each cell uses only the value chosen on the validation
-split (``selection.csv`` lists every candidate's validation accuracy).
+each cell the mean ± sample standard deviation over the seeds of the finished points. The headline
+table is the protocol's (:mod:`hpcfl.report.protocol`): each seed's mean test accuracy over its last
+k evaluated rounds; then rounds to a target accuracy on a running mean, and, secondary, the final
+and best single-round accuracy; the form an algorithm ran in where its runs record one. All in
+``report.md`` and one long ``summary.csv``; ``curves.png`` draws the mean test accuracy per round
+with a band of ± one standard deviation. With a ``--search``, each cell uses only the value chosen
+on the validation split by the same last-k mean of ``val_accuracy`` (``selection.csv`` lists every
+candidate's).
+
+:func:`protocol_markdown`, :func:`summary_csv` and :func:`plot_bands` take any list of
+:class:`Cell`, so the benchmark scripts print the same tables (``benchmarks/_runs.py``).
 """
 
 from __future__ import annotations
@@ -14,49 +20,20 @@ from __future__ import annotations
 import csv
 import io
 import math
-import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpcfl.errors import RunDirError
 from hpcfl.files import atomic_write_text
+from hpcfl.report.methods import Cell
+from hpcfl.report.protocol import VALIDATION, Protocol, last_k_mean, mean_std
+from hpcfl.report.protocol import fmt_mean_std as _fmt
 from hpcfl.report.summary import RunSummary, summarise
-from hpcfl.report.targets import default_target, rounds_to_target
+from hpcfl.report.targets import default_target
 from hpcfl.runner.rundir import DONE
 from hpcfl.sweep.grid import SEED, Axis
 from hpcfl.sweep.plan import Sweep
-from hpcfl.sweep.select import METRIC, Choice, choose
-
-
-@dataclass
-class Cell:
-    """The finished seeds of one (row, column) of the table."""
-
-    row: str
-    column: str
-    runs: list[RunSummary] = field(default_factory=list)
-    choice: Choice | None = None  # with --search: the chosen value
-
-    @property
-    def n(self) -> int:
-        return len(self.runs)
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (n − 1; NaN for a single value)."""
-    if not values:
-        return math.nan, math.nan
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
-
-
-def _fmt(values: Sequence[float], scale: float = 100.0, digits: int = 2) -> str:
-    if not values:
-        return "—"
-    mean, std = mean_std(values)
-    text = f"{scale * mean:.{digits}f}"
-    return text + (f" ± {scale * std:.{digits}f}" if not math.isnan(std) else "")
+from hpcfl.sweep.select import choose
 
 
 def _show(value: Any) -> str:
@@ -82,8 +59,10 @@ def _labels(values: dict[str, Any], row: str | None, scoped: list[Axis], cols: l
     return label, column
 
 
-def collect(sweep: Sweep) -> tuple[list[Cell], int]:
-    """The table's cells in grid order, and how many points are not finished (left out)."""
+def collect(sweep: Sweep, protocol: Protocol | None = None) -> tuple[list[Cell], int]:
+    """The table's cells in grid order, and how many points are not finished (left out). With a
+    search, each cell keeps the value whose seeds have the best mean last-k validation accuracy."""
+    k = (protocol or Protocol()).last_k
     row, scoped, cols = layout(sweep)
     search = (sweep.search or {}).get("key")
     search_values = next((a.values for a in sweep.axes if a.key == search), ())
@@ -101,21 +80,14 @@ def collect(sweep: Sweep) -> tuple[list[Cell], int]:
     for (label, column), by_value in groups.items():
         cell = Cell(label, column)
         if search:
-            vals = {i: [_final_val(r) for r in runs] for i, runs in by_value.items()}
-            cell.choice = choose(
-                search_values, {i: [v for v in vs if v is not None] for i, vs in vals.items()}
-            )
+            vals = {i: [last_k_mean(r.rows, k, VALIDATION) for r in runs] for i, runs in by_value.items()}
+            cell.choice = choose(search_values, vals)
             if cell.choice is not None:
                 cell.runs = by_value[search_values.index(cell.choice.value)]
         else:
             cell.runs = by_value.get(0, [])
         cells.append(cell)
     return cells, missing
-
-
-def _final_val(run: RunSummary) -> float | None:
-    rows = [r for r in run.rows if METRIC in r]
-    return float(rows[-1][METRIC]) if rows else None
 
 
 def _grid(cells: list[Cell], value: Any) -> list[str]:
@@ -129,59 +101,93 @@ def _grid(cells: list[Cell], value: Any) -> list[str]:
     return lines
 
 
-def _rounds(cell: Cell, target: float) -> str:
-    reached = [r for r in (rounds_to_target(run, target)[0] for run in cell.runs) if r is not None]
+def _rounds(cell: Cell, target: float, window: int, mb: bool = False) -> str:
     if not cell.runs:
         return "—"
-    text = _fmt([float(r) for r in reached], scale=1.0, digits=1) if reached else "not reached"
+    reached = cell.reached(target, window)
+    if not reached:
+        return "not reached"
+    if mb:
+        text = _fmt([b for _, b in reached], scale=1e-6, digits=1)
+    else:
+        text = _fmt([float(r) for r, _ in reached], scale=1.0, digits=1)
     return text + (f" ({len(reached)}/{cell.n})" if len(reached) != cell.n else "")
 
 
-def write_sweep_report(sweep: Sweep, out: Path, *, target: float | None = None) -> str:
+def protocol_markdown(
+    cells: list[Cell], protocol: Protocol, target: float, *, search: str | None = None
+) -> list[str]:
+    """The tables (markdown lines): last-k mean test accuracy (the headline), rounds and MB to
+    ``target`` on the running mean, final and best single-round accuracy, the form each method ran
+    in (where its runs record one) and, with ``search`` (the searched key), the chosen values."""
+    k, w, pct = protocol.last_k, protocol.window, f"{100 * target:g}%"
+    md = [
+        f"Last-{k} test accuracy (%): each seed's mean over its last {k} evaluated rounds, then mean ± "
+        "std over seeds:",
+        "",
+        *_grid(cells, lambda c: _fmt(c.last_k(k))),
+        "",
+        f"Rounds to {pct} test accuracy on the running mean of {w} evaluated rounds ((r/n): only r of n "
+        "seeds reached it):",
+        "",
+        *_grid(cells, lambda c: _rounds(c, target, w)),
+        "",
+        f"MB to {pct} (up + down, all participants; the seeds that reached it):",
+        "",
+        *_grid(cells, lambda c: _rounds(c, target, w, mb=True)),
+        "",
+        "Final test accuracy (%, one round; secondary):",
+        "",
+        *_grid(cells, lambda c: _fmt([r.final_accuracy for r in c.runs])),
+        "",
+        "Best test accuracy (%, one round; secondary):",
+        "",
+        *_grid(cells, lambda c: _fmt([r.best_accuracy for r in c.runs])),
+    ]
+    if any(c.forms for c in cells):
+        md += ["", "Form each method ran in (as its runs record it):", ""]
+        md += _grid(cells, lambda c: ", ".join(c.forms) or "—")
+    if search:
+        md += ["", f"Chosen {search} (mean last-{k} validation accuracy over seeds, %):", ""]
+        md += _grid(
+            cells,
+            lambda c: f"{_show(c.choice.value)} ({100 * c.choice.val_mean:.2f})" if c.choice else "—",
+        )
+    return md
+
+
+def write_sweep_report(
+    sweep: Sweep, out: Path, *, target: float | None = None, protocol: Protocol | None = None
+) -> str:
     """report.md, summary.csv, curves.png (and selection.csv with a search) into ``out``; returns
-    the markdown. ``target`` (a fraction) defaults to the level every finished run reaches."""
-    cells, missing = collect(sweep)
+    the markdown. ``target`` (a fraction) defaults to the level every finished run's running mean
+    reaches."""
+    protocol = protocol or Protocol()
+    cells, missing = collect(sweep, protocol)
     runs = [r for c in cells for r in c.runs]
     if not runs:
         raise RunDirError(f"{sweep.sweep_dir}: no point has finished yet (hpcfl status {sweep.sweep_dir})")
     out.mkdir(parents=True, exist_ok=True)
-    level = default_target(runs) if target is None else target
-    pct = f"{100 * level:g}%"
+    level = default_target(runs, window=protocol.window) if target is None else target
     seeds = sorted({c.n for c in cells})
     md = [
         f"# Sweep {sweep.name}",
         "",
         f"Mean ± sample standard deviation over seeds ({'/'.join(map(str, seeds))} finished seeds per cell)"
         + (f"; {missing} points not finished (failed or still to run) left out." if missing else "."),
+        f"Protocol: {protocol.describe()}.",
     ]
+    search = sweep.search["key"] if sweep.search else None
     if sweep.search:
         md.append(
-            f"Each cell uses the {sweep.search['key']} chosen by final validation accuracy on a "
+            f"Each cell uses the {search} chosen by the mean validation accuracy of the last "
+            f"{protocol.last_k} evaluated rounds (mean over seeds) on a "
             f"{100 * sweep.search['validation']:g}% split of the clients' training data (selection.csv); "
             "the test set played no part in the choice."
         )
-    md += [
-        "",
-        "Final test accuracy (%):",
-        "",
-        *_grid(cells, lambda c: _fmt([r.final_accuracy for r in c.runs])),
-    ]
-    md += [
-        "",
-        "Best test accuracy (%):",
-        "",
-        *_grid(cells, lambda c: _fmt([r.best_accuracy for r in c.runs])),
-    ]
-    md += ["", f"Rounds to {pct} test accuracy ((k/n): only k of n seeds reached it):", ""]
-    md += _grid(cells, lambda c: _rounds(c, level))
-    if sweep.search:
-        md += ["", f"Chosen {sweep.search['key']} (mean validation accuracy, %):", ""]
-        md += _grid(
-            cells,
-            lambda c: f"{_show(c.choice.value)} ({100 * c.choice.val_mean:.2f})" if c.choice else "—",
-        )
-        atomic_write_text(out / "selection.csv", _selection_csv(cells, sweep.search["key"]))
-    atomic_write_text(out / "summary.csv", summary_csv(cells, level))
+        atomic_write_text(out / "selection.csv", _selection_csv(cells, search, protocol.last_k))
+    md += ["", *protocol_markdown(cells, protocol, level, search=search)]
+    atomic_write_text(out / "summary.csv", summary_csv(cells, level, protocol))
     plot_bands(cells, out / "curves.png")
     md += ["", "Curves (mean ± std over seeds): curves.png; every number: summary.csv", ""]
     text = "\n".join(md)
@@ -189,28 +195,36 @@ def write_sweep_report(sweep: Sweep, out: Path, *, target: float | None = None) 
     return text
 
 
-def summary_csv(cells: list[Cell], target: float) -> str:
-    """One line per cell: n, mean and std of final and best accuracy and of rounds to target."""
+def summary_csv(cells: list[Cell], target: float, protocol: Protocol | None = None) -> str:
+    """One line per cell: n, mean and std of the last-k mean, of final and best accuracy, and of
+    rounds and bytes to target on the running mean; the form(s) and the chosen value."""
+    protocol = protocol or Protocol()
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(
-        ["method", "column", "n", "final_mean", "final_std", "best_mean", "best_std", "target",
-         "rounds_to_target_mean", "rounds_to_target_std", "reached", "chosen"]
+        ["method", "column", "n", "last_k", "last_k_mean", "last_k_std", "final_mean", "final_std",
+         "best_mean", "best_std", "target", "window", "rounds_to_target_mean", "rounds_to_target_std",
+         "bytes_to_target_mean", "bytes_to_target_std", "reached", "form", "chosen"]
     )  # fmt: skip
     for c in cells:
+        last = mean_std(c.last_k(protocol.last_k))
         final = mean_std([r.final_accuracy for r in c.runs])
         best = mean_std([r.best_accuracy for r in c.runs])
-        reached = [float(x) for x in (rounds_to_target(r, target)[0] for r in c.runs) if x is not None]
-        rounds = mean_std(reached)
+        reached = c.reached(target, protocol.window)
+        rounds = mean_std([float(r) for r, _ in reached])
+        spent = mean_std([b for _, b in reached])
         chosen = _show(c.choice.value) if c.choice else ""
-        writer.writerow([c.row, c.column, c.n, *final, *best, target, *rounds, len(reached), chosen])
+        writer.writerow(
+            [c.row, c.column, c.n, protocol.last_k, *last, *final, *best, target, protocol.window,
+             *rounds, *spent, len(reached), "/".join(c.forms), chosen]
+        )  # fmt: skip
     return buf.getvalue()
 
 
-def _selection_csv(cells: list[Cell], key: str) -> str:
+def _selection_csv(cells: list[Cell], key: str, k: int) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(["method", "column", key, "val_accuracy_mean", "chosen"])
+    writer.writerow(["method", "column", key, f"val_accuracy_last{k}_mean", "chosen"])
     for c in cells:
         if c.choice is None:
             continue

@@ -4,8 +4,9 @@
 of every client's training samples (``validation``, FedPVR's 1% by default): the clients never
 train on it, the test set is untouched, and every evaluated round logs ``val_accuracy`` beside
 ``test_accuracy``. For each group of points that differ only in the searched value and the seed,
-the value with the best final validation accuracy (mean over seeds; ties: the first value given)
-is chosen, and only its test accuracy is reported.
+the value with the best validation accuracy is chosen — each seed's mean ``val_accuracy`` over its
+last k evaluated rounds (the protocol's k, :mod:`hpcfl.report.protocol`, ``hpcfl report --last``),
+then the mean over seeds; ties: the first value given — and only its test accuracy is reported.
 """
 
 from __future__ import annotations
@@ -62,16 +63,17 @@ class Choice:
     candidates: dict[str, float]  # repr(value) -> mean validation accuracy (NaN: failed / missing)
 
 
-def choose(values: Sequence[Any], val_by_value: dict[int, list[float]]) -> Choice | None:
+def choose(values: Sequence[Any], val_by_value: dict[int, list[float | None]]) -> Choice | None:
     """The value (index into ``values``) with the best mean validation accuracy over its seeds.
 
-    ``val_by_value[i]`` holds the final validation accuracies of value ``i``'s seeds; a value with
-    none (every seed failed) cannot be chosen. Ties go to the value given first.
+    ``val_by_value[i]`` holds the validation accuracies of value ``i``'s seeds (each seed's last-k
+    mean; None for a seed that logged none); a value with none (every seed failed) cannot be
+    chosen. Ties go to the value given first.
     """
     best: tuple[float, int] | None = None
     means: dict[str, float] = {}
     for i, value in enumerate(values):
-        accs = val_by_value.get(i, [])
+        accs = [a for a in val_by_value.get(i, []) if a is not None]
         mean = statistics.fmean(accs) if accs else float("nan")
         means[repr(value)] = mean
         if accs and (best is None or mean > best[0]):

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from hpcfl.files import read_jsonl
 from hpcfl.launch.status import SlurmView, slurm_views
-from hpcfl.runner.rundir import DONE
-from hpcfl.sweep.local import failure
+from hpcfl.runner.rundir import DONE, failure
 from hpcfl.sweep.plan import Sweep, SweepPoint
 
 
@@ -39,7 +38,9 @@ class PointStatus:
             text = f"{self.state} round {self.rounds_done}/{total}"
         else:
             text = self.state
-        if self.error:  # failed: the error; queued: SLURM's reason; ended early: the job's state
+        if (
+            self.error
+        ):  # failed: the error; queued: SLURM's reason; ended early: the job's state; done: a stale FAILED
             text += f": {self.error}" if self.state == "failed" else f" ({self.error})"
         return text
 
@@ -66,6 +67,8 @@ def point_status(
     status = PointStatus(point.name, "not started", rounds, rounds_total, seconds_per_round=per_round)
     if (point.run_dir / DONE).exists():
         status.state = "done"
+        if (error := failure(point.run_dir)) is not None:  # both markers: say so, never count it twice
+            status.error = f"a stale FAILED marker also says: {error}"
         return status
     if (point.run_dir / "slurm" / "jobs.jsonl").exists():
         from hpcfl.launch import run_status
@@ -97,7 +100,7 @@ def point_status(
 
 def sweep_status(sweep: Sweep) -> list[PointStatus]:
     """Every point's status, in the manifest's order. SLURM is asked once for all points' jobs."""
-    from hpcfl.launch.submit import read_job_records
+    from hpcfl.launch.records import read_job_records
 
     jobs = []
     for p in sweep.points:

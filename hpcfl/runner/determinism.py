@@ -1,0 +1,118 @@
+"""What a run's bit-identity depends on, recorded beside its config (``determinism.json``).
+
+hpcfl's results are a pure function of the config *and* of a few settings of the machine the
+config does not fix: the torch threads each rank used (a CPU kernel's reduction order follows its
+thread count, so 1 process with 2 threads and 2 ranks with 1 thread each differ in the last bits),
+the ``reduction`` (with ``float32`` the round's sum also depends on the rank count), ``client_batch``
+(the vectorised step rounds differently from the one-by-one loop) and the device. ``threads`` is
+resumable and may be left unset (then it is the node's cores shared by its ranks), so the config
+alone cannot tell whether two runs should agree: every run writes what it actually used here, a
+resume that uses something else says so in one note, and ``hpcfl report`` of runs with the same
+config names the settings in which they differ.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcfl.files import atomic_write_text, read_yaml
+
+if TYPE_CHECKING:  # `hpcfl report` reads records: no torch, no config (which imports every algorithm)
+    from hpcfl.comm.base import Communicator
+    from hpcfl.config import Config
+
+RECORD = "determinism.json"
+
+
+def collect(cfg: Config, comm: Communicator) -> dict[str, Any]:
+    """This run's record (collective: every rank reports its thread count)."""
+    import torch
+
+    return {
+        "threads_per_rank": [int(t) for t in comm.allgather(torch.get_num_threads())],
+        "reduction": cfg.reduction,
+        "client_batch": str(cfg.client_batch),
+        "device": cfg.device,
+    }
+
+
+def read_record(run_dir: Path) -> dict[str, Any] | None:
+    """The record of a run directory, or None (runs of older versions have none)."""
+    try:
+        data = json.loads((Path(run_dir) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_record(run_dir: Path, record: dict[str, Any]) -> None:
+    """Write the record (rank 0), atomically."""
+    atomic_write_text(Path(run_dir) / RECORD, json.dumps(record, sort_keys=True) + "\n")
+
+
+def _threads(record: dict[str, Any]) -> str:
+    per_rank = list(record.get("threads_per_rank", []))
+    ranks = len(per_rank)
+    if per_rank and len(set(per_rank)) == 1:
+        return f"{per_rank[0]} thread(s) per rank on {ranks} rank(s)"
+    return f"threads {per_rank} on {ranks} ranks"
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The settings in which two records differ so that their results need not be bit-identical,
+    each as "<setting> <a> vs <b>". The rank count alone matters only with ``reduction: float32``."""
+    out = []
+    ta, tb = list(a.get("threads_per_rank", [])), list(b.get("threads_per_rank", []))
+    float32 = "float32" in (a.get("reduction"), b.get("reduction"))
+    if set(ta) != set(tb) or (float32 and len(ta) != len(tb)):
+        out.append(f"threads {_threads(a)} vs {_threads(b)}")
+    for key in ("reduction", "client_batch", "device"):
+        if a.get(key) != b.get(key):
+            out.append(f"{key} {a.get(key)} vs {b.get(key)}")
+    return out
+
+
+def resume_note(run_dir: Path, now: dict[str, Any]) -> str | None:
+    """The note a resume prints when it runs with other bit-identity settings than the run began
+    with (None when they match or the run has no record)."""
+    before = read_record(run_dir)
+    if before is None:
+        return None
+    diffs = differences(now, before)
+    if not diffs:
+        return None
+    return (
+        f"hpcfl: note: resuming {run_dir} with other settings than it began with "
+        f"({'; '.join(d.replace(' vs ', ', the run began with ', 1) for d in diffs)}): results stay "
+        "valid but are not bit-identical to an uninterrupted run"
+    )
+
+
+def comparison_notes(run_dirs: list[Path]) -> list[str]:
+    """For runs whose configs agree (resumable keys aside), one note per pair whose records differ:
+    the runs should agree bit for bit only when these settings match."""
+    runs = []
+    for d in run_dirs:
+        record = read_record(d)
+        if record is not None and (Path(d) / "config.yaml").exists():
+            cfg = read_yaml(Path(d) / "config.yaml")
+            cfg.pop("name", None)
+            runs.append((Path(d), cfg, record))
+    notes: list[str] = []
+    if len(runs) < 2:
+        return notes
+    from hpcfl.config import config_differences  # imports torch: only when there is a pair to compare
+
+    for i, (da, ca, ra) in enumerate(runs):
+        for db, cb, rb in runs[i + 1 :]:
+            if config_differences(ca, cb):
+                continue
+            diffs = differences(ra, rb)
+            if diffs:
+                notes.append(
+                    f"hpcfl: note: {da} and {db} share a config but ran with {'; '.join(diffs)}: "
+                    "they are not expected to be bit-identical (README, Determinism)"
+                )
+    return notes

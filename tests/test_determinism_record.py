@@ -1,0 +1,89 @@
+"""What bit-identity needs, recorded and compared (issue 26, item 3).
+
+``hpcfl run`` with 2 threads and ``mpiexec -n 2 hpcfl run`` with 1 thread per rank of the same
+config differ in the last bits; nothing said so. Every run now writes the threads of each rank,
+``reduction``, ``client_batch`` and the device to ``determinism.json``; a resume with other values
+and ``hpcfl report`` of same-config runs that differ in them name the difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from hpcfl.cli.main import main
+from hpcfl.runner.determinism import differences, read_record
+from tests.conftest import REPO
+from tests.helpers import mpiexec_cmd, synthetic_config
+
+
+def test_run_records_the_threads_of_every_rank(tmp_path):
+    cfg = synthetic_config(tmp_path, rounds=1, algorithm="fedavg", threads=2)
+    run = tmp_path / "run"
+    assert main(["run", str(cfg), "--run-dir", str(run)]) == 0
+    assert read_record(run) == {
+        "threads_per_rank": [2],
+        "reduction": "float64",
+        "client_batch": "1",
+        "device": "cpu",
+    }
+
+
+def test_resume_names_each_setting_that_differs(tmp_path, capsys):
+    cfg = synthetic_config(tmp_path, rounds=3, algorithm="fedavg")
+    run = tmp_path / "run"
+    assert main(["run", str(cfg), "--run-dir", str(run), "--set", "rounds=1"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(cfg), "--run-dir", str(run), "--resume", "--set", "rounds=2"]) == 0
+    assert "note" not in capsys.readouterr().err  # the same settings: nothing to say
+    argv = ["run", str(cfg), "--run-dir", str(run), "--resume", "--set", "threads=2", "client_batch=2"]
+    assert main(argv) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hpcfl: note:")]
+    assert notes == [
+        f"hpcfl: note: resuming {run} with other settings than it began with (threads 2 thread(s) per "
+        "rank on 1 rank(s), the run began with 1 thread(s) per rank on 1 rank(s); client_batch 2, the run "
+        "began with 1): results stay valid but are not bit-identical to an uninterrupted run"
+    ]
+    assert read_record(run)["threads_per_rank"] == [2]  # the record follows the latest (re)start
+
+
+def test_rank_count_matters_only_with_float32_sums():
+    one = {"threads_per_rank": [1], "reduction": "float64", "client_batch": "1", "device": "cpu"}
+    two = {**one, "threads_per_rank": [1, 1]}
+    assert differences(one, two) == []  # float64 sums: placement-independent
+    assert differences({**one, "reduction": "float32"}, {**two, "reduction": "float32"}) == [
+        "threads 1 thread(s) per rank on 1 rank(s) vs 1 thread(s) per rank on 2 rank(s)"
+    ]
+
+
+@pytest.mark.slow
+def test_one_process_and_two_ranks_are_compared_by_report(tmp_path, capsys):
+    """The issue's case: the same config (threads unset) on 1 process and on 2 ranks of this node;
+    ``hpcfl report`` names the thread counts, and runs that agree get no note."""
+    cfg = synthetic_config(tmp_path, rounds=1, algorithm="fedavg", threads=None)
+    one, two, again = tmp_path / "one", tmp_path / "two", tmp_path / "again"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for argv in (
+        mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(two)),
+        mpiexec_cmd(1, "run", str(cfg), "--run-dir", str(one), "--set", "comm=local", "threads=2"),
+    ):
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+    cores = len(os.sched_getaffinity(0))
+    assert read_record(two)["threads_per_rank"] == [max(1, cores // 2)] * 2
+    capsys.readouterr()
+    assert main(["report", str(one), str(two), "--out", str(tmp_path / "rep")]) == 0
+    err = capsys.readouterr().err
+    if cores // 2 != 2:
+        assert (
+            f"hpcfl: note: {one} and {two} share a config but ran with threads 2 thread(s) per rank on 1 "
+            f"rank(s) vs {max(1, cores // 2)} thread(s) per rank on 2 rank(s)"
+        ) in err
+    assert main(["run", str(cfg), "--run-dir", str(again), "--set", "threads=2"]) == 0
+    capsys.readouterr()
+    assert main(["report", str(one), str(again), "--out", str(tmp_path / "rep2")]) == 0
+    assert "note" not in capsys.readouterr().err
+    assert json.loads((one / "determinism.json").read_text()) == read_record(again)
