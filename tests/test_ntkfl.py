@@ -738,3 +738,27 @@ def test_ntkfl_beats_fedavg_after_a_few_rounds_on_fashion_mnist(tmp_path: Path):
     ntk = final("ntk", algorithm="ntkfl", params={"memory_budget": str(12 * 2**30), "loss": "ce"})
     fedavg = max(final(f"avg{s}", algorithm="fedavg", local_steps=s) for s in (1, 10))
     assert ntk > fedavg, (ntk, fedavg)
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"), [("fmnist_ntkfl_paper.yaml", NTKFLParams), ("fmnist_cp_ntkfl_paper.yaml", CPNTKFLParams)]
+)
+def test_paper_configs_are_the_authors_run(name: str, cls):
+    """The authors' Fashion-MNIST run (reference code's config_fmnist.yaml): 300 clients on
+    client-dir 0.1, 21 per round (part_rate 0.07), Kaiming init, CE at lr 0.01, the 12-point grid."""
+    from hpcfl.config import load_config
+
+    cfg = load_config(REPO / "configs" / name)
+    assert (cfg.dataset, cfg.partition, cfg.num_clients, cfg.clients_per_round) == (
+        "fashion-mnist",
+        "client-dir:0.1",
+        300,
+        21,
+    )
+    assert cfg.model == "mlp" and cfg.model_options == {"init": "kaiming"}
+    params = cfg.params
+    assert type(params) is cls
+    assert (params.loss, params.eta, params.select) == ("ce", 0.01, "train")
+    assert params.grid == (100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1500, 2000)
+    if cls is CPNTKFLParams:
+        assert (params.beta, params.projection_dim, params.keep) == (0.3, 200, 0.1)
