@@ -22,10 +22,12 @@ that the runner checkpoints as they are.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from abc import ABC
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -35,6 +37,9 @@ from hpcfl.errors import ConfigError
 from hpcfl.training.batched import ClientJob, batched_local_sgd
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import Correction, LocalResult, LocalSchedule, LossFn, cross_entropy_loss, local_sgd
+
+if TYPE_CHECKING:  # the runner's types, named in annotations only (the runner depends on this module)
+    from hpcfl.runner.stages import StageInput, StagePlan
 
 P = TypeVar("P", bound="HyperParams")
 S = TypeVar("S", bound="ServerState")
@@ -87,7 +92,15 @@ class ClientData:
 
 @dataclass(frozen=True)
 class HyperParams:
-    """Base class of the per-algorithm hyper-parameter dataclasses (frozen, documented fields)."""
+    """Base class of the per-algorithm hyper-parameter dataclasses (frozen, documented fields).
+
+    A subclass validates its own fields in ``__post_init__`` (one :class:`ConfigError` line naming
+    the key), so the config validates every algorithm's section without knowing the algorithm.
+    """
+
+    def check_data(self, dataset: str, num_classes: int) -> None:
+        """Refuse values the dataset rules out (called with its class count before any data is
+        read; default: nothing to check)."""
 
 
 @dataclass(frozen=True)
@@ -250,23 +263,40 @@ class ServerContext:
     world: int = 1
 
 
+#: A stage hook by reference, ``"package.module:function"``: how an algorithm's file names its stage
+#: code (``hpcfl.tct.*``, ``hpcfl.ntk.*``), which sits above the contract and depends on it, so the
+#: algorithm never imports it; the runner imports it when it calls the hook.
+HookRef = str
+
+
+def resolve_hook(hook: Callable[..., Any] | HookRef) -> Callable[..., Any]:
+    """The function a stage hook names (a callable is returned as it is)."""
+    if callable(hook):
+        return hook
+    module, _, name = hook.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class Stage:
     """One stage of a run: ``rounds`` rounds of the algorithm ``enter`` builds.
 
     ``enter`` is None for the stage that trains the configured model with this algorithm; otherwise
     the runner calls it with a :class:`hpcfl.runner.stages.StageInput` (the previous stage's server
-    state and the run's federation) and runs the plan it returns. ``check`` runs before the first
-    round of the run (a refusal that needs only the config and the data, e.g. disk space);
-    ``finish`` runs when the stage's rounds are done (TCT keeps θ_T1). Only the runner calls them,
-    so algorithms stay free of I/O.
+    state and the run's federation) and runs the :class:`hpcfl.runner.stages.StagePlan` it returns.
+    ``check`` runs before the first round of the run (a refusal that needs only the config and the
+    data, e.g. disk space); ``finish`` runs when the stage's rounds are done (TCT keeps θ_T1). Each
+    is a function or a :data:`HookRef` (:func:`resolve_hook`). Only the runner calls them, so
+    algorithms stay free of I/O.
     """
 
     name: str
     rounds: int
-    enter: Callable[[Any], Any] | None = None
-    check: Callable[[Any, Any], None] | None = None  # (federation, run_dir): refuse before any round
-    finish: Callable[[Any], None] | None = None  # called with a StageInput when the stage's rounds are done
+    enter: Callable[[StageInput], StagePlan] | HookRef | None = None
+    check: Callable[[Any, Path], None] | HookRef | None = (
+        None  # (federation, run_dir): refuse before any round
+    )
+    finish: Callable[[StageInput], None] | HookRef | None = None  # when the stage's rounds are done
 
 
 class Algorithm(ABC, Generic[P, S, C]):
@@ -278,6 +308,16 @@ class Algorithm(ABC, Generic[P, S, C]):
 
     name: ClassVar[str]
     Params: ClassVar[type[HyperParams]] = HyperParams
+    #: small hyper-parameters the contract tests (tests/test_contract.py) run it with on a tiny
+    #: synthetic federation; None: ``Params()``
+    example_params: ClassVar[HyperParams | None] = None
+    #: top-level config sections of configs written before ``params:`` existed that belong to this
+    #: algorithm: one named after the algorithm holds its params, one named after a params field
+    #: holds that field (TCT's ``stage1``/``stage2``); the config moves them into ``params``
+    legacy_sections: ClassVar[tuple[str, ...]] = ()
+    #: whether the last stage logs ``val_accuracy`` on the held-out split (``validation``), which
+    #: ``hpcfl sweep --search`` selects on; False where it evaluates its own way (TCT's stage 2)
+    logs_validation: ClassVar[bool] = True
     #: why the participants train one by one when :meth:`local_task` declares nothing
     unbatched_reason: ClassVar[str] = "its local work is not a declared local task"
 

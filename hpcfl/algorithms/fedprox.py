@@ -33,6 +33,7 @@ class FedProxParams(HyperParams):
 
 class FedProx(Algorithm[FedProxParams, ServerState, ClientState]):
     name = "fedprox"
+    legacy_sections = ("fedprox",)
     Params = FedProxParams
 
     def local_task(

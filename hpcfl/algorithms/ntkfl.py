@@ -161,9 +161,9 @@ class NTKFLParams(HyperParams):
                 f"config key 'params.kernel_cond' must be true or false, got {self.kernel_cond!r}"
             )
         if self.memory_budget != "auto":
-            from hpcfl.config import parse_memory_budget
+            from hpcfl.units import parse_memory_budget
 
-            parse_memory_budget(str(self.memory_budget))
+            parse_memory_budget(str(self.memory_budget), key="params.memory_budget")
 
 
 @dataclass
@@ -197,6 +197,8 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
 
     name = "ntkfl"
     Params = NTKFLParams
+    logs_validation = False  # the evolved model is evaluated on the test set only
+    example_params = NTKFLParams(grid=(10, 20))
     unbatched_reason = "its clients compute Jacobians, not local SGD"
 
     network: nn.Module | None = None  # the model the server evaluates candidates with (attach)
@@ -232,9 +234,7 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         return [others[i] for i in self.participation.sample(sub, generator)]
 
     def stages(self) -> Sequence[Stage]:
-        from hpcfl.ntk.stage import enter_ntk
-
-        return (Stage("train", -1, enter=enter_ntk),)
+        return (Stage("train", -1, enter="hpcfl.ntk.stage:enter_ntk"),)
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
         names = ("jacobian", "output", "label") + (("input",) if self.params.select == "train" else ())

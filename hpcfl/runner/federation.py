@@ -17,7 +17,7 @@ from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Tra
 from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.comm import Communicator, place_clients
-from hpcfl.config import Config, parse_client_batch
+from hpcfl.config import Config
 from hpcfl.data import Dataset, load_dataset, partition
 from hpcfl.errors import ConfigError
 from hpcfl.metrics.conformal import conformal_metrics
@@ -29,6 +29,7 @@ from hpcfl.runner.rounds import Evaluator, RoundPlan
 from hpcfl.training.evaluate import evaluate, evaluate_with_probs
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import LocalSchedule
+from hpcfl.units import parse_client_batch
 
 
 @dataclass
