@@ -13,12 +13,12 @@ from torch import nn
 
 from hpcfl.algorithms import FedAvg, FedDyn, FedProx, FedPVR, Scaffold, Trainer
 from hpcfl.algorithms.base import ClientData, upload_weight
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.algorithms.scaffold import ScaffoldClientState, choose_form
 from hpcfl.errors import ConfigError
 from hpcfl.training import FlatModel, LocalSchedule
 from hpcfl.training.batched import ClientJob, batched_local_sgd
+from hpcfl.training.layout import StateLayout
 from hpcfl.training.sgd import batch_indices, local_norm, local_sgd
 from tests.test_algorithms import _least_squares_clients, _mse
 

@@ -7,7 +7,7 @@ import pytest
 
 from hpcfl.config import config_from_dict
 from hpcfl.errors import ConfigError
-from tests.import_graph import cycles, graph, layer, upward
+from tests.import_graph import ACCEPTED, STAGE_CODE, cycles, graph, layer, upward
 
 
 def test_the_import_graph_has_no_cycle() -> None:
@@ -28,6 +28,28 @@ def test_algorithms_import_no_stage_code_and_the_contract_no_runner() -> None:
     contract = [m for m in edges if m.startswith("hpcfl.algorithms")]
     assert {(m, t) for m in contract for t in edges[m] if layer(t) < layer(m)} == set()
     assert [edge for edge in upward(edges) if edge[0].startswith("hpcfl.algorithms")] == []
+
+
+def test_stage_code_imports_the_contract_never_the_runner() -> None:
+    """``hpcfl.tct`` and ``hpcfl.ntk`` reach the federation through the stage contract's
+    FederationView and the communicator StageInput carries: no import of ``hpcfl.runner`` (nor of
+    anything above it), at module level or inside a function."""
+    edges = graph()
+    stage = [m for m in edges if m.startswith(STAGE_CODE)]
+    assert len(stage) >= 8  # the walker sees tct/ and ntk/
+    above = {(m, t) for m in stage for t in edges[m] if t.startswith("hpcfl.runner") or layer(t) < layer(m)}
+    assert above == set()
+
+
+def test_every_upward_import_is_an_accepted_one() -> None:
+    """Imports only point down (DESIGN.md, "Layers"), but for the function-level ones
+    ``tests/import_graph.py`` lists with their reason."""
+    assert set(upward(graph())) == set(ACCEPTED)
+
+
+def test_the_layer_check_catches_a_stage_module_reaching_into_the_runner() -> None:
+    edges = {"hpcfl.tct.pipeline": {"hpcfl.runner.federation"}, "hpcfl.runner.federation": set()}
+    assert upward(edges) == [("hpcfl.tct.pipeline", "hpcfl.runner.federation")]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ from torch import nn
 
 from hpcfl.algorithms import ClientData, FedAvg, Trainer
 from hpcfl.algorithms.base import Upload
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Population
 from hpcfl.comm import LocalComm
 from hpcfl.runner.buffer import BufferLayout
@@ -29,6 +28,7 @@ from hpcfl.runner.observers import (
 )
 from hpcfl.runner.rounds import MemoryStates, RoundPlan, round_observers, run_rounds
 from hpcfl.training import FlatModel, LocalSchedule
+from hpcfl.training.layout import StateLayout
 
 
 class Census(Observer):

@@ -191,9 +191,9 @@ def test_counted_bytes_equal_the_declared_exchange(tmp_path: Path) -> None:
 
 
 def test_state_layout_names_module_slices() -> None:
-    from hpcfl.algorithms.layout import StateLayout
     from hpcfl.models import build_model
     from hpcfl.training import FlatModel
+    from hpcfl.training.layout import StateLayout
 
     model = build_model("simplecnn", (1, 28, 28), 10)
     layout = StateLayout.of_model(model)
@@ -273,9 +273,9 @@ def test_drift_diversity_equals_a_direct_computation_from_the_client_updates(siz
     from torch import nn
 
     from hpcfl.algorithms import ClientData, FedAvg, Trainer
-    from hpcfl.algorithms.layout import StateLayout
     from hpcfl.metrics.drift import DriftDiversity
     from hpcfl.training import FlatModel, LocalSchedule
+    from hpcfl.training.layout import StateLayout
     from tests.helpers import simulate
 
     g = torch.Generator().manual_seed(0)
