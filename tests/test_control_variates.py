@@ -43,8 +43,9 @@ def _mean_objective_optimum(clients: list[ClientData]) -> torch.Tensor:
 
 def _simulate(algo, clients, schedule, rounds, *, client_batch=1, model=None, loss_fn=_mse, states=None):
     """``rounds`` rounds through the real round loop, one by one or in vectorised groups."""
+    from hpcfl.algorithms import RoundPlan
     from hpcfl.comm import LocalComm
-    from hpcfl.runner.rounds import MemoryStates, RoundPlan, run_rounds
+    from hpcfl.runner.rounds import MemoryStates, run_rounds
 
     flat = FlatModel(model if model is not None else _linear())
     trainer = Trainer(flat, schedule, loss_fn=loss_fn)
