@@ -55,13 +55,13 @@ def measure(
 
     from hpcfl.algorithms import ClientState, FedAvg, Trainer
     from hpcfl.algorithms.base import ClientContext, ClientData
-    from hpcfl.algorithms.layout import StateLayout
     from hpcfl.algorithms.participation import Population
     from hpcfl.data import load_dataset, partition
     from hpcfl.models import build_model
     from hpcfl.runner.executor import ClientExecutor
     from hpcfl.runner.federation import client_generator
     from hpcfl.training.flat import FlatModel
+    from hpcfl.training.layout import StateLayout
     from hpcfl.training.sgd import LocalSchedule
 
     torch.set_num_threads(threads)

@@ -32,11 +32,11 @@ import torch
 from hpcfl.algorithms import ALGORITHMS, ClientData, Trainer
 from hpcfl.algorithms.base import ClientContext
 from hpcfl.algorithms.fedcka import FedCKAParams
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.moon import MoonParams
 from hpcfl.algorithms.participation import Population
 from hpcfl.models import build_model
 from hpcfl.training import FlatModel, LocalSchedule
+from hpcfl.training.layout import StateLayout
 
 PAPER_RATIO = {"fedavg": 1.0, "fedcka": 104.17 / 54.82, "moon": 97.58 / 54.82}  # Table 4, 7-layer CNN
 TARGET_RATIO = {"fedavg": 1.0, "fedcka": 1.25, "moon": 1.5}

@@ -51,13 +51,13 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     from hpcfl.algorithms.base import Aggregate, ServerContext
-    from hpcfl.algorithms.layout import StateLayout
     from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
     from hpcfl.algorithms.participation import Population
     from hpcfl.comm.mpi import MPIComm
     from hpcfl.entk.jacobian import factored_jacobian, per_sample_jacobian
     from hpcfl.models import build_model
     from hpcfl.training.flat import FlatModel
+    from hpcfl.training.layout import StateLayout
 
     comm = MPIComm()
     torch.manual_seed(0)

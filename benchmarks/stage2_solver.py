@@ -57,10 +57,10 @@ from typing import Any
 
 import torch
 
-from hpcfl.algorithms import ClientData
+from hpcfl.algorithms import ClientData, RoundPlan
 from hpcfl.algorithms.participation import Population
 from hpcfl.comm.local import LocalComm
-from hpcfl.runner.rounds import MemoryStates, RoundPlan, run_rounds
+from hpcfl.runner.rounds import MemoryStates, run_rounds
 from hpcfl.tct.problem import LinearProblem, centred_one_hot
 from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver, _geometric_sums
 from hpcfl.tct.stage2 import Stage2, Stage2Params, auto_lr, spectrum

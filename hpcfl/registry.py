@@ -57,12 +57,15 @@ class ModelSpec:
 
     ``build(input_shape, num_classes, **options) -> nn.Module`` (``input_shape`` = (C, H, W));
     ``options`` maps each option the model accepts to a validator ``(model_name, value) -> value``
-    that raises :class:`ConfigError` on a bad value; ``min_side`` is the smallest image side.
+    that raises :class:`ConfigError` on a bad value; ``min_side`` is the smallest image side;
+    ``flat_inputs``: the model flattens its input into an ``nn.Linear`` first layer named ``fc1``
+    (NTK-FL's memory guard counts that layer apart; CP-NTK-FL projects such inputs).
     """
 
     build: Callable[..., nn.Module]
     options: Mapping[str, Callable[[str, Any], Any]] = field(default_factory=dict)
     min_side: int = 1
+    flat_inputs: bool = False
 
 
 @dataclass(frozen=True)

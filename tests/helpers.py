@@ -120,10 +120,11 @@ def simulate(
     Returns ``(server, states)``; client k's generator is ``torch.Generator()`` (seed 0) unless the
     algorithm's steps are deterministic anyway.
     """
+    from hpcfl.algorithms import RoundPlan
     from hpcfl.algorithms.participation import Population
     from hpcfl.comm import LocalComm
     from hpcfl.runner.observers import Drift
-    from hpcfl.runner.rounds import MemoryStates, RoundPlan, run_rounds
+    from hpcfl.runner.rounds import MemoryStates, run_rounds
 
     by_id = {c.k: c for c in clients}
     server = server if server is not None else algo.init_server(trainer.flat.vector if trainer else None)

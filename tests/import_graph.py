@@ -36,6 +36,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcfl.registry", "hpcfl.files", "hpcfl.errors", "hpcfl.units", "hpcfl.privacy.section"),
 )
 
+#: upward imports accepted on purpose, each with its reason (all inside a function, never at import)
+ACCEPTED: dict[tuple[str, str], str] = {
+    ("hpcfl.registry", "hpcfl.algorithms.base"): (
+        "the registry checks that a plugin's object is an Algorithm subclass with HyperParams; it "
+        "imports the contract only when a plugin is registered, so the registry stays importable "
+        "below every module that reads it (config, models, data) and importing it loads no algorithm"
+    ),
+}
+
+#: stage code: it depends on the contract (hpcfl.algorithms.stage_types), never on the runner
+STAGE_CODE = ("hpcfl.tct", "hpcfl.ntk")
+
 
 def modules(root: Path = REPO) -> dict[str, Path]:
     """Dotted module name → source file, for every module of the package."""
@@ -136,7 +148,8 @@ def layer(module: str) -> int:
 
 
 def upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """Imports from a lower layer to a higher one (against DESIGN.md's arrows)."""
+    """Imports from a lower layer to a higher one (against DESIGN.md's arrows), the
+    :data:`ACCEPTED` ones included."""
     return sorted((a, b) for a, targets in edges.items() for b in targets if layer(b) < layer(a))
 
 
@@ -148,4 +161,7 @@ if __name__ == "__main__":  # python tests/import_graph.py [REPO_ROOT]
     for component in cycles(g):
         print("cycle:", " ".join(component))
     for a, b in up:
-        print(f"upward: {a} -> {b}")
+        print(
+            f"upward: {a} -> {b}"
+            + (" (accepted: function-level, see ACCEPTED)" if (a, b) in ACCEPTED else "")
+        )

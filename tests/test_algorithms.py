@@ -10,11 +10,11 @@ from torch import nn
 
 from hpcfl.algorithms import ClientData, FedAvg, FedProx, Scaffold, Trainer
 from hpcfl.algorithms.fedprox import FedProxParams
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation
 from hpcfl.comm import place_clients
 from hpcfl.errors import CommError
 from hpcfl.training import FlatModel, LocalSchedule
+from hpcfl.training.layout import StateLayout
 from tests.helpers import simulate
 
 

@@ -20,12 +20,8 @@ import torch
 from torch import Tensor
 
 from hpcfl.errors import ConfigError, StoreError
-from hpcfl.runner.client_states import (
-    ClientStates,
-    ClientStateStore,
-    available_memory_bytes,
-    resolve_budget,
-)
+from hpcfl.node import available_memory_bytes
+from hpcfl.runner.client_states import ClientStates, ClientStateStore, resolve_budget
 
 
 @dataclass

@@ -299,24 +299,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "runs"
 
 
-#: known breaches of the contract, each a strict xfail (it fails loudly once fixed): name → reason
-RANK_DEPENDENT = {
-    "tct": "stage 2 sums float64 features per rank before the allreduce (federated_moments in "
-    "hpcfl/tct/pipeline.py and the stage-2 round sums of its float64 state), so 2 ranks differ from 1 "
-    "by float64 rounding (1.7e-15 relative here); issue 27's closing note",
-}
-
-
 @pytest.mark.mpi
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=RANK_DEPENDENT[n]))
-        if n in RANK_DEPENDENT
-        else n
-        for n in NAMES
-    ],
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_one_rank_and_two_ranks_are_bit_identical(runs: Runs, two_ranks: Path, name: str) -> None:
     reference = runs.reference(name)
     assert torch.equal(final_state(two_ranks / name), reference.server.x)

@@ -13,12 +13,12 @@ from torch import nn
 
 from hpcfl.algorithms import FedAvg, FedDyn, FedProx, FedPVR, Scaffold, Trainer
 from hpcfl.algorithms.base import ClientData, upload_weight
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.algorithms.scaffold import ScaffoldClientState, choose_form
 from hpcfl.errors import ConfigError
 from hpcfl.training import FlatModel, LocalSchedule
 from hpcfl.training.batched import ClientJob, batched_local_sgd
+from hpcfl.training.layout import StateLayout
 from hpcfl.training.sgd import batch_indices, local_norm, local_sgd
 from tests.test_algorithms import _least_squares_clients, _mse
 
@@ -43,8 +43,9 @@ def _mean_objective_optimum(clients: list[ClientData]) -> torch.Tensor:
 
 def _simulate(algo, clients, schedule, rounds, *, client_batch=1, model=None, loss_fn=_mse, states=None):
     """``rounds`` rounds through the real round loop, one by one or in vectorised groups."""
+    from hpcfl.algorithms import RoundPlan
     from hpcfl.comm import LocalComm
-    from hpcfl.runner.rounds import MemoryStates, RoundPlan, run_rounds
+    from hpcfl.runner.rounds import MemoryStates, run_rounds
 
     flat = FlatModel(model if model is not None else _linear())
     trainer = Trainer(flat, schedule, loss_fn=loss_fn)

@@ -15,7 +15,6 @@ from torch import nn
 
 from hpcfl.algorithms import ClientData, FedAvg, FedCKA, Moon, Trainer
 from hpcfl.algorithms.fedcka import FedCKAParams, cka_regulariser
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.moon import MoonParams
 from hpcfl.algorithms.reference import FrozenModel, References
 from hpcfl.config import load_config
@@ -26,6 +25,7 @@ from hpcfl.metrics.layers import LayerTap, block_outputs, first_layers
 from hpcfl.models import build_model
 from hpcfl.runner import run_experiment
 from hpcfl.training import FlatModel, LocalSchedule
+from hpcfl.training.layout import StateLayout
 from tests.helpers import client_ctx, final_state, server_step, synthetic_config
 
 SHAPE = (3, 16, 16)  # the smallest input cnn-proj takes

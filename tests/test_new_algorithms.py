@@ -12,10 +12,10 @@ from torch import nn
 
 from hpcfl.algorithms import FedAdam, FedAvg, FedDyn, FedNova, FedPVR, Scaffold, Trainer
 from hpcfl.algorithms.base import ClientData, ServerState
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation
 from hpcfl.errors import ConfigError
 from hpcfl.training import FlatModel, LocalSchedule
+from hpcfl.training.layout import StateLayout
 from tests.helpers import simulate
 from tests.test_algorithms import _least_squares_clients, _mse, _run
 

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from hpcfl.algorithms import ClientData, Trainer
 from hpcfl.algorithms.base import Aggregate, ServerContext
 from hpcfl.algorithms.cp_ntkfl import CPNTKFL, CPNTKFLParams, densify, sparsify
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
 from hpcfl.algorithms.participation import Population
 from hpcfl.entk.jacobian import FactoredJacobian, factored_jacobian, per_sample_jacobian
@@ -24,6 +23,7 @@ from hpcfl.ntk.evolution import evolve, kernel, weight_updates
 from hpcfl.ntk.memory import RoundShape, check_round_memory, round_memory_bytes
 from hpcfl.runner.rounds import _nbytes
 from hpcfl.training.flat import FlatModel
+from hpcfl.training.layout import StateLayout
 from hpcfl.training.sgd import LocalSchedule
 from tests.helpers import REPO, client_ctx, run_mpi_program, simulate, synthetic_config
 

@@ -11,24 +11,26 @@ import pytest
 import torch
 from torch import nn
 
-from hpcfl.algorithms import ClientData, FedAvg, Trainer
-from hpcfl.algorithms.base import Upload
-from hpcfl.algorithms.layout import StateLayout
-from hpcfl.algorithms.participation import Population
-from hpcfl.comm import LocalComm
-from hpcfl.runner.buffer import BufferLayout
-from hpcfl.runner.observers import (
+from hpcfl.algorithms import (
     Channel,
+    ClientData,
+    FedAvg,
     LocalWork,
     Observer,
     RoundEnd,
+    RoundPlan,
     RoundStart,
-    RoundWatch,
-    Value,
-    with_standard_observers,
+    Trainer,
 )
-from hpcfl.runner.rounds import MemoryStates, RoundPlan, round_observers, run_rounds
+from hpcfl.algorithms.base import Upload
+from hpcfl.algorithms.participation import Population
+from hpcfl.algorithms.stage_types import Value
+from hpcfl.comm import LocalComm
+from hpcfl.runner.buffer import BufferLayout
+from hpcfl.runner.observers import RoundWatch, with_standard_observers
+from hpcfl.runner.rounds import MemoryStates, round_observers, run_rounds
 from hpcfl.training import FlatModel, LocalSchedule
+from hpcfl.training.layout import StateLayout
 
 
 class Census(Observer):

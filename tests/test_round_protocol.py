@@ -191,9 +191,9 @@ def test_counted_bytes_equal_the_declared_exchange(tmp_path: Path) -> None:
 
 
 def test_state_layout_names_module_slices() -> None:
-    from hpcfl.algorithms.layout import StateLayout
     from hpcfl.models import build_model
     from hpcfl.training import FlatModel
+    from hpcfl.training.layout import StateLayout
 
     model = build_model("simplecnn", (1, 28, 28), 10)
     layout = StateLayout.of_model(model)
@@ -273,9 +273,9 @@ def test_drift_diversity_equals_a_direct_computation_from_the_client_updates(siz
     from torch import nn
 
     from hpcfl.algorithms import ClientData, FedAvg, Trainer
-    from hpcfl.algorithms.layout import StateLayout
     from hpcfl.metrics.drift import DriftDiversity
     from hpcfl.training import FlatModel, LocalSchedule
+    from hpcfl.training.layout import StateLayout
     from tests.helpers import simulate
 
     g = torch.Generator().manual_seed(0)
@@ -312,3 +312,39 @@ def test_drift_diversity_equals_a_direct_computation_from_the_client_updates(siz
         den = float(sum((total[s] ** 2).sum() for s in sl))
         assert xi == pytest.approx(num / den, rel=1e-6), name  # float32 models
     assert set(rows[0]["drift_diversity"]) == {"0", "2"}
+
+
+def test_float64_sums_are_added_in_draw_order_whatever_the_placement() -> None:
+    """A float64 sum has no wider type to accumulate in, so on several ranks each participant gets
+    a slot: every split of the participants over ranks, summed as the allreduce sums it, gives the
+    bits of one rank's running sum, where per-rank partial sums (the loop's float32 path) do not."""
+    from hpcfl.algorithms.base import Exchange, SumSpec, Upload
+    from hpcfl.runner.buffer import BufferLayout
+    from hpcfl.runner.rounds import _accumulate, _in_draw_order
+
+    g = torch.Generator().manual_seed(0)
+    n, length = 5, 1000
+    vecs = [torch.randn(length, dtype=torch.float64, generator=g) * 10.0**k for k in range(n)]
+    weights = [float(3 + 7 * k) for k in range(n)]
+    ex = Exchange(sums=(SumSpec("x", length, torch.float64),))
+    running = torch.zeros(length, dtype=torch.float64)
+    for v, w in zip(vecs, weights, strict=True):
+        running.add_(v, alpha=w)
+    layout = BufferLayout.of([("sum:x", length * n), ("weight", 1), ("count", 1), ("weights", n)])
+    partial_sums_differ = False
+    for split in ([[0, 1, 2, 3, 4]], [[0, 2, 4], [1, 3]], [[4], [0, 1, 2, 3]], [[3], [1], [0, 2, 4]]):
+        reduced = torch.zeros(layout.size, dtype=torch.float64)
+        partial = torch.zeros(length, dtype=torch.float64)
+        for rank in split:
+            buf = layout.allocate(torch.float64)
+            mine = torch.zeros(length, dtype=torch.float64)
+            for i in rank:
+                upload = Upload({"x": vecs[i]}, weights[i])
+                _accumulate(upload, layout, buf, ex, torch.float64, i, frozenset({"x"}))
+                mine.add_(vecs[i], alpha=weights[i])
+            reduced += buf  # the allreduce
+            partial += mine
+        assert torch.equal(_in_draw_order(layout, reduced, ex.sums[0], n), running)
+        assert float(layout.view(reduced, "weight")) == sum(weights)
+        partial_sums_differ |= not torch.equal(partial, running)
+    assert partial_sums_differ  # the placement matters without the slots

@@ -32,7 +32,7 @@ def _heterogeneous_features(K=4, p=30, C=3, seed=0, dtype=torch.float64):
 
 
 def _problems(raw, labels, C=3):
-    moments = federated_moments(raw, LocalComm(), p=raw[0].shape[1])
+    moments = federated_moments(dict(enumerate(raw)), LocalComm(), p=raw[0].shape[1], clients=len(raw))
     return [
         LinearProblem(design_matrix(z, moments), centred_one_hot(y, C), y)
         for z, y in zip(raw, labels, strict=True)
@@ -69,9 +69,31 @@ def test_closed_form_equals_primal_over_rounds(p, form):
     assert rel <= 1e-8, rel
 
 
+def test_federated_moments_are_one_running_sum_in_client_order_whatever_the_chunks():
+    """The moments equal, bit for bit, the one-rank running sum of the clients' float64 sums in
+    client order (what stage 2 computed before the sums got per-client rows, so TCT's one-rank
+    results did not move), and the column chunking of the allreduce changes no bit."""
+    raw, _ = _heterogeneous_features()
+    p = raw[0].shape[1]
+    buf = torch.zeros(2 * p + 1, dtype=torch.float64)
+    for z in raw:
+        z64 = z.to(torch.float64)
+        buf[:p] += z64.sum(0)
+        buf[p : 2 * p] += (z64 * z64).sum(0)
+        buf[-1] += z.shape[0]
+    mean = buf[:p] / float(buf[-1])
+    blocks = dict(enumerate(raw))
+    for chunk_bytes in (8 * len(raw), 8 * len(raw) * 3, 2**26):
+        m = federated_moments(blocks, LocalComm(), p=p, clients=len(raw), chunk_bytes=chunk_bytes)
+        assert torch.equal(m.mean, mean)
+        assert m.count == int(buf[-1])
+    m_small = federated_moments(blocks, LocalComm(), p=p, clients=len(raw), chunk_bytes=8 * len(raw))
+    assert torch.equal(m_small.std, m.std)
+
+
 def test_federated_standardisation_equals_centralised():
     raw, _ = _heterogeneous_features()
-    m = federated_moments(raw, LocalComm(), p=raw[0].shape[1])
+    m = federated_moments(dict(enumerate(raw)), LocalComm(), p=raw[0].shape[1], clients=len(raw))
     allz = torch.cat(raw)
     torch.testing.assert_close(m.mean, allz.mean(0), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(m.std, allz.std(0, unbiased=False), rtol=1e-10, atol=1e-12)

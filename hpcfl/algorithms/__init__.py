@@ -4,7 +4,9 @@ Everything an algorithm author needs is exported here: the base class and its ty
 (:class:`Algorithm`, :class:`HyperParams`, :class:`ServerState`, :class:`ClientState`), what a round
 exchanges (:class:`Exchange`, :class:`SumSpec`, :class:`Upload`, :class:`Aggregate`), the steps'
 contexts (:class:`ClientContext`, :class:`ServerContext`), declared local work (:class:`LocalTask`,
-:func:`local_training`, :func:`model_upload`, :class:`Trainer`), stages (:class:`Stage`), the state
+:func:`local_training`, :func:`model_upload`, :class:`Trainer`), stages (:class:`Stage`, and the
+stage contract of :mod:`hpcfl.algorithms.stage_types`: :class:`StageInput`, :class:`FederationView`,
+:class:`StagePlan`, :class:`RoundPlan`, round :class:`Observer` and its event types), the state
 layout and participation rule, the shared server optimisers (:mod:`hpcfl.algorithms.server_opt`) and
 :func:`register_algorithm`. A plugin's algorithm imports only from here.
 
@@ -44,9 +46,22 @@ from hpcfl.algorithms.base import (
     state_to_dict,
 )
 from hpcfl.algorithms.fedavg import local_training
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
+from hpcfl.algorithms.stage_types import (
+    Channel,
+    Evaluator,
+    FederationView,
+    GeneratorFn,
+    LocalWork,
+    Observer,
+    RoundEnd,
+    RoundPlan,
+    RoundStart,
+    StageInput,
+    StagePlan,
+)
 from hpcfl.registry import ALGORITHMS, register_algorithm
+from hpcfl.training.layout import StateLayout
 
 
 def __getattr__(attr: str) -> Any:
@@ -63,19 +78,30 @@ __all__ = [
     "ALGORITHMS",
     "Aggregate",
     "Algorithm",
+    "Channel",
     "ClientContext",
     "ClientData",
     "ClientState",
+    "Evaluator",
     "Exchange",
+    "FederationView",
+    "GeneratorFn",
     "HyperParams",
     "LocalTask",
+    "LocalWork",
     "NonFiniteLoss",
+    "Observer",
     "Participation",
     "Population",
     "Reducer",
+    "RoundEnd",
+    "RoundPlan",
+    "RoundStart",
     "ServerContext",
     "ServerState",
     "Stage",
+    "StageInput",
+    "StagePlan",
     "StateLayout",
     "SumSpec",
     "Trainer",

@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.errors import ConfigError
 from hpcfl.training.batched import ClientJob, batched_local_sgd
 from hpcfl.training.flat import FlatModel
+from hpcfl.training.layout import StateLayout
 from hpcfl.training.sgd import Correction, LocalResult, LocalSchedule, LossFn, cross_entropy_loss, local_sgd
 
-if TYPE_CHECKING:  # the runner's types, named in annotations only (the runner depends on this module)
-    from hpcfl.runner.stages import StageInput, StagePlan
+if TYPE_CHECKING:  # the stage contract's types (hpcfl.algorithms.stage_types builds on this module)
+    from hpcfl.algorithms.stage_types import FederationView, StageInput, StagePlan
 
 P = TypeVar("P", bound="HyperParams")
 S = TypeVar("S", bound="ServerState")
@@ -282,8 +282,9 @@ class Stage:
     """One stage of a run: ``rounds`` rounds of the algorithm ``enter`` builds.
 
     ``enter`` is None for the stage that trains the configured model with this algorithm; otherwise
-    the runner calls it with a :class:`hpcfl.runner.stages.StageInput` (the previous stage's server
-    state and the run's federation) and runs the :class:`hpcfl.runner.stages.StagePlan` it returns.
+    the runner calls it with a :class:`~hpcfl.algorithms.stage_types.StageInput` (the previous
+    stage's server state, a read-only view of the run's federation and the communicator) and runs the
+    :class:`~hpcfl.algorithms.stage_types.StagePlan` it returns.
     ``check`` runs before the first round of the run (a refusal that needs only the config and the
     data, e.g. disk space); ``finish`` runs when the stage's rounds are done (TCT keeps θ_T1). Each
     is a function or a :data:`HookRef` (:func:`resolve_hook`). Only the runner calls them, so
@@ -293,9 +294,7 @@ class Stage:
     name: str
     rounds: int
     enter: Callable[[StageInput], StagePlan] | HookRef | None = None
-    check: Callable[[Any, Path], None] | HookRef | None = (
-        None  # (federation, run_dir): refuse before any round
-    )
+    check: Callable[[FederationView, Path], None] | HookRef | None = None  # refuse before any round
     finish: Callable[[StageInput], None] | HookRef | None = None  # when the stage's rounds are done
 
 

@@ -59,10 +59,10 @@ from hpcfl.algorithms.base import (
     check_weighting,
     model_upload,
 )
-from hpcfl.algorithms.layout import Entry, StateLayout
 from hpcfl.algorithms.participation import Participation
 from hpcfl.algorithms.scaffold import ScaffoldServerState, correction_update
 from hpcfl.errors import ConfigError
+from hpcfl.training.layout import Entry, StateLayout
 from hpcfl.training.sgd import LocalResult
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hpcfl.algorithms.layout import StateLayout
+from hpcfl.training.layout import StateLayout
 
 
 class DriftDiversity:

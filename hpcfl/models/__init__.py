@@ -80,7 +80,7 @@ def _init_option(model: str, value: Any) -> str:
 
 BUILTIN_MODELS: dict[str, ModelSpec] = {
     "simplecnn": ModelSpec(SimpleCNN),
-    "mlp": ModelSpec(MLP, {"init": _init_option}),
+    "mlp": ModelSpec(MLP, {"init": _init_option}, flat_inputs=True),
     "cnn-proj": ModelSpec(CNNProj, min_side=16),  # two unpadded 5×5 convs and two 2×2 pools
     "resnet8": ModelSpec(resnet8, {"norm": _norm_option}),
     "resnet18": ModelSpec(resnet18, {"norm": _norm_option}),

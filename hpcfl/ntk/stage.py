@@ -10,16 +10,15 @@ from collections.abc import Callable
 
 import torch
 
-from hpcfl.algorithms import ClientData, ServerState, Trainer
-from hpcfl.algorithms.layout import StateLayout
+from hpcfl.algorithms import ClientData, FederationView, ServerState, StageInput, StagePlan, Trainer
 from hpcfl.algorithms.ntkfl import NTKFL
+from hpcfl.comm.base import Communicator
 from hpcfl.errors import ConfigError
-from hpcfl.models import build_model
+from hpcfl.node import memory_share
 from hpcfl.ntk.memory import RoundShape, check_round_memory, largest_round
-from hpcfl.runner.federation import Federation, model_plan, schedule_of
-from hpcfl.runner.stages import StageInput, StagePlan
 from hpcfl.training.evaluate import evaluate
 from hpcfl.training.flat import FlatModel
+from hpcfl.training.layout import StateLayout
 
 BUDGET_FRACTION = 0.8
 """Share of this node's available memory a round may use under ``memory_budget: auto``."""
@@ -27,12 +26,11 @@ BUDGET_FRACTION = 0.8
 
 def memory_budget(value: str) -> int:
     """Bytes per rank: ``auto`` = 80 % of available memory over this node's ranks, else the bytes."""
-    from hpcfl.runner.client_states import _local_ranks, available_memory_bytes
     from hpcfl.units import parse_memory_budget
 
     parsed = parse_memory_budget(str(value), key="params.memory_budget")
     if parsed == "auto":
-        return int(BUDGET_FRACTION * available_memory_bytes()) // _local_ranks()
+        return memory_share(BUDGET_FRACTION)
     if not isinstance(parsed, int):
         raise ConfigError(
             f"config key 'params.memory_budget' must be 'auto' or a number of bytes, got {value!r}"
@@ -40,7 +38,7 @@ def memory_budget(value: str) -> int:
     return parsed
 
 
-def check_memory(fed: Federation, algo: NTKFL, flat: FlatModel, input_dim: int) -> None:
+def check_memory(fed: FederationView, algo: NTKFL, flat: FlatModel, input_dim: int) -> None:
     """Refuse (one-line :class:`ConfigError`) a run whose largest possible round cannot fit."""
     params = algo.params
     sizes = list(fed.population.sizes)
@@ -48,7 +46,7 @@ def check_memory(fed: Federation, algo: NTKFL, flat: FlatModel, input_dim: int) 
     beta = float(getattr(params, "beta", 1.0))
     C = fed.dataset.num_classes
     first = None
-    if fed.cfg.model == "mlp":
+    if fed.flat_inputs:
         hidden = flat.model.fc1.out_features  # type: ignore[union-attr]
         first = (hidden, algo.num_params - hidden * input_dim)
     per_sample = None
@@ -76,22 +74,19 @@ def check_memory(fed: Federation, algo: NTKFL, flat: FlatModel, input_dim: int) 
 
 
 def _projected(
-    fed: Federation, d_out: int, seed: int
+    fed: FederationView, d_out: int, seed: int
 ) -> tuple[FlatModel, Callable[[int], ClientData], torch.Tensor]:
     """The model on d₁′ inputs (built from the run's seed), the projected client data, and the
     projected test inputs."""
     from hpcfl.algorithms.cp_ntkfl import projection_matrix
 
-    cfg = fed.cfg
-    if cfg.model != "mlp":
+    if not fed.flat_inputs:
         raise ConfigError(
-            f"params.projection_dim needs a model on flat inputs (model: mlp), got model: {cfg.model}; "
+            f"params.projection_dim needs a model on flat inputs (model: mlp), got model: {fed.model_name}; "
             "set params.projection_dim: 0"
         )
     d_in = math.prod(fed.dataset.input_shape)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, (1, 1, d_out), fed.dataset.num_classes, **cfg.model_options).to(fed.device)
-    flat = FlatModel(model)
+    flat = FlatModel(fed.build_model((1, 1, d_out)))
     P = projection_matrix(d_in, d_out, seed, flat.vector.dtype).to(fed.device)  # (d₁, d₁′)
 
     def data(k: int) -> ClientData:
@@ -105,14 +100,13 @@ def _projected(
 def enter_ntk(entry: StageInput) -> StagePlan:
     """The plan of NTK-FL's single stage; raises the memory guard's ConfigError before any round."""
     fed = entry.fed
-    cfg = fed.cfg
     algo = fed.algorithm
     assert isinstance(algo, NTKFL)
-    if cfg.cka_metrics or cfg.drift_diversity:
+    if fed.chosen_metrics:
         raise ConfigError(
             f"{algo.name} uploads Jacobians, not models: set cka_metrics: false and drift_diversity: false"
         )
-    plan = model_plan(fed)
+    plan = fed.model_plan()
     flat = fed.flat
     d_out = int(getattr(algo.params, "projection_dim", 0))
     input_dim = math.prod(fed.dataset.input_shape)
@@ -124,13 +118,19 @@ def enter_ntk(entry: StageInput) -> StagePlan:
         test_y = fed.dataset.test.y
         projected_flat = flat
 
+        comm: Communicator = entry.comm
+
         def evaluate_server(server: ServerState) -> dict[str, float]:
             projected_flat.load(server.x)
-            acc, loss = evaluate(projected_flat.model, test_x, test_y, fed.comm)
+            acc, loss = evaluate(projected_flat.model, test_x, test_y, comm)
             return {"test_accuracy": acc, "test_loss": loss}
 
         plan = dataclasses.replace(
-            plan, algorithm=algo, data=data, trainer=Trainer(flat, schedule_of(cfg)), evaluate=evaluate_server
+            plan,
+            algorithm=algo,
+            data=data,
+            trainer=Trainer(flat, fed.trainer.schedule),
+            evaluate=evaluate_server,
         )
         input_dim = d_out
     held = algo.held_out(fed.population)

@@ -23,6 +23,7 @@ import torch
 
 from hpcfl.algorithms import ServerState
 from hpcfl.algorithms.base import Stage, resolve_hook, state_from_dict, state_to_dict
+from hpcfl.algorithms.stage_types import StageInput, StagePlan
 from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config
 from hpcfl.errors import ConfigError, HpcflError, RunDirError
@@ -36,7 +37,6 @@ from hpcfl.runner.lock import RunLock
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
 from hpcfl.runner.rundir import DONE, FAILED, prepare_run_dir
-from hpcfl.runner.stages import StageInput, StagePlan
 from hpcfl.tct.pipeline import STAGE1_MODEL as STAGE1_MODEL
 from hpcfl.units import parse_memory_budget
 
@@ -381,7 +381,7 @@ def drive_stages(
             break
         if stage.finish is not None:
             finish = resolve_hook(stage.finish)
-            finish(StageInput(fed=fed, run_dir=run_dir, previous=server, stage_index=first_index + si))
+            finish(StageInput(fed, fed.comm, run_dir, previous=server, stage_index=first_index + si))
     assert server is not None
     return server, round_base + done
 
@@ -404,7 +404,7 @@ def enter_stage(
         server = algo.init_server(fed.flat.vector) if previous is None else previous
         return StagePlan(plan=plan, server=server, init_client=lambda k: algo.init_client(k, server))
     stop = book_stop.stop_now if book_stop is not None else None
-    entry = StageInput(fed=fed, run_dir=run_dir, previous=previous, stage_index=index, stop=stop, sweep=sweep)
+    entry = StageInput(fed, fed.comm, run_dir, previous, index, stop=stop, sweep=sweep)
     return resolve_hook(stage.enter)(entry)
 
 

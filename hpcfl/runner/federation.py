@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Trainer
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
+from hpcfl.algorithms.stage_types import Evaluator, Observer, RoundPlan
 from hpcfl.comm import Communicator, place_clients
 from hpcfl.config import Config
 from hpcfl.data import Dataset, load_dataset, partition
@@ -24,17 +24,19 @@ from hpcfl.metrics.conformal import conformal_metrics
 from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.models import build_model
-from hpcfl.runner.observers import Drift, LayerCKA, Observer
-from hpcfl.runner.rounds import Evaluator, RoundPlan
+from hpcfl.registry import MODEL_SPECS
+from hpcfl.runner.observers import Drift, LayerCKA
 from hpcfl.training.evaluate import evaluate, evaluate_with_probs
 from hpcfl.training.flat import FlatModel
+from hpcfl.training.layout import StateLayout
 from hpcfl.training.sgd import LocalSchedule
 from hpcfl.units import parse_client_batch
 
 
 @dataclass
 class Federation:
-    """The static part of a run as seen by one rank."""
+    """The static part of a run as seen by one rank; stage code reads it as a
+    :class:`~hpcfl.algorithms.stage_types.FederationView` (everything here but ``cfg`` and ``comm``)."""
 
     cfg: Config
     comm: Communicator
@@ -72,6 +74,36 @@ class Federation:
     def clients(self) -> dict[int, ClientData]:
         """The data of the clients this rank owns under the static placement (feature extraction)."""
         return {k: self.client_data(k) for k in self.owned}
+
+    @property
+    def seed(self) -> int:
+        return self.cfg.seed
+
+    @property
+    def reduction(self) -> str:
+        return self.cfg.reduction
+
+    @property
+    def chosen_metrics(self) -> tuple[str, ...]:
+        """The config keys of the optional round metrics turned on."""
+        return tuple(k for k in ("cka_metrics", "drift_diversity") if getattr(self.cfg, k))
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model
+
+    @property
+    def flat_inputs(self) -> bool:
+        return MODEL_SPECS[self.cfg.model].flat_inputs
+
+    def build_model(self, input_shape: tuple[int, int, int]) -> torch.nn.Module:
+        """The configured model for ``input_shape``, initialised from the run's seed, on the device."""
+        torch.manual_seed(self.cfg.seed)
+        model = build_model(self.cfg.model, input_shape, self.dataset.num_classes, **self.cfg.model_options)
+        return model.to(self.device)
+
+    def model_plan(self) -> RoundPlan:
+        return model_plan(self)
 
 
 def resolve_device(cfg: Config, comm: Communicator) -> torch.device:

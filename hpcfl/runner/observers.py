@@ -25,111 +25,28 @@ collectives there (sharded evaluation, as the test evaluation does); per-client 
 is such an observer. Rows go to ``metrics.jsonl`` through the loop's hook (rank 0 writes them), which
 is where loggers of those rows belong.
 
-A new metric is an observer added to :attr:`RoundPlan.observers <hpcfl.runner.rounds.RoundPlan>`;
-the loop does not change.
+The observer types (:class:`Observer`, :class:`Channel`, :class:`RoundStart`, :class:`LocalWork`,
+:class:`RoundEnd`) are part of the stage contract (:mod:`hpcfl.algorithms.stage_types`), because a
+:class:`~hpcfl.algorithms.stage_types.RoundPlan` carries them; this module holds the standard
+observers and the loop's side of the hooks. A new metric is an observer added to
+:attr:`RoundPlan.observers <hpcfl.algorithms.stage_types.RoundPlan>`; the loop does not change.
 """
 
 from __future__ import annotations
 
-import functools
 import pickle
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, ClassVar, Literal
+from dataclasses import fields, is_dataclass
+from typing import Any
 
 import torch
 
-from hpcfl.algorithms.base import Aggregate, ServerState, Upload
-from hpcfl.algorithms.participation import Population
+from hpcfl.algorithms.base import ServerState, Upload
+from hpcfl.algorithms.stage_types import Channel, LocalWork, Observer, RoundEnd, RoundStart, Value
 from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.runner.buffer import BufferLayout
-
-# What a channel holds one slot of: the whole round (every contribution added), each participant
-# of the round (in draw order), each client of the population (by id), or each rank.
-Per = Literal["round", "participant", "client", "rank"]
-# A value for a channel: a slot's content, or for a per-round channel an addend, optionally scaled
-# (``(v, a)`` adds a·v in one fused step, as the loop adds weighted uploads).
-Value = torch.Tensor | float | tuple[torch.Tensor, float]
-
-
-@dataclass(frozen=True)
-class Channel:
-    """A segment of the round's buffer owned by one observer: ``width`` floats per slot."""
-
-    name: str
-    width: int
-    per: Per = "round"
-
-    def length(self, participants: int, clients: int, ranks: int) -> int:
-        slots = {"round": 1, "participant": participants, "client": clients, "rank": ranks}[self.per]
-        return self.width * slots
-
-
-@dataclass(frozen=True)
-class RoundStart:
-    """A round as it begins."""
-
-    round: int  # 0-based, within the stage
-    who: tuple[int, ...]  # the participants, in draw order (slot i of a per-participant channel)
-    population: Population
-    server: ServerState  # the state the participants start from
-    started: float  # time.perf_counter() when the round began
-    writes_row: bool  # whether the round ends with a metrics row (costly observers work only then)
-
-    @functools.cached_property
-    def position(self) -> dict[int, int]:
-        """Each participant's index in :attr:`who` (its slot in per-participant channels)."""
-        return {k: i for i, k in enumerate(self.who)}
-
-
-@dataclass(frozen=True)
-class LocalWork:
-    """This rank's local work of a round, done (before the allreduce)."""
-
-    start: RoundStart
-    trained: float  # time.perf_counter() when the local updates and their state I/O ended
-    state_io_s: float  # seconds this rank waited for client-state reads and writes
-
-
-@dataclass(frozen=True)
-class RoundEnd:
-    """A finished round: allreduced, server-updated and evaluated."""
-
-    work: LocalWork
-    server: ServerState  # after the server update
-    sums: Mapping[str, torch.Tensor]  # the declared sums as allreduced, in the buffer's dtype
-    aggregate: Aggregate
-    server_metrics: Mapping[str, Any]  # what the algorithm's server update reported
-    upload_bytes: int  # one participant's declared sums, in bytes
-    buffer_bytes: int  # the round's allreduced buffer, in bytes
-    reduced: float  # time.perf_counter() after the allreduce (and the allgather, if any)
-
-
-class Observer:
-    """A metric of the round loop; the hooks' defaults do nothing (override what you need)."""
-
-    group: ClassVar[str] = "metrics"  # the namespace a logger files the columns under
-    columns: tuple[str, ...] = ()  # the row keys it may write
-
-    def channels(self) -> tuple[Channel, ...]:
-        return ()
-
-    def start(self, start: RoundStart) -> None:
-        """A round begins (keep what :meth:`client` compares against)."""
-
-    def client(self, start: RoundStart, k: int, upload: Upload) -> dict[str, Value]:
-        """Participant ``k`` trained on this rank: values for its channels."""
-        return {}
-
-    def local_done(self, work: LocalWork) -> dict[str, Value]:
-        """This rank's local work is done: values for its per-rank (or per-round) channels."""
-        return {}
-
-    def row(self, end: RoundEnd, slots: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """The round's columns; ``slots`` holds its channels, summed over ranks."""
-        return {}
 
 
 def observer_segments(

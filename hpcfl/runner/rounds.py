@@ -10,7 +10,9 @@ algorithm:
    vectorised step: :mod:`hpcfl.runner.executor`) and adds their uploads into one buffer
    (:class:`~hpcfl.runner.buffer.BufferLayout`); with ``reduction: float64`` it accumulates in
    float64 and rounds once after the allreduce, so the result does not depend on how participants
-   are placed on ranks (bit-identical on 1, 2 or 3 ranks);
+   are placed on ranks (bit-identical on 1, 2 or 3 ranks); a sum declared in float64 itself (TCT's
+   closed-form stage 2) has no wider type to accumulate in, so each participant gets its own slot
+   and the slots are added in draw order after the allreduce (:func:`ordered_sums`);
 3. ONE allreduce (plus an allgather only when the algorithm gathers);
 4. the same server update on every rank;
 5. evaluation sharded over ranks, and the metrics of the round's observers
@@ -24,37 +26,35 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from hpcfl.algorithms import Algorithm, ClientData, ClientState, ServerState, Trainer
+from hpcfl.algorithms import ClientState, ServerState
 from hpcfl.algorithms.base import (
     Aggregate,
     ClientContext,
     Exchange,
     ServerContext,
+    SumSpec,
     Upload,
     state_from_dict,
     state_to_dict,
 )
-from hpcfl.algorithms.participation import Population
-from hpcfl.comm.base import Communicator
+from hpcfl.algorithms.stage_types import (
+    LocalWork,
+    Observer,
+    RoundEnd,
+    RoundPlan,
+    RoundStart,
+)
 from hpcfl.comm.placement import place_round
 from hpcfl.errors import DivergenceError
 from hpcfl.runner.buffer import BufferLayout
 from hpcfl.runner.executor import ClientExecutor
-from hpcfl.runner.observers import (
-    LocalWork,
-    Observer,
-    RoundEnd,
-    RoundStart,
-    RoundWatch,
-    observer_segments,
-    with_standard_observers,
-)
+from hpcfl.runner.observers import RoundWatch, observer_segments, with_standard_observers
 from hpcfl.runner.observers import _nbytes as _nbytes  # tests/test_ntkfl.py reads it here
 
 if TYPE_CHECKING:
@@ -62,10 +62,6 @@ if TYPE_CHECKING:
 
 # Called after every round with (round_done, server, states, metrics_row or None); returns True to stop.
 RoundHook = Callable[[int, ServerState, "ClientStore", dict[str, Any] | None], bool]
-# Evaluates the server state; returns metric columns (test_accuracy, test_loss, ...).
-Evaluator = Callable[[ServerState], dict[str, float]]
-# The RNG of client k in round r (a pure function of seed, round and client).
-GeneratorFn = Callable[[int, int], torch.Generator]
 
 
 class ClientStore(Protocol):
@@ -178,27 +174,6 @@ def round_generator(seed: int, stage: int, rnd: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
 
 
-@dataclass
-class RoundPlan:
-    """What the loop needs besides the states: who may train, on what, and how results are judged."""
-
-    algorithm: Algorithm
-    comm: Communicator
-    data: Callable[[int], ClientData]  # any client's data, on the training device
-    trainer: Trainer | None
-    population: Population
-    generator: GeneratorFn
-    evaluate: Evaluator
-    seed: int = 0
-    stage_index: int = 0
-    eval_every: int = 1
-    reduction: str = "float64"  # float64 (placement-independent) | float32
-    lr_hint: str = ""  # how to name the learning rate in a divergence message
-    observers: tuple[Observer, ...] = ()  # metrics chosen by the config (CKA, drift diversity, ...)
-    client_metrics: tuple[str, ...] = ("loss",)  # what the participants' local updates report
-    client_batch: int | str = 1  # participants per vectorised training step: 1 | N | auto
-
-
 def round_observers(plan: RoundPlan) -> tuple[Observer, ...]:
     """Every observer of the plan's rounds: the standard ones around the plan's own."""
     return with_standard_observers(plan.observers, plan.client_metrics)
@@ -213,11 +188,29 @@ def round_layout(
     imbalance is measured without another collective)."""
     ex = plan.algorithm.exchange(dtype)
     watching = round_observers(plan) if observers is None else observers
+    ordered = ordered_sums(plan, ex)
     return BufferLayout.of(
-        [(f"sum:{s.name}", s.length) for s in ex.sums]
+        [(f"sum:{s.name}", s.length * (num_participants if s.name in ordered else 1)) for s in ex.sums]
         + [("weight", 1), ("count", 1), ("nonfinite", num_participants)]
+        + ([("weights", num_participants)] if ordered else [])
         + observer_segments(watching, num_participants, plan.population.size, plan.comm.size)
     )
+
+
+def ordered_sums(plan: RoundPlan, ex: Exchange) -> frozenset[str]:
+    """The declared sums that get one slot per participant, added in draw order after the allreduce:
+    the float64 ones under ``reduction: float64`` on more than one rank.
+
+    Accumulating them per rank would make their rounding depend on the placement (there is no wider
+    type to accumulate in); a slot of a client trained elsewhere is zero, so the allreduce moves the
+    slots exactly, and adding them in draw order repeats the one-rank running sum operation for
+    operation. One rank needs no slots: its running sum already is that sum. Cost: the allreduced
+    buffer holds participants × the sum's length (TCT's closed-form stage 2 with p = 100,000 and
+    C = 10: 8 MB per participant instead of 8 MB per round); ``reduction: float32`` opts out.
+    """
+    if plan.reduction != "float64" or plan.comm.size == 1:
+        return frozenset()
+    return frozenset(s.name for s in ex.sums if s.dtype == torch.float64)
 
 
 def buffer_dtype(plan: RoundPlan, dtype: torch.dtype) -> torch.dtype:
@@ -249,6 +242,7 @@ def run_rounds(
     dtype = server.x.dtype
     ex = algo.exchange(dtype)
     bdtype = buffer_dtype(plan, dtype)
+    ordered = ordered_sums(plan, ex)
     observers = round_observers(plan)
     executor = ClientExecutor(
         plan.client_batch, rank=comm.rank, largest=max(plan.population.sizes, default=1)
@@ -285,7 +279,7 @@ def run_rounds(
                 diverged.append(k)
                 continue
             io.put(k, new_state)
-            _accumulate(upload, layout, buf, ex, bdtype)
+            _accumulate(upload, layout, buf, ex, bdtype, begun.position[k], ordered)
             if ex.gathers:
                 gathered.append((begun.position[k], {g: upload.gathered[g] for g in ex.gathers}))
             watch.client(k, upload)
@@ -301,7 +295,12 @@ def run_rounds(
             states.written_elsewhere(k)
         _check_finite(layout.view(buf, "nonfinite"), who, round_offset + rnd + 1, plan.lr_hint)
         # 4. the same server update on every rank
-        sums = {s.name: layout.view(buf, f"sum:{s.name}") for s in ex.sums}
+        sums = {
+            s.name: _in_draw_order(layout, buf, s, len(who))
+            if s.name in ordered
+            else layout.view(buf, f"sum:{s.name}")
+            for s in ex.sums
+        }
         aggregate = Aggregate(
             sums={s.name: sums[s.name].to(s.dtype) for s in ex.sums},
             weight=float(layout.view(buf, "weight")),
@@ -345,20 +344,46 @@ def _client_context(plan: RoundPlan, rnd: int, who: tuple[int, ...], k: int) -> 
 
 
 def _accumulate(
-    upload: Upload, layout: BufferLayout, buf: torch.Tensor, ex: Exchange, bdtype: torch.dtype
+    upload: Upload,
+    layout: BufferLayout,
+    buf: torch.Tensor,
+    ex: Exchange,
+    bdtype: torch.dtype,
+    slot: int,
+    ordered: frozenset[str],
 ) -> None:
     """Add one participant's upload into the round buffer: its declared sums (weighted where
-    declared), its weight, and one to the participant count."""
+    declared), its weight, and one to the participant count; an :func:`ordered_sums` sum and the
+    weight are written into the participant's ``slot`` instead (its draw position)."""
     for spec in ex.sums:
         vec = upload.sums[spec.name]
         if vec.dtype != bdtype:
             vec = vec.to(bdtype)
-        if spec.weighted:
+        if spec.name in ordered:
+            layout.view(buf, f"sum:{spec.name}")[slot * spec.length : (slot + 1) * spec.length] = vec
+        elif spec.weighted:
             layout.view(buf, f"sum:{spec.name}").add_(vec, alpha=upload.weight)
         else:
             layout.view(buf, f"sum:{spec.name}").add_(vec)
     layout.view(buf, "weight").add_(upload.weight)
     layout.view(buf, "count").add_(1.0)
+    if ordered:
+        layout.view(buf, "weights")[slot] = upload.weight
+
+
+def _in_draw_order(layout: BufferLayout, buf: torch.Tensor, spec: SumSpec, participants: int) -> torch.Tensor:
+    """An :func:`ordered_sums` sum after the allreduce: the participants' slots added in draw order,
+    each weighted as :func:`_accumulate` weights an accumulated sum (the same operations in the same
+    order as one rank's running sum, so its bits do not depend on the placement)."""
+    slots = layout.view(buf, f"sum:{spec.name}").view(participants, spec.length)
+    weights = layout.view(buf, "weights").tolist()
+    total = torch.zeros(spec.length, dtype=buf.dtype, device=buf.device)
+    for i in range(participants):
+        if spec.weighted:
+            total.add_(slots[i], alpha=weights[i])
+        else:
+            total.add_(slots[i])
+    return total
 
 
 def _flag_nonfinite(flags: torch.Tensor, begun: RoundStart, diverged: list[int], states: ClientStore) -> None:

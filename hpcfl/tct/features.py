@@ -20,11 +20,11 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
+from hpcfl.algorithms import FederationView
 from hpcfl.algorithms.tct_params import Stage2Section
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import StoppedError, StoreError
@@ -198,7 +198,9 @@ def ensure_store(
     comm.barrier()
 
 
-def check_features_fit(fed: Any, run_dir: Path, *, note: bool = True, free: int | None = None) -> None:
+def check_features_fit(
+    fed: FederationView, run_dir: Path, *, note: bool = True, free: int | None = None
+) -> None:
     """Refuse (rank 0), before any row is written, feature stores the run directory's disk cannot hold.
 
     Needs only the built federation (model, partition, test set), so a run checks it before stage 1
@@ -208,7 +210,7 @@ def check_features_fit(fed: Any, run_dir: Path, *, note: bool = True, free: int 
     """
     from hpcfl.entk import num_params
 
-    cfg2, model = fed.cfg.params.stage2, fed.flat.model
+    cfg2, model = fed.algorithm.params.stage2, fed.flat.model  # type: ignore[attr-defined]  # TCTParams
     if cfg2.features == "last_layer":
         p = int(model.classifier.in_features)
     else:

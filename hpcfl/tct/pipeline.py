@@ -16,15 +16,13 @@ from pathlib import Path
 
 import torch
 
-from hpcfl.algorithms import ClientData, ServerState
+from hpcfl.algorithms import ClientData, FederationView, RoundPlan, ServerState, StageInput, StagePlan
 from hpcfl.algorithms.participation import Population
 from hpcfl.algorithms.tct_params import Stage2Section
+from hpcfl.comm.base import Communicator
 from hpcfl.errors import StoreError
 from hpcfl.features import open_feature_store
 from hpcfl.files import atomic_torch_save, load_torch_file
-from hpcfl.runner.federation import Federation
-from hpcfl.runner.rounds import RoundPlan
-from hpcfl.runner.stages import StageInput, StagePlan
 from hpcfl.tct.features import check_features_fit, convexified_model, ensure_store, feature_meta, test_shards
 from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
 from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver
@@ -55,7 +53,8 @@ def _dtype(cfg2: Stage2Section) -> torch.dtype:
 
 
 def prepare_stage2(
-    fed: Federation,
+    fed: FederationView,
+    comm: Communicator,
     theta: torch.Tensor,
     run_dir: Path,
     cfg2: Stage2Section,
@@ -68,7 +67,7 @@ def prepare_stage2(
     With ``extract=False`` the feature stores must already be complete and match (tct-stage2).
     ``stop()`` is polled during the extraction (see :func:`hpcfl.tct.features.ensure_store`).
     """
-    comm, ds = fed.comm, fed.dataset
+    ds = fed.dataset
     # 1. convexify: a copy of the bootstrapped model with a fresh 1-output head from a fixed seed
     fed.flat.load(theta)
     model = convexified_model(fed.flat.model, cfg2)
@@ -113,7 +112,11 @@ def prepare_stage2(
     test = open_feature_store(run_dir / "features_test.zarr", expect=meta)
     raw = {k: train.read_client(k) for k in fed.clients}
     # 3. standardise with ONE allreduce of (Σz, Σz², n) over all clients' training features
-    moments = federated_moments([z for z, _ in raw.values()], comm, p=meta.p) if cfg2.normalize else None
+    moments = (
+        federated_moments({k: z for k, (z, _) in raw.items()}, comm, p=meta.p, clients=K)
+        if cfg2.normalize
+        else None
+    )
     dtype, C = _dtype(cfg2), ds.num_classes
     problems = {
         k: LinearProblem(design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y)
@@ -147,8 +150,8 @@ def prepare_stage2(
         trainer=None,
         population=Population(tuple(n for _, n in (every[k] for k in range(K)))),
         generator=lambda rnd, k: torch.Generator(),  # stage 2 is deterministic full-batch
-        seed=fed.cfg.seed,
-        reduction=fed.cfg.reduction,
+        seed=fed.seed,
+        reduction=fed.reduction,
         evaluate=_evaluator(problems, test_problems, shape, comm),
         eval_every=1,
         lr_hint=f" (stage-2 η is {lr:g})",
@@ -164,9 +167,9 @@ STAGE1_MODEL = "stage1_model.pt"  # θ_T1, the bootstrapped model stage 2 is bui
 def keep_stage1_model(entry: StageInput) -> None:
     """Stage 1 is done: keep θ_T1 in the run directory (stage 2 and ``hpcfl tct-stage2`` start from it)."""
     assert entry.previous is not None
-    if entry.fed.comm.rank == 0:
+    if entry.comm.rank == 0:
         atomic_torch_save(entry.run_dir / STAGE1_MODEL, entry.previous.x)
-    entry.fed.comm.barrier()
+    entry.comm.barrier()
 
 
 def enter_stage2(entry: StageInput) -> StagePlan:
@@ -185,7 +188,8 @@ def enter_stage2(entry: StageInput) -> StagePlan:
     # a sweep reads the run's features as they are (a damaged store is named, not recomputed), except
     # after stage2.rounds: 0, where the run stopped before computing them
     extract = not entry.sweep or not (run_dir / "features.zarr").exists()
-    setup = prepare_stage2(fed, theta, run_dir, fed.cfg.params.stage2, stop=entry.stop, extract=extract)
+    stage2 = fed.algorithm.params.stage2  # type: ignore[attr-defined]  # TCTParams
+    setup = prepare_stage2(fed, entry.comm, theta, run_dir, stage2, stop=entry.stop, extract=extract)
     setup.plan.stage_index = entry.stage_index
     server = setup.initial_server()
     algo = setup.plan.algorithm

@@ -6,6 +6,7 @@ feature appended to every standardised row, so every solver works with Z̃ = [Z,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -32,23 +33,46 @@ class FeatureMoments:
 
 
 def federated_moments(
-    blocks: list[torch.Tensor], comm: Communicator, *, p: int, eps: float = 1e-12
+    blocks: Mapping[int, torch.Tensor],
+    comm: Communicator,
+    *,
+    p: int,
+    clients: int,
+    eps: float = 1e-12,
+    chunk_bytes: int = 64 * 2**20,
 ) -> FeatureMoments:
-    """Mean and std from ONE allreduce of (Σz, Σz², n): no client's features leave its rank.
+    """Mean and std over every client's training features from their (Σz, Σz², n): no client's
+    features leave its rank. ``blocks``: this rank's clients' features by id; ``clients``: K.
 
-    Sums are accumulated in float64, so the result matches centralised standardisation to
-    rounding. Constant features get std 1 (they become exactly 0 after centring).
+    Each client's sums (float64, so the result matches centralised standardisation to rounding) go
+    into the client's own row of the allreduced buffer; rows of clients on other ranks are zero, so
+    the allreduce moves them exactly, and the rows are then added in client order. The moments are
+    therefore the same bits on any number of ranks (the running sum one rank computes, operation for
+    operation), as the round loop's float64 sums are (:func:`hpcfl.runner.rounds.ordered_sums`).
+    The buffer (K rows) is reduced in column chunks of at most ``chunk_bytes``, one allreduce each.
+    Constant features get std 1 (they become exactly 0 after centring).
     """
-    buf = torch.zeros(2 * p + 1, dtype=torch.float64)
-    for z in blocks:
+    width = 2 * p + 1
+    own = {}
+    for k, z in blocks.items():
         z64 = z.to(torch.float64)
-        buf[:p] += z64.sum(0)
-        buf[p : 2 * p] += (z64 * z64).sum(0)
-        buf[-1] += z.shape[0]
-    comm.allreduce(buf)
-    n = float(buf[-1])
-    mean = buf[:p] / n
-    var = (buf[p : 2 * p] / n - mean * mean).clamp_min(0.0)
+        own[k] = torch.cat(
+            [z64.sum(0), (z64 * z64).sum(0), torch.tensor([float(z.shape[0])], dtype=torch.float64)]
+        )
+    total = torch.zeros(width, dtype=torch.float64)
+    step = max(1, chunk_bytes // (8 * max(clients, 1)))
+    for lo in range(0, width, step):
+        hi = min(width, lo + step)
+        rows = torch.zeros(clients, hi - lo, dtype=torch.float64)  # (K, chunk)
+        for k, sums in own.items():
+            rows[k] = sums[lo:hi]
+        comm.allreduce(rows)
+        acc = total[lo:hi]
+        for k in range(clients):
+            acc += rows[k]
+    n = float(total[-1])
+    mean = total[:p] / n
+    var = (total[p : 2 * p] / n - mean * mean).clamp_min(0.0)
     std = var.sqrt()
     std = torch.where(std > eps, std, torch.ones_like(std))
     return FeatureMoments(mean=mean, std=std, count=int(n))

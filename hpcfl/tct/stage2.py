@@ -25,11 +25,11 @@ from hpcfl.algorithms.base import (
     SumSpec,
     Upload,
 )
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.scaffold import correction_update
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import DivergenceError
 from hpcfl.tct.solvers import LocalSolver, max_stable_lr
+from hpcfl.training.layout import StateLayout
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ the single-process one bit for bit on every rank."""
 
 import torch
 
-from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
 from hpcfl.comm.mpi import MPIComm
 from hpcfl.ntk.evolution import Rows, balance, evolve, kernel, weight_updates
+from hpcfl.training.layout import StateLayout
 
 comm = MPIComm()
 g = torch.Generator().manual_seed(0)

@@ -48,12 +48,10 @@ def _worker_argv(args: argparse.Namespace, model: str, clients: int, probe_only:
 
 
 def _spawn(args: argparse.Namespace, ranks: int, argv: list[str]) -> tuple[int, str, float]:
-    import hpcfl
-
     env = dict(os.environ)
     if args.threads > 0:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
-    root = str(Path(hpcfl.__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[3])  # the directory holding the hpcfl package
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     cmd = argv if ranks == 1 else [_mpiexec(args), "-n", str(ranks), *argv]
     t0 = time.perf_counter()
