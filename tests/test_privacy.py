@@ -103,11 +103,11 @@ def test_dp_sgd_noise_has_the_configured_scale() -> None:
 
 def _private_fedavg(adaptive: dict | None = None, sigma: float = 1.0):
     from hpcfl.algorithms import FedAvg
-    from hpcfl.algorithms.layout import StateLayout
     from hpcfl.algorithms.participation import Participation, Population
     from hpcfl.models import build_model
     from hpcfl.privacy.private import Mechanism, Private
     from hpcfl.privacy.section import AdaptiveClipSection
+    from hpcfl.training.layout import StateLayout
     from hpcfl.training.sgd import LocalSchedule
 
     model = build_model("mlp", (1, 28, 28), 10)
