@@ -13,7 +13,12 @@ round with the default ``checkpoint_every: 1``), and each logger records in ``lo
 run directory the last round it wrote and the id of its run. A resumed run continues the same
 TensorBoard directory, MLflow run and W&B run, and first writes what a logger has not seen yet (a
 logger added on resume catches up); a round that was logged but not checkpointed before a kill
-cannot happen, so no step is written twice and none is missing.
+cannot happen, so no step is written twice and none is missing. W&B is the exception: its service
+writes the offline log behind the caller, so a SIGKILL can lose rows it was given; they count as
+written only once its run closed cleanly, and after a kill the resumed run writes them again into its
+new offline segment (a killed segment that did get them repeats those steps; W&B ignores a logged
+step below a run's current one, which should keep the first value when both are synced — not
+checked here, there is no W&B server offline).
 
 Where they write, and how a sweep's points are grouped (a point is a run directory
 ``SWEEP/runs/<point>`` beside the sweep's manifest):
@@ -123,6 +128,7 @@ class Logger:
     """One tracking backend: ``log`` rows (a step per round), ``close`` with the figures when done."""
 
     name = ""
+    durable_log = True  # a logged row is on disk when log() returns (else only after close())
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         raise NotImplementedError
@@ -255,6 +261,10 @@ class WandbLogger(Logger):
     """One W&B run per run directory (offline unless ``WANDB_MODE`` is set); a sweep is a group."""
 
     name = "wandb"
+    # W&B's service process writes the offline transaction log behind the caller: a killed run can
+    # lose rows it logged, so they count as written only once the run closed; a resume after a kill
+    # logs them again into the new offline segment (see the module docstring)
+    durable_log = False
 
     def __init__(self, run_dir: Path, config: Mapping[str, Any], record: Mapping[str, Any]) -> None:
         import wandb
@@ -293,6 +303,7 @@ class Loggers:
 
     def __init__(self, loggers: list[Logger], run_dir: Path, through: dict[str, int]) -> None:
         self.loggers, self.run_dir, self.through = loggers, run_dir, through
+        self.durable = dict(through)  # what loggers.json says each logger holds for sure
 
     def flush(self, rows: Iterable[Mapping[str, Any]]) -> None:
         """Write every row a logger has not written yet (rows a checkpoint covers), then record it."""
@@ -304,6 +315,8 @@ class Loggers:
                     logger.log(int(row["round"]), scalar_names(row))
                     seen = int(row["round"])
             self.through[logger.name] = seen
+            if logger.durable_log:
+                self.durable[logger.name] = seen
         self._save()
 
     def close(self, finished: bool) -> None:
@@ -311,10 +324,12 @@ class Loggers:
         figures = sorted(self.run_dir.glob("*.png")) + sorted((self.run_dir / "plots").glob("*.png"))
         for logger in self.loggers:
             logger.close(figures, finished)
+            self.durable[logger.name] = self.through.get(logger.name, 0)  # closed: all of it is written
+        self._save()
         self.loggers = []
 
     def _save(self) -> None:
-        state = {lg.name: {"through": self.through.get(lg.name, 0), **lg.record()} for lg in self.loggers}
+        state = {lg.name: {"through": self.durable.get(lg.name, 0), **lg.record()} for lg in self.loggers}
         atomic_write_text(self.run_dir / STATE, json.dumps(state, indent=1) + "\n")
 
 
