@@ -340,3 +340,43 @@ def test_a_sweep_point_is_grouped_under_the_sweep(tmp_path):
     parent = client.get_run(parents.pop())
     assert parent.info.run_name == "mysweep"
     assert client.get_experiment(parent.info.experiment_id).name == "mysweep"
+
+
+# -- reports ------------------------------------------------------------------------------------
+
+
+def test_report_shows_the_client_distribution_and_the_sweep_table_its_p10(tmp_path):
+    import csv
+
+    import numpy as np
+
+    from hpcfl.report import write_report
+    from hpcfl.report.methods import Cell
+    from hpcfl.report.protocol import Protocol
+    from hpcfl.report.summary import summarise
+    from hpcfl.sweep.report import protocol_markdown, summary_csv
+
+    runs = []
+    for seed in (1, 2):
+        cfg = load_config(_cfg(tmp_path / f"s{seed}", seed=seed, finetune_eval={"steps": 2, "lr": 0.05}))
+        run_experiment(cfg, tmp_path / f"r{seed}")
+        runs.append(tmp_path / f"r{seed}")
+    write_report(runs, tmp_path / "rep")
+    assert (tmp_path / "rep" / "clients.png").stat().st_size > 0
+    table = list(csv.DictReader((tmp_path / "rep" / "clients.csv").open()))
+    for run, line in zip(runs, table, strict=True):
+        last = read_jsonl(run / "metrics.jsonl")[-1]
+        assert float(line["client_acc_p10"]) == last["client_acc_p10"]
+        assert float(line["finetune_acc_mean"]) == last["finetune_acc_mean"]
+    assert "fine-tuned mean" in (tmp_path / "rep" / "report.md").read_text()
+
+    summaries = [summarise(r) for r in runs]
+    assert summaries[0].final_clients == read_jsonl(runs[0] / "client_metrics.jsonl")[-1]["clients"]
+    cell = Cell("fedavg", "dir:0.5", summaries)
+    protocol = Protocol(last_k=2)
+    md = "\n".join(protocol_markdown([cell], protocol, 0.5))
+    assert "Worst-10 % client accuracy" in md
+    row = next(csv.DictReader(summary_csv([cell], 0.5, protocol).splitlines()))
+    per_seed = [np.mean([r["client_acc_p10"] for r in s.rows[-2:]]) for s in summaries]
+    assert float(row["client_acc_p10_mean"]) == pytest.approx(np.mean(per_seed), abs=1e-12)
+    assert float(row["client_acc_p10_std"]) == pytest.approx(np.std(per_seed, ddof=1), abs=1e-12)
