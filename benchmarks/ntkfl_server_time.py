@@ -1,17 +1,24 @@
 """NTK-FL server time per round, split into its parts, on 1 and 2 ranks (one thread each), and
 per-sample Jacobian throughput against a ``torch.func.vmap(jacrev)`` baseline in the same run.
 
-The round: ``--clients`` participants × ``--samples`` samples (the issue: 20 × 200), MLP-100 on
-784 inputs, 10 outputs, random inputs and labels (time does not depend on the values). Each rank
-builds the round's gathered Jacobians itself (the state after the runner's allgather) and runs
-NTK-FL's server step; the split is the step's own metrics:
+The round: ``--clients`` participants × ``--samples`` samples (the authors' setup: 21 × 200), MLP-100
+on 784 inputs (Kaiming-normal init), 10 outputs, random inputs and labels (time does not depend on
+the values), NTK-FL's default evolution (cross entropy, η 0.01, the 12-point grid to 2,000; ``--loss``,
+``--evolution``, ``--kernel-cond`` change it). Each rank builds the round's gathered Jacobians itself
+(the state after the runner's allgather) and runs NTK-FL's server step; the split is the step's own
+metrics:
 
 - ``jacobians``: every participant's per-sample Jacobians as it uploads them (``--upload factored``,
-  the default: the Linear layers' factors; ``dense``: the fused (n, C, P) tensor), and the
-  vmap(jacrev) baseline on the same samples → samples/s of each;
-- ``kernel``: this rank's kernel blocks (reduce excluded); ``eigh``: the eigendecomposition;
-  ``grid``: the closed-form evolution over the t-grid + the batched real-network selection;
-  ``update``: the local Σ J_mᵀS_m products; ``allreduce``: the two reducer calls.
+  the default: the Linear layers' factors; ``dense``: the fused (n, C, P) tensor), seconds for all
+  participants on one rank, and the vmap(jacrev) baseline on the same samples → samples/s of each;
+- ``kernel``: this rank's kernel blocks (reduce excluded); ``evolution``: the function-space
+  evolution on rank 0 (its eigendecomposition, if any, is also ``eigh``) and the reduce that shares
+  it; ``update``: the local Σ J_mᵀS_m products; ``selection``: the batched real-network losses of the
+  Ψ candidates; ``allreduce``: all reducer calls; ``evolve_steps``: products of H the evolution took.
+
+The paper-scale round, for the lead to time alone (one thread per rank):
+
+    python benchmarks/ntkfl_server_time.py --ranks 1 --out benchmarks/results/ntkfl_server_time
 
 Kernel-step scaling = kernel(1 rank) / kernel(2 ranks) (required ≥ 1.8×).
 
@@ -54,7 +61,7 @@ def worker(args: argparse.Namespace) -> None:
 
     comm = MPIComm()
     torch.manual_seed(0)
-    flat = FlatModel(build_model("mlp", (1, 28, 28), 10))
+    flat = FlatModel(build_model("mlp", (1, 28, 28), 10, init="kaiming"))
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(args.samples, 1, 28, 28, generator=g) for _ in range(args.clients)]
     ys = [torch.randint(0, 10, (args.samples,), generator=g) for _ in range(args.clients)]
@@ -65,6 +72,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         jac = [per_sample_jacobian(flat.model, x, method="fused") for x in xs]
     fused_s = time.perf_counter() - t0
+    result["jacobians"] = fused_s
     result["jacobian_fused_samples_per_s"] = args.clients * args.samples / fused_s
     n_base = min(args.baseline_samples, args.samples)
     t0 = time.perf_counter()
@@ -76,7 +84,10 @@ def worker(args: argparse.Namespace) -> None:
     del base
     with torch.no_grad():
         outs = [flat.model(x) for x in xs]
-    algo = NTKFL(NTKFLParams(upload=args.upload), layout=StateLayout.of_model(flat.model))
+    params = NTKFLParams(
+        upload=args.upload, loss=args.loss, evolution=args.evolution, kernel_cond=args.kernel_cond
+    )
+    algo = NTKFL(params, layout=StateLayout.of_model(flat.model))
     algo.attach(flat.model)
     agg = Aggregate(
         sums={},
@@ -101,8 +112,10 @@ def worker(args: argparse.Namespace) -> None:
     result.update(
         kernel=m["kernel_s"],  # includes the kernel's reduce; the split below removes it
         eigh=m["eigh_s"],
-        grid=m["evolve_s"] + m["select_s"],
+        evolution=m["evolve_s"] + m["eigh_s"],
         update=m["update_s"],
+        selection=m["select_s"],
+        evolve_steps=m["evolve_steps"],
         allreduce=reduce_s,
         server_total=total,
         t_star=m["t_star"],
@@ -123,7 +136,7 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "ntkfl_server_time")
-    ap.add_argument("--clients", type=int, default=20)
+    ap.add_argument("--clients", type=int, default=21)
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--baseline-samples", type=int, default=200, help="samples for the vmap(jacrev) baseline")
     ap.add_argument("--baseline-batch", type=int, default=16)
@@ -134,6 +147,9 @@ def main() -> None:
         default="factored",
         help="how the Jacobians travel (params.upload); dense needs ~14 GB per rank at 20 × 200",
     )
+    ap.add_argument("--loss", choices=["ce", "mse"], default="ce")
+    ap.add_argument("--evolution", choices=["discrete", "flow"], default="discrete")
+    ap.add_argument("--kernel-cond", action="store_true", help="also compute λ_max/λ_min (an eigvalsh)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -161,12 +177,26 @@ def main() -> None:
             str(args.baseline_batch),
             "--upload",
             args.upload,
-        ]
+            "--loss",
+            args.loss,
+            "--evolution",
+            args.evolution,
+        ] + (["--kernel-cond"] if args.kernel_cond else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
         runs[r] = json.loads(result.read_text())
-    parts = ["kernel_compute", "kernel_reduce", "eigh", "grid", "update", "allreduce", "server_total"]
+    parts = [
+        "jacobians",
+        "kernel_compute",
+        "kernel_reduce",
+        "evolution",
+        "eigh",
+        "update",
+        "selection",
+        "allreduce",
+        "server_total",
+    ]
     table = []
     for r, run in runs.items():
         slowest = {p: max(row[p] for row in run["per_rank"]) for p in parts}
@@ -175,12 +205,21 @@ def main() -> None:
             {
                 "ranks": r,
                 **slowest,
+                "evolve_steps": first["evolve_steps"],
                 "jacobian_fused_samples_per_s": first["jacobian_fused_samples_per_s"],
                 "jacobian_vmap_samples_per_s": first["jacobian_vmap_samples_per_s"],
                 "jacobian_max_abs_diff": first["jacobian_max_abs_diff"],
             }
         )
-    summary = {"clients": args.clients, "samples": args.samples, "upload": args.upload, "table": table}
+    summary = {
+        "clients": args.clients,
+        "samples": args.samples,
+        "upload": args.upload,
+        "loss": args.loss,
+        "evolution": args.evolution,
+        "kernel_cond": args.kernel_cond,
+        "table": table,
+    }
     if 1 in runs and 2 in runs:
         k1 = next(t for t in table if t["ranks"] == 1)["kernel_compute"]
         k2 = next(t for t in table if t["ranks"] == 2)["kernel_compute"]

@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
     from hpcfl.errors import HpcflError as HpcflError
     from hpcfl.models import MODELS as MODELS
     from hpcfl.models import build_model as build_model
+    from hpcfl.registry import register_algorithm as register_algorithm
+    from hpcfl.registry import register_dataset as register_dataset
+    from hpcfl.registry import register_model as register_model
     from hpcfl.runner import RunResult as RunResult
     from hpcfl.runner import StopRequest as StopRequest
     from hpcfl.runner import run_experiment as run_experiment
@@ -42,6 +45,7 @@ lazy_exports(
         "hpcfl.data": ["Dataset", "load_dataset", "partition", "partition_stats"],
         "hpcfl.errors": ["HpcflError"],
         "hpcfl.models": ["MODELS", "build_model"],
+        "hpcfl.registry": ["register_algorithm", "register_dataset", "register_model"],
         "hpcfl.runner": ["RunResult", "StopRequest", "run_experiment"],
     },
 )
@@ -66,5 +70,8 @@ __all__ = [
     "load_dataset",
     "partition",
     "partition_stats",
+    "register_algorithm",
+    "register_dataset",
+    "register_model",
     "run_experiment",
 ]

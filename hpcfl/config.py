@@ -17,9 +17,10 @@ from typing import Any
 import yaml
 
 from hpcfl.algorithms.base import HyperParams
-from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
 from hpcfl.errors import ConfigError, suggest
 from hpcfl.files import read_yaml as read_yaml  # where it lives (light); named here for callers
+from hpcfl.registry import ALGORITHMS, MODEL_SPECS, import_modules
+from hpcfl.units import parse_client_batch, parse_memory_budget
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Config:
     """One federated run. Field comments are the documentation ``hpcfl run --help`` points to."""
 
     name: str = "run"
+    imports: list[str] = field(default_factory=list)  # modules imported first (plugins that register names)
     dataset: str = "fashion-mnist"
     data_root: str | None = None  # else $HPCFL_DATA, else ~/.cache/hpcfl
     download: bool = True
@@ -56,6 +58,7 @@ class Config:
     momentum: float = 0.0
     weight_decay: float = 1e-5
     batch_size: int = 64
+    drop_last: bool = False  # drop each epoch's last partial batch: E·⌊n/B⌋ local steps (FedPVR's code)
     eval_every: int = 1
     eval_train: bool = False
     checkpoint_every: int = 1
@@ -85,20 +88,8 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.params is None:
-            from hpcfl.algorithms import ALGORITHMS
-
             cls = ALGORITHMS.get(self.algorithm)
             self.params = cls.Params() if cls is not None else HyperParams()
-
-    @property
-    def stage1(self) -> Stage1Section:
-        """TCT's stage-1 section (defaults for other algorithms)."""
-        return getattr(self.params, "stage1", Stage1Section())
-
-    @property
-    def stage2(self) -> Stage2Section:
-        """TCT's stage-2 section (defaults for other algorithms)."""
-        return getattr(self.params, "stage2", Stage2Section())
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain YAML values (tuples become lists, as YAML reads them back)."""
@@ -113,20 +104,25 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# Sections of configs written before ``params:`` existed; each becomes ``params`` of its algorithm.
-LEGACY_SECTIONS = {
-    "fedprox": ("fedprox",),
-    "moon": ("moon",),
-    "fedcka": ("fedcka",),
-    "stage1": ("tct",),
-    "stage2": ("tct",),
-}
+def legacy_sections() -> dict[str, str]:
+    """Config sections written before ``params:`` existed → the built-in algorithm owning each
+    (declared by the algorithms, :attr:`hpcfl.algorithms.Algorithm.legacy_sections`)."""
+    return {
+        section: name for name in ALGORITHMS.builtin_names() for section in ALGORITHMS[name].legacy_sections
+    }
 
 
-def _validate_legacy(key: str, value: Any) -> None:
-    from hpcfl.algorithms import ALGORITHMS
+def _legacy_target(owner: str, key: str) -> tuple[type, bool]:
+    """(the dataclass a legacy section ``key`` of algorithm ``owner`` builds, whether it is a field
+    of the params rather than the params themselves)."""
+    params_cls = ALGORITHMS[owner].Params
+    if key in {f.name for f in dataclasses.fields(params_cls)}:
+        return type(getattr(params_cls(), key)), True
+    return params_cls, False
 
-    cls = {"stage1": Stage1Section, "stage2": Stage2Section}.get(key) or ALGORITHMS[key].Params
+
+def _validate_legacy(owner: str, key: str, value: Any) -> None:
+    cls, _ = _legacy_target(owner, key)
     if value is None:
         return
     if not isinstance(value, dict):
@@ -140,14 +136,14 @@ def migrate(data: dict[str, Any], algorithm: str | None = None) -> dict[str, Any
     data = dict(data)
     algorithm = algorithm or str(data.get("algorithm", Config.algorithm))
     params = dict(data.get("params") or {})
-    for key, owners in LEGACY_SECTIONS.items():
+    for key, owner in legacy_sections().items():
         if key not in data:
             continue
         value = data.pop(key)
-        if algorithm not in owners:
-            _validate_legacy(key, value)  # unused here, but a typo is still named
+        if algorithm != owner:
+            _validate_legacy(owner, key, value)  # unused here, but a typo is still named
             continue
-        if algorithm == "tct":
+        if _legacy_target(owner, key)[1]:
             params[key] = merge(value or {}, params.get(key) or {}) if isinstance(value, dict) else value
         elif isinstance(value, dict):
             params = merge(value, params)
@@ -292,8 +288,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     ``params`` is validated against the algorithm's frozen Params dataclass (unknown key: the
     closest valid one; wrong type: one line); legacy sections are migrated first.
     """
-    from hpcfl.algorithms import ALGORITHMS
-
+    import_modules(data.get("imports"))
     data = migrate(data)
     cfg = _build(Config, data)
     if cfg.algorithm not in ALGORITHMS:
@@ -335,6 +330,24 @@ def load_config(
     return config_from_dict(merge(migrate(data, algorithm), migrate(extra, algorithm)))
 
 
+def load_cli_config(
+    path: str | Path | None, sets: list[str], data_root: str | None, values: dict[str, Any] | None = None
+) -> Config:
+    """The validated config of ``path`` with ``--set`` and ``--data-root`` applied (``run``,
+    ``compare``, ``submit`` and every sweep point load their config so).
+
+    The data root (from the flag or the file) is made absolute here, where it enters, so a relative
+    one keeps naming the same directory after a launcher or a job changes the working directory.
+    ``values`` are typed ``{dotted key: value}`` overrides applied after ``sets`` (a sweep point's).
+    """
+    from hpcfl.data.root import absolute_data_root
+
+    overrides = list(sets) + ([f"data_root={data_root}"] if data_root else [])
+    cfg = load_config(path, overrides, values)
+    cfg.data_root = absolute_data_root(cfg.data_root)
+    return cfg
+
+
 def _check_positive(cfg: Any, keys: tuple[str, ...], prefix: str = "") -> None:
     for key in keys:
         value = getattr(cfg, key)
@@ -344,8 +357,6 @@ def _check_positive(cfg: Any, keys: tuple[str, ...], prefix: str = "") -> None:
 
 def validate(cfg: Config) -> None:
     """Check every name and range that can be checked without touching data."""
-    from hpcfl.algorithms import ALGORITHMS
-
     _validate_run_name(cfg.name)
     _check_positive(cfg, ("num_clients", "batch_size", "eval_every", "checkpoint_every", "local_epochs"))
     _check_positive(cfg, ("local_steps", "threads", "lr"))
@@ -389,32 +400,6 @@ def validate(cfg: Config) -> None:
     parse_memory_budget(cfg.client_state_memory)
     parse_client_batch(cfg.client_batch)
     _validate_evaluation(cfg)
-    if cfg.algorithm != "tct":
-        return
-    s2 = cfg.stage2
-    _check_positive(s2, ("p", "lr", "local_steps", "batch_size"), prefix="stage2.")
-    if cfg.stage1.rounds < 0 or s2.rounds < 0:
-        raise ConfigError("config keys 'stage1.rounds' and 'stage2.rounds' must be >= 0")
-    for key, value, choices in (
-        ("stage2.params", s2.params, ("all", "features")),
-        ("stage2.solver", s2.solver, ("closed_form", "primal")),
-        ("stage2.variant", s2.variant, ("scaffold", "fedavg", "gd")),
-        ("stage2.loss", s2.loss, ("mse", "ce")),
-        ("stage2.features", s2.features, ("entk", "last_layer")),
-        ("stage2.head", s2.head, ("fresh1", "keep")),
-        ("stage2.dtype", s2.dtype, ("float32", "float16", "bfloat16")),
-        ("stage2.method", s2.method, ("auto", "fused", "vmap", "loop")),
-    ):
-        if value not in choices:
-            raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
-    if s2.loss == "ce" and s2.solver == "closed_form":
-        raise ConfigError("stage2.loss=ce has no closed form; set stage2.solver=primal")
-    if s2.head == "fresh1" and s2.logit != 0:
-        raise ConfigError(
-            f"config key 'stage2.logit' ({s2.logit}) applies only with stage2.head=keep: the default fresh "
-            "1-output head has the single output 0; drop stage2.logit, or set stage2.head=keep for the "
-            "legacy C-output head"
-        )
     _check_against_dataset(cfg)
 
 
@@ -447,11 +432,8 @@ def _check_against_dataset(cfg: Config) -> None:
             f"num_clients={cfg.num_clients} is more than the {n_train} training samples of {cfg.dataset}; "
             "use fewer clients"
         )
-    if cfg.algorithm == "tct" and cfg.stage2.head == "keep" and not 0 <= cfg.stage2.logit < classes:
-        raise ConfigError(
-            f"config key 'stage2.logit' must be a class index in [0, {classes}) for {cfg.dataset}, "
-            f"got {cfg.stage2.logit}"
-        )
+    if isinstance(cfg.params, HyperParams):
+        cfg.params.check_data(cfg.dataset, classes)
 
 
 LOGGERS = ("tensorboard", "mlflow", "wandb")
@@ -490,41 +472,6 @@ def _validate_run_name(name: str) -> None:
         )
 
 
-def parse_client_batch(value: Any) -> int | str:
-    """``auto`` or a positive group size; a ConfigError naming the key otherwise."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return "auto"
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != text:
-        raise ConfigError(f"config key 'client_batch' must be auto or a positive integer, got {value!r}")
-    return n
-
-
-def parse_memory_budget(value: str) -> int | str:
-    """``auto`` | ``memory`` | ``disk`` | a byte count such as ``512MB`` or ``2GiB``."""
-    text = str(value).strip().lower()
-    if text in ("auto", "memory", "disk"):
-        return text
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-    num = text.rstrip("kmgib")
-    unit = text[len(num) :]
-    try:
-        if unit not in units:
-            raise ValueError
-        out = int(float(num) * units[unit])
-        if out < 0:
-            raise ValueError
-    except ValueError:
-        raise ConfigError(
-            f"config key 'client_state_memory' must be auto, memory, disk or a size such as 2GB, got {value!r}"
-        ) from None
-    return out
-
-
 def _validate_names(cfg: Config) -> None:
     """Dataset, model and partition names, checked against their registries when those exist."""
     from hpcfl.data import canonical_name, parse_partition_spec
@@ -532,10 +479,8 @@ def _validate_names(cfg: Config) -> None:
 
     cfg.dataset = canonical_name(cfg.dataset)
     parse_partition_spec(cfg.partition)
-    from hpcfl.models import MODELS
-
-    if cfg.model not in MODELS:
-        raise unknown("model", cfg.model, MODELS)
+    if cfg.model not in MODEL_SPECS:
+        raise unknown("model", cfg.model, MODEL_SPECS)
 
 
 def dump_config(cfg: Config, path: Path) -> None:

@@ -23,6 +23,25 @@ except ImportError:  # pragma: no cover
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _example_plugin_on_path() -> None:
+    """Put the example plugin (tests/plugin_example) on this process's path as if installed, so
+    the registries list it and the contract suite covers it (subprocesses: helpers.plugin_env)."""
+    import sys
+
+    from tests.helpers import make_plugin_importable
+
+    path = str(make_plugin_importable())
+    if path not in sys.path:
+        sys.path.append(path)
+    from hpcfl.registry import ALGORITHMS, DATASET_SPECS, MODEL_SPECS
+
+    for registry in (ALGORITHMS, MODEL_SPECS, DATASET_SPECS):
+        registry.refresh()
+
+
+_example_plugin_on_path()
+
+
 def _default_data_root() -> Path | None:
     env = os.environ.get("HPCFL_DATA")
     if env:  # absolute now: tests change directory and symlink into the data (README runs it relative)

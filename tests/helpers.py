@@ -184,3 +184,41 @@ def kill_after_rows(cfg: Path, run: Path, rows: int, timeout: float = 240) -> No
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (run / "DONE").exists(), "the run finished before it could be killed"
+
+
+#: the example plugin distribution kept with the tests (tests/plugin_example/pyproject.toml)
+PLUGIN_DIR = REPO / "tests" / "plugin_example"
+
+
+def make_plugin_importable() -> Path:
+    """Make the example plugin importable as an installed distribution without installing it:
+    write its ``.dist-info`` (METADATA and the entry points of its pyproject.toml) beside its
+    package, so that putting :data:`PLUGIN_DIR` on the path makes both the package and its entry
+    points visible to ``importlib.metadata``. Returns the directory to put on the path."""
+    import tomllib
+
+    project = tomllib.loads((PLUGIN_DIR / "pyproject.toml").read_text())["project"]
+    name, version = project["name"], project["version"]
+    lines = []
+    for group, entries in project["entry-points"].items():
+        lines += [f"[{group}]", *(f"{key} = {value}" for key, value in entries.items()), ""]
+    files = {
+        "METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        "entry_points.txt": "\n".join(lines),
+    }
+    info = PLUGIN_DIR / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(exist_ok=True)
+    for file, text in files.items():
+        path = info / file
+        if not path.exists() or path.read_text() != text:
+            tmp = path.with_name(f".{file}.{os.getpid()}")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    return PLUGIN_DIR
+
+
+def plugin_env(*extra: Path) -> dict[str, str]:
+    """The environment of a subprocess that sees this checkout's hpcfl, the example plugin and
+    ``extra`` directories (e.g. a broken plugin's)."""
+    path = os.pathsep.join(str(p) for p in (REPO, make_plugin_importable(), *extra))
+    return {**os.environ, "PYTHONPATH": path}

@@ -227,7 +227,7 @@ def test_relative_data_roots_become_absolute_where_they_enter(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A relative root names the directory seen from where it entered, whatever the cwd later is."""
-    from hpcfl.cli._config import load_cli_config
+    from hpcfl.config import load_cli_config
     from hpcfl.data.root import absolutize_env
 
     (tmp_path / "work" / "repo").mkdir(parents=True)

@@ -44,3 +44,13 @@ def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         json.loads(line) for line in (tmp_path / "runs/api_example/metrics.jsonl").read_text().splitlines()
     ]
     assert rows[-1]["round"] == 2 and 0.0 < rows[-1]["test_accuracy"] <= 1.0
+
+
+def test_readme_adding_an_algorithm_shows_the_real_file_and_its_one_line() -> None:
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n### Adding an algorithm\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    (line,) = re.findall(r"```text\n(.*?)```", section, flags=re.S)
+    assert code in (REPO / "hpcfl/algorithms/fedavgm.py").read_text()
+    assert line in (REPO / "hpcfl/registry.py").read_text()
+    assert "class FedAvgM(Algorithm" in code

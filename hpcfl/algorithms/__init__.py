@@ -1,73 +1,88 @@
-"""Federated algorithms, one module each, behind one registry.
+"""The algorithm contract (public), and the built-in algorithms by name.
 
-Adding an algorithm is adding a module with an :class:`Algorithm` subclass and one line here.
+Everything an algorithm author needs is exported here: the base class and its typed states
+(:class:`Algorithm`, :class:`HyperParams`, :class:`ServerState`, :class:`ClientState`), what a round
+exchanges (:class:`Exchange`, :class:`SumSpec`, :class:`Upload`, :class:`Aggregate`), the steps'
+contexts (:class:`ClientContext`, :class:`ServerContext`), declared local work (:class:`LocalTask`,
+:func:`local_training`, :func:`model_upload`, :class:`Trainer`), stages (:class:`Stage`), the state
+layout and participation rule, the shared server optimisers (:mod:`hpcfl.algorithms.server_opt`) and
+:func:`register_algorithm`. A plugin's algorithm imports only from here.
+
+Stability: these names and their documented fields and signatures are public. Within a 0.x release
+series they change only additively (new optional fields and keyword arguments with defaults); a
+change that can break an algorithm written against them is named in the release notes. Modules
+below this package not re-exported here are internal.
+
+The registry :data:`ALGORITHMS` (name → class, built-ins and plugins) lives in :mod:`hpcfl.registry`
+and imports an algorithm's module only when its name is used; the built-in classes are reachable
+here by their class names (``from hpcfl.algorithms import Scaffold``) the same lazy way.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from hpcfl.algorithms.base import (
+    Aggregate,
     Algorithm,
+    ClientContext,
     ClientData,
     ClientState,
+    Exchange,
     HyperParams,
     LocalTask,
     NonFiniteLoss,
+    Reducer,
+    ServerContext,
     ServerState,
+    Stage,
+    SumSpec,
     Trainer,
     Upload,
+    model_upload,
+    state_from_dict,
+    state_to_dict,
 )
-from hpcfl.algorithms.cp_ntkfl import CPNTKFL
-from hpcfl.algorithms.fedadam import FedAdam
-from hpcfl.algorithms.fedavg import FedAvg
-from hpcfl.algorithms.fedcka import FedCKA
-from hpcfl.algorithms.feddyn import FedDyn
-from hpcfl.algorithms.fednova import FedNova
-from hpcfl.algorithms.fedprox import FedProx
-from hpcfl.algorithms.fedpvr import FedPVR
-from hpcfl.algorithms.moon import Moon
-from hpcfl.algorithms.ntkfl import NTKFL
-from hpcfl.algorithms.scaffold import Scaffold
-from hpcfl.algorithms.tct import TCT
+from hpcfl.algorithms.fedavg import local_training
+from hpcfl.algorithms.layout import StateLayout
+from hpcfl.algorithms.participation import Participation, Population
+from hpcfl.registry import ALGORITHMS, register_algorithm
 
-ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls
-    for cls in (
-        FedAvg,
-        FedProx,
-        Scaffold,
-        TCT,
-        Moon,
-        FedCKA,
-        FedPVR,
-        FedDyn,
-        FedNova,
-        FedAdam,
-        NTKFL,
-        CPNTKFL,
-    )
-}
+
+def __getattr__(attr: str) -> Any:
+    """A built-in algorithm class by its class name (``from hpcfl.algorithms import Scaffold``):
+    the built-ins are imported in registry order until one has that class name."""
+    for name in ALGORITHMS.builtin_names():
+        cls = ALGORITHMS[name]
+        if cls.__name__ == attr:
+            return cls
+    raise AttributeError(f"module 'hpcfl.algorithms' has no attribute {attr!r}")
+
 
 __all__ = [
     "ALGORITHMS",
+    "Aggregate",
     "Algorithm",
+    "ClientContext",
     "ClientData",
     "ClientState",
-    "CPNTKFL",
-    "FedAdam",
-    "FedAvg",
-    "FedCKA",
-    "FedDyn",
-    "FedNova",
-    "FedProx",
-    "FedPVR",
+    "Exchange",
     "HyperParams",
     "LocalTask",
-    "Moon",
-    "NTKFL",
     "NonFiniteLoss",
-    "Scaffold",
-    "TCT",
+    "Participation",
+    "Population",
+    "Reducer",
+    "ServerContext",
     "ServerState",
+    "Stage",
+    "StateLayout",
+    "SumSpec",
     "Trainer",
     "Upload",
+    "local_training",
+    "model_upload",
+    "register_algorithm",
+    "state_from_dict",
+    "state_to_dict",
 ]

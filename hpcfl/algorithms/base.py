@@ -22,18 +22,24 @@ that the runner checkpoints as they are.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from abc import ABC
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
 from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
+from hpcfl.errors import ConfigError
 from hpcfl.training.batched import ClientJob, batched_local_sgd
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import Correction, LocalResult, LocalSchedule, LossFn, cross_entropy_loss, local_sgd
+
+if TYPE_CHECKING:  # the runner's types, named in annotations only (the runner depends on this module)
+    from hpcfl.runner.stages import StageInput, StagePlan
 
 P = TypeVar("P", bound="HyperParams")
 S = TypeVar("S", bound="ServerState")
@@ -58,6 +64,13 @@ class ServerState:
 
     x: torch.Tensor
 
+    def evaluated(self) -> dict[str, torch.Tensor]:
+        """The models the runner evaluates, by metric-column suffix: ``""`` is the reported model
+        (``test_accuracy``, and the validation and train columns); another suffix adds
+        ``test_accuracy<suffix>``/``test_loss<suffix>`` (FedDyn: the plain client mean is reported,
+        its h-corrected x is ``_corrected``). Default: x alone."""
+        return {"": self.x}
+
 
 @dataclass
 class ClientState:
@@ -79,7 +92,15 @@ class ClientData:
 
 @dataclass(frozen=True)
 class HyperParams:
-    """Base class of the per-algorithm hyper-parameter dataclasses (frozen, documented fields)."""
+    """Base class of the per-algorithm hyper-parameter dataclasses (frozen, documented fields).
+
+    A subclass validates its own fields in ``__post_init__`` (one :class:`ConfigError` line naming
+    the key), so the config validates every algorithm's section without knowing the algorithm.
+    """
+
+    def check_data(self, dataset: str, num_classes: int) -> None:
+        """Refuse values the dataset rules out (called with its class count before any data is
+        read; default: nothing to check)."""
 
 
 @dataclass(frozen=True)
@@ -242,23 +263,40 @@ class ServerContext:
     world: int = 1
 
 
+#: A stage hook by reference, ``"package.module:function"``: how an algorithm's file names its stage
+#: code (``hpcfl.tct.*``, ``hpcfl.ntk.*``), which sits above the contract and depends on it, so the
+#: algorithm never imports it; the runner imports it when it calls the hook.
+HookRef = str
+
+
+def resolve_hook(hook: Callable[..., Any] | HookRef) -> Callable[..., Any]:
+    """The function a stage hook names (a callable is returned as it is)."""
+    if callable(hook):
+        return hook
+    module, _, name = hook.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class Stage:
     """One stage of a run: ``rounds`` rounds of the algorithm ``enter`` builds.
 
     ``enter`` is None for the stage that trains the configured model with this algorithm; otherwise
     the runner calls it with a :class:`hpcfl.runner.stages.StageInput` (the previous stage's server
-    state and the run's federation) and runs the plan it returns. ``check`` runs before the first
-    round of the run (a refusal that needs only the config and the data, e.g. disk space);
-    ``finish`` runs when the stage's rounds are done (TCT keeps θ_T1). Only the runner calls them,
-    so algorithms stay free of I/O.
+    state and the run's federation) and runs the :class:`hpcfl.runner.stages.StagePlan` it returns.
+    ``check`` runs before the first round of the run (a refusal that needs only the config and the
+    data, e.g. disk space); ``finish`` runs when the stage's rounds are done (TCT keeps θ_T1). Each
+    is a function or a :data:`HookRef` (:func:`resolve_hook`). Only the runner calls them, so
+    algorithms stay free of I/O.
     """
 
     name: str
     rounds: int
-    enter: Callable[[Any], Any] | None = None
-    check: Callable[[Any, Any], None] | None = None  # (federation, run_dir): refuse before any round
-    finish: Callable[[Any], None] | None = None  # called with a StageInput when the stage's rounds are done
+    enter: Callable[[StageInput], StagePlan] | HookRef | None = None
+    check: Callable[[Any, Path], None] | HookRef | None = (
+        None  # (federation, run_dir): refuse before any round
+    )
+    finish: Callable[[StageInput], None] | HookRef | None = None  # when the stage's rounds are done
 
 
 class Algorithm(ABC, Generic[P, S, C]):
@@ -270,6 +308,16 @@ class Algorithm(ABC, Generic[P, S, C]):
 
     name: ClassVar[str]
     Params: ClassVar[type[HyperParams]] = HyperParams
+    #: small hyper-parameters the contract tests (tests/test_contract.py) run it with on a tiny
+    #: synthetic federation; None: ``Params()``
+    example_params: ClassVar[HyperParams | None] = None
+    #: top-level config sections of configs written before ``params:`` existed that belong to this
+    #: algorithm: one named after the algorithm holds its params, one named after a params field
+    #: holds that field (TCT's ``stage1``/``stage2``); the config moves them into ``params``
+    legacy_sections: ClassVar[tuple[str, ...]] = ()
+    #: whether the last stage logs ``val_accuracy`` on the held-out split (``validation``), which
+    #: ``hpcfl sweep --search`` selects on; False where it evaluates its own way (TCT's stage 2)
+    logs_validation: ClassVar[bool] = True
     #: why the participants train one by one when :meth:`local_task` declares nothing
     unbatched_reason: ClassVar[str] = "its local work is not a declared local task"
 
@@ -292,6 +340,12 @@ class Algorithm(ABC, Generic[P, S, C]):
     def stages(self) -> Sequence[Stage]:
         """The run's stages; ``rounds`` of the single default stage is set by the runner."""
         return (Stage("train", -1),)
+
+    def resolved(self, population: Population, schedule: LocalSchedule) -> Algorithm[P, S, C]:
+        """This algorithm with every ``auto`` choice that depends on the clients' sizes and the
+        local schedule made (SCAFFOLD's ``form``); the runner calls it once, before the first round.
+        Default: nothing to choose, ``self``."""
+        return self
 
     # -- states ------------------------------------------------------------------------------
     def init_server(self, x0: torch.Tensor) -> S:
@@ -322,13 +376,37 @@ class Algorithm(ABC, Generic[P, S, C]):
         return dataclasses.replace(server, x=aggregate.sums["x"] / aggregate.weight), {}
 
 
+#: How the server averages the participants' models: ``samples`` Σ n_k y_k / Σ n_k (FedAvg, McMahan
+#: et al. 2017; NIID-Bench for every method), ``uniform`` the plain mean (1/|S|) Σ y_k (SCAFFOLD's
+#: Algorithm 1, FedDyn's Algorithm 1, the FedPVR authors' code). Each algorithm that takes a
+#: ``weighting`` param states its default and the reference it follows.
+WEIGHTINGS = ("samples", "uniform")
+
+
+def check_weighting(value: str) -> None:
+    """Refuse a ``params.weighting`` outside :data:`WEIGHTINGS` (one clear line)."""
+    if value not in WEIGHTINGS:
+        raise ConfigError(f"config key 'params.weighting' must be samples or uniform, got {value!r}")
+
+
+def upload_weight(data: ClientData, weighting: str = "samples") -> float:
+    """A participant's weight in the server's model average: n_k (``samples``) or 1 (``uniform``)."""
+    return float(data.n) if weighting == "samples" else 1.0
+
+
 def model_upload(
-    x: torch.Tensor, data: ClientData, result: LocalResult | None = None, **metrics: float
+    x: torch.Tensor,
+    data: ClientData,
+    result: LocalResult | None = None,
+    *,
+    weighting: str = "samples",
+    **metrics: float,
 ) -> Upload:
-    """The default upload: the local model ``x`` weighted by n_k, with the local loss as a metric."""
+    """The default upload: the local model ``x`` weighted by :func:`upload_weight` (n_k unless
+    ``weighting`` is ``uniform``), with the local loss as a metric."""
     row = {"loss": result.loss} if result is not None else {}
     row.update(metrics)
-    return Upload(sums={"x": x}, weight=float(data.n), metrics=row)
+    return Upload(sums={"x": x}, weight=upload_weight(data, weighting), metrics=row)
 
 
 def state_to_dict(state: Any) -> dict[str, Any]:

@@ -132,6 +132,7 @@ class CPNTKFL(NTKFL):
 
     name = "cp-ntkfl"
     Params = CPNTKFLParams
+    example_params = CPNTKFLParams(grid=(10, 20))
     params: CPNTKFLParams
 
     def local_rows(self, data: ClientData, ctx: ClientContext) -> tuple[Tensor, Tensor]:

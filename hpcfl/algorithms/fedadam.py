@@ -3,7 +3,7 @@ Federated Optimization", Algorithm 2): FedAvg's clients, Adam on the server.
 
 The round's pseudo-gradient is Δ = mean_S(y_k) − x (the n_k-weighted mean, as every algorithm here;
 Algorithm 2 writes the uniform mean of the Δ_k). The server then takes one Adam step without bias
-correction, as Algorithm 2 does:
+correction, as Algorithm 2 does (:mod:`hpcfl.algorithms.server_opt`, shared with FedAvgM):
 
     m ← β1·m + (1 − β1)·Δ,   v ← β2·v + (1 − β2)·Δ²,   x ← x + η·m/(√v + τ),
 
@@ -31,6 +31,7 @@ from hpcfl.algorithms.base import (
     ServerState,
 )
 from hpcfl.algorithms.fedavg import local_training
+from hpcfl.algorithms.server_opt import adam_step, apply_step, pseudo_gradient
 from hpcfl.errors import ConfigError
 
 
@@ -72,16 +73,6 @@ class FedAdamServerState(ServerState):
     v: torch.Tensor | None = None
 
 
-def adam_step(
-    x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, p: FedAdamParams
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One server Adam step of Algorithm 2 on pseudo-gradient ``delta``; returns (x, m, v), new tensors."""
-    m = p.beta1 * m + (1.0 - p.beta1) * delta
-    v = p.beta2 * v + (1.0 - p.beta2) * delta * delta
-    x = x + p.server_lr * m / (v.sqrt() + p.tau)
-    return x, m, v
-
-
 class FedAdam(Algorithm[FedAdamParams, FedAdamServerState, ClientState]):
     name = "fedadam"
     Params = FedAdamParams
@@ -99,9 +90,10 @@ class FedAdam(Algorithm[FedAdamParams, FedAdamServerState, ClientState]):
         self, server: FedAdamServerState, aggregate: Aggregate, ctx: ServerContext
     ) -> tuple[FedAdamServerState, dict[str, float]]:
         assert server.m is not None and server.v is not None
-        P = self.num_params
-        mean = aggregate.sums["x"] / aggregate.weight
-        delta = mean[:P] - server.x[:P]  # the pseudo-gradient Δ
-        x = mean.clone()  # buffers: FedAvg's mean
-        x[:P], m, v = adam_step(server.x[:P], server.m, server.v, delta, self.params)
+        p = self.params
+        mean, delta = pseudo_gradient(server.x, aggregate, self.num_params)
+        step, m, v = adam_step(
+            server.m, server.v, delta, lr=p.server_lr, beta1=p.beta1, beta2=p.beta2, tau=p.tau
+        )
+        x = apply_step(server.x, mean, step)
         return FedAdamServerState(x=x, m=m, v=v), {"pseudo_grad_norm": float(delta.norm())}

@@ -120,6 +120,7 @@ def cka_regulariser(
 
 class FedCKA(PreviousModelAlgorithm[FedCKAParams, FedCKAClientState]):
     name = "fedcka"
+    legacy_sections = ("fedcka",)
     Params = FedCKAParams
     State = FedCKAClientState
 

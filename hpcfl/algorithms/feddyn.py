@@ -20,6 +20,21 @@ keeps the induction h = Σ_k n_k g_k / Σ_k n_k and so minimises the pooled loss
 two coincide when all clients hold the same number of samples. Either way each participant uploads
 only its model (the sum Σ_S w_k(θ_k − θ) is the model sum minus Σ_S w_k·θ), i.e. FedAvg's traffic.
 
+Reported model: the official code (``utils_methods_FedDyn.py``) sends θ^t = mean − h/α to the
+clients but evaluates and reports the plain mean of the client models (``avg_model``); so does this
+module: ``test_accuracy`` is the client mean's (kept as ``mean`` in the server state, not sent to
+clients), ``test_accuracy_corrected`` the h-corrected θ^t's. At α = 0.01 and momentum 0.9 the
+corrected model oscillates between 10 % and 48 % for 20 rounds where the mean climbs to 75 % (issue
+25).
+
+Options of the official code: ``max_grad_norm`` clips, before each local step, the gradient of the
+loss plus the linear terms (their ``clip_grad_norm_`` after ``backward`` of
+``loss_f_i + α⟨θ, −θ^{t−1} + λ_k⟩``, their default 10) while α·θ and the weight decay (their
+optimiser's ``weight_decay = α + wd``) stay outside the clip; ``alpha_per_client`` uses
+α_k = α / w_k with w_k = n_k·N/Σ_j n_j (their ``alpha_coef / weight_list[clnt]``) in client k's
+local problem and linear-term update, while the server's h/α keeps α, as their
+``cld_mdl_param = avg + mean(local_param_list)`` does.
+
 α = 0: the local problem is FedAvg's and h stays 0, but the server's h/α is 0/0. It is defined as 0,
 so ``alpha: 0`` is FedAvg (bit for bit with ``weighting: samples``). This is a convention, not the
 limit: as α → 0⁺, h/α → −(1/N)Σ_{s≤t}Σ_{S_s}(θ_k^s − θ^{s−1}) (clients tend to FedAvg's, the server
@@ -44,8 +59,10 @@ from hpcfl.algorithms.base import (
     ServerContext,
     ServerState,
     Upload,
+    check_weighting,
     model_upload,
 )
+from hpcfl.algorithms.participation import Population
 from hpcfl.errors import ConfigError
 from hpcfl.training.batched import LinearCorrection
 from hpcfl.training.sgd import LocalResult
@@ -58,30 +75,41 @@ class FedDynParams(HyperParams):
     - ``alpha`` α = 0.01: the dynamic-regulariser weight; the paper selects it per task from
       {0.1, 0.01, 0.001}; 0.01 is the middle of that grid.
       α = 0 is FedAvg by convention (see the module docstring);
-    - ``weighting`` = ``uniform``: Algorithm 1's uniform means; ``samples``: n_k-weighted (see the
-      module docstring).
+    - ``weighting`` = ``uniform``: Algorithm 1's uniform means (and the official code's); ``samples``:
+      n_k-weighted (see the module docstring);
+    - ``max_grad_norm`` = None: no clipping; a number clips each local step's gradient of the loss
+      and linear terms to that norm, as the official code does (its default is 10);
+    - ``alpha_per_client`` = false: one α; true: α_k = α/w_k, w_k = n_k·N/Σn (the official code's
+      ``alpha / weight`` option).
     """
 
     alpha: float = 0.01
     weighting: str = "uniform"
+    max_grad_norm: float | None = None
+    alpha_per_client: bool = False
 
     def __post_init__(self) -> None:
         if not self.alpha >= 0:
             raise ConfigError(f"config key 'params.alpha' must be >= 0, got {self.alpha}")
-        if self.weighting not in ("uniform", "samples"):
-            raise ConfigError(
-                f"config key 'params.weighting' must be uniform or samples, got {self.weighting!r}"
-            )
+        check_weighting(self.weighting)
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"config key 'params.max_grad_norm' must be > 0, got {self.max_grad_norm}")
 
 
 @dataclass
 class FedDynServerState(ServerState):
-    """x and h, the server's running (1/N)Σ of the clients' linear terms (over the parameters);
-    h stays on the server (not counted in ``bytes_down``)."""
+    """x (θ^t, what clients start from), h, the server's running (1/N)Σ of the clients' linear
+    terms (over the parameters), and ``mean``, the last round's plain mean of the client models (the
+    reported model; None before round 1). h and mean stay on the server (not in ``bytes_down``)."""
 
-    server_only: ClassVar[tuple[str, ...]] = ("h",)
+    server_only: ClassVar[tuple[str, ...]] = ("h", "mean")
 
     h: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
+
+    def evaluated(self) -> dict[str, torch.Tensor]:
+        """The client mean as ``test_accuracy`` (the official code's metric), θ^t as ``_corrected``."""
+        return {"": self.x if self.mean is None else self.mean, "_corrected": self.x}
 
 
 @dataclass
@@ -89,6 +117,43 @@ class FedDynClientState(ClientState):
     """g: the client's linear term ∇L_k(θ_k^{t−1}) (None: 0, a client never trained)."""
 
     g: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ClippedDynCorrection:
+    """FedDyn's correction with the official code's gradient clipping: the loss gradient plus the
+    linear terms, ∇L_k − shift − pull·anchor, is clipped to ``max_norm`` (``clip_grad_norm_``'s
+    coefficient max_norm/(‖·‖ + 1e-6), at most 1), then pull·w and the weight decay are added
+    (they are the official optimiser's ``weight_decay``, outside the clip). ``d`` arrives as
+    ∇L_k + weight_decay·w (``local_sgd``'s order)."""
+
+    max_norm: float
+    weight_decay: float
+    shift: torch.Tensor | None
+    pull: float
+    anchor: torch.Tensor | None
+
+    def __call__(self, w: torch.Tensor, d: torch.Tensor) -> None:
+        v = d.sub(w, alpha=self.weight_decay) if self.weight_decay else d.clone()
+        if self.shift is not None:
+            v.sub_(self.shift)
+        if self.pull:
+            assert self.anchor is not None
+            v.sub_(self.anchor, alpha=self.pull)
+        coef = self.max_norm / (float(v.norm()) + 1e-6)
+        if coef < 1.0:
+            v.mul_(coef)
+        if self.pull + self.weight_decay:
+            v.add_(w, alpha=self.pull + self.weight_decay)
+        d.copy_(v)
+
+
+def client_alpha(params: FedDynParams, k: int, population: Population) -> float:
+    """α_k: α, or with ``alpha_per_client`` α/w_k, w_k = n_k·N/Σ_j n_j (official ``alpha / weight``)."""
+    if not params.alpha_per_client:
+        return params.alpha
+    sizes = population.sizes
+    return params.alpha / (sizes[k] * len(sizes) / sum(sizes))
 
 
 class FedDyn(Algorithm[FedDynParams, FedDynServerState, FedDynClientState]):
@@ -104,8 +169,8 @@ class FedDyn(Algorithm[FedDynParams, FedDynServerState, FedDynClientState]):
     def local_task(
         self, server: FedDynServerState, client: FedDynClientState, data: ClientData, ctx: ClientContext
     ) -> LocalTask[FedDynClientState]:
-        alpha = self.params.alpha
-        uniform = self.params.weighting == "uniform"
+        alpha = client_alpha(self.params, data.k, ctx.population)
+        weighting = self.params.weighting
         P = self.num_params
         anchor = server.x[:P]
         g = client.g
@@ -115,11 +180,15 @@ class FedDyn(Algorithm[FedDynParams, FedDynServerState, FedDynClientState]):
             if alpha != 0:
                 drift = y[:P] - anchor
                 new = FedDynClientState(g=(-alpha) * drift if g is None else g - alpha * drift)
-            upload = model_upload(y, data, result)
-            if uniform:
-                upload.weight = 1.0
-            return upload, new
+            return model_upload(y, data, result, weighting=weighting), new
 
+        max_norm = self.params.max_grad_norm
+        if max_norm is not None:
+            assert ctx.trainer is not None
+            wd = ctx.trainer.schedule.weight_decay
+            pull = alpha if alpha != 0 else 0.0
+            clipped = ClippedDynCorrection(max_norm, wd, g if alpha != 0 else None, pull, anchor)
+            return LocalTask(server.x, finish, clipped)
         if alpha == 0:  # the local problem is FedAvg's and g stays 0
             return LocalTask(server.x, finish)
         # ∇ of −⟨g_k, θ⟩ + (α/2)‖θ − θ^{t−1}‖²
@@ -132,7 +201,7 @@ class FedDyn(Algorithm[FedDynParams, FedDynServerState, FedDynClientState]):
         alpha = self.params.alpha
         mean = aggregate.sums["x"] / aggregate.weight
         if alpha == 0:
-            return FedDynServerState(x=mean, h=server.h), {}
+            return FedDynServerState(x=mean, h=server.h, mean=mean), {}
         P = self.num_params
         if self.params.weighting == "uniform":
             norm = float(ctx.population.size)  # N
@@ -142,4 +211,4 @@ class FedDyn(Algorithm[FedDynParams, FedDynServerState, FedDynClientState]):
         h = server.h - (alpha / norm) * moved
         x = mean.clone()
         x[:P] = mean[:P] - h / alpha
-        return FedDynServerState(x=x, h=h), {"h_norm": float(h.norm())}
+        return FedDynServerState(x=x, h=h, mean=mean), {"h_norm": float(h.norm())}

@@ -9,7 +9,8 @@ local-step coefficients a_k, then rescales by the effective step count τ_eff (t
 
 ‖a_k‖₁ = τ_k for plain local SGD; with local momentum ρ (buffer initialised to the first gradient,
 no dampening, as ``torch.optim.SGD``) the coefficient of the s-th gradient is (1 − ρ^{τ_k−s+1})/(1−ρ),
-so ‖a_k‖₁ = (τ_k − ρ(1 − ρ^{τ_k})/(1 − ρ))/(1 − ρ) (the paper's local-momentum case).
+so ‖a_k‖₁ = (τ_k − ρ(1 − ρ^{τ_k})/(1 − ρ))/(1 − ρ) (the paper's local-momentum case;
+:func:`hpcfl.training.sgd.local_norm`, shared with SCAFFOLD's and FedPVR's control variates).
 
 The exchange: each participant uploads its model y_k with the weight n_k/‖a_k‖₁ (so the summed
 model is Σ_S n_k y_k/‖a_k‖₁ and the total weight Σ_S n_k/‖a_k‖₁) beside two plain scalars, n_k‖a_k‖₁
@@ -44,7 +45,7 @@ from hpcfl.algorithms.base import (
     SumSpec,
     Upload,
 )
-from hpcfl.training.sgd import LocalResult
+from hpcfl.training.sgd import LocalResult, local_norm
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,6 @@ class FedNovaParams(HyperParams):
     """FedNova (Wang et al., NeurIPS 2020) has no hyper-parameters beyond the local schedule: the
     local momentum ρ and each client's step count τ_k set ‖a_k‖₁, and τ_eff = Σ p_k‖a_k‖₁ is the
     paper's default choice of the effective step count."""
-
-
-def local_norm(steps: int, momentum: float) -> float:
-    """‖a_k‖₁ for ``steps`` local SGD steps with momentum ρ (τ_k when ρ = 0)."""
-    if not momentum:
-        return float(steps)
-    rho = momentum
-    return (steps - rho * (1.0 - rho**steps) / (1.0 - rho)) / (1.0 - rho)
 
 
 class FedNova(Algorithm[FedNovaParams, ServerState, ClientState]):

@@ -12,6 +12,7 @@ from hpcfl.algorithms.base import (
     HyperParams,
     LocalTask,
     ServerState,
+    check_weighting,
     model_upload,
 )
 from hpcfl.training.batched import LinearCorrection
@@ -19,17 +20,27 @@ from hpcfl.training.batched import LinearCorrection
 
 @dataclass(frozen=True)
 class FedProxParams(HyperParams):
-    """mu: weight of the proximal term (the FedProx paper sweeps 0.001–1; 0.01 is NIID-Bench's default)."""
+    """mu: weight of the proximal term (the FedProx paper sweeps 0.001–1; 0.01 is NIID-Bench's default).
+    weighting: the server's model mean, ``samples`` (default: the FedProx paper's p_k = n_k/n and
+    NIID-Bench) or ``uniform``."""
 
     mu: float = 0.01
+    weighting: str = "samples"
+
+    def __post_init__(self) -> None:
+        check_weighting(self.weighting)
 
 
 class FedProx(Algorithm[FedProxParams, ServerState, ClientState]):
     name = "fedprox"
+    legacy_sections = ("fedprox",)
     Params = FedProxParams
 
     def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
     ) -> LocalTask[ClientState]:
         proximal = LinearCorrection(pull=self.params.mu, anchor=server.x[: self.num_params])
-        return LocalTask(server.x, lambda x, result: (model_upload(x, data, result), client), proximal)
+        weighting = self.params.weighting
+        return LocalTask(
+            server.x, lambda x, result: (model_upload(x, data, result, weighting=weighting), client), proximal
+        )

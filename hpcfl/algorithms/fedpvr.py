@@ -5,21 +5,29 @@ the parameters only, plain local SGD on the rest.
 Algorithm 1 / Eq. 3–9 of the paper, with the mask p over the trainable parameters:
 
 - local step (Eq. 5–6): y_svr ← y_svr − η_l(g_svr − c_i + c), y_sgd ← y_sgd − η_l·g_sgd;
-- client variate (Eq. 7, SCAFFOLD option II): c_i⁺ = c_i − c + (x_svr − y_svr)/(Kη_l);
+- client variate (Eq. 7, SCAFFOLD option II): c_i⁺ = c_i − c + (x_svr − y_svr)/(Kη_l), where Kη_l
+  is the effective step η_l·‖a‖₁ of the corrected slice (:func:`~hpcfl.training.sgd.local_norm`):
+  K with the paper code's plain SGD on that slice, (K − β(1−β^K)/(1−β))/(1−β) with
+  ``momentum_on_corrected`` (the consistent estimate under momentum, issue 25);
 - server (Eq. 8–9): x ← (1 − η_g)x + η_g·mean_S y_i (the paper's Eq. 8 drops the η_g before the
   mean; the two agree at its η_g = 1), c ← c + Σ_S Δc_i / N, which is Eq. 9's mean of the c_i under
-  full participation and SCAFFOLD's |S|/N form under partial participation.
+  full participation and SCAFFOLD's |S|/N form under partial participation. ``weighting``:
+  ``uniform`` (default, Eq. 8's mean and the authors' ``aggregate/scaffold.py``) or ``samples``
+  (n_k-weighted).
 
-The exchange carries the model (weighted by n_k, as every algorithm here) and Δc_i over the masked
-slice only, so the counted ``bytes_up`` per participant is (state + |mask|)·4 bytes and the server
+Weight decay: the authors' ``opt/opt.py`` trains FedPVR with weight decay 0; the run-wide
+``weight_decay`` applies to every parameter here, so their setting is ``weight_decay: 0``.
+
+The exchange carries the model and Δc_i over the masked slice only, so the counted ``bytes_up`` per participant is (state + |mask|)·4 bytes and the server
 variate ``c`` (what participants download beside x) has |mask| entries.
 
 What is bit-for-bit equal (``torch.equal``, tested in ``tests/test_new_algorithms.py``):
 
-- the full mask and :class:`~hpcfl.algorithms.scaffold.Scaffold` with ``form: control_variates``,
-  under full or partial participation, when momentum is 0 or ``momentum_on_corrected: true``
+- the full mask and :class:`~hpcfl.algorithms.scaffold.Scaffold` with ``form: control_variates``
+  (same ``weighting``), under full or partial participation, when momentum is 0 or ``momentum_on_corrected: true``
   (with momentum and the paper-code default, the full mask is SCAFFOLD at momentum 0);
-- the empty mask and :class:`~hpcfl.algorithms.fedavg.FedAvg`, with or without momentum;
+- the empty mask with ``weighting: samples`` and :class:`~hpcfl.algorithms.fedavg.FedAvg`, with
+  or without momentum;
 - neither is equal to SCAFFOLD's ``one_model`` form bit for bit (that form accumulates
   h_k ← h_k + (θ − θ̂_k)/(Kη) instead of subtracting two separately rounded variates). In exact
   arithmetic the two agree under full participation only when the model average is the uniform
@@ -48,6 +56,7 @@ from hpcfl.algorithms.base import (
     ServerContext,
     SumSpec,
     Upload,
+    check_weighting,
     model_upload,
 )
 from hpcfl.algorithms.layout import Entry, StateLayout
@@ -75,6 +84,14 @@ class FedPVRParams(HyperParams):
     ``server_lr``: η_g of Eq. 8, default 1 ("we set the server learning rate η_g = 1 for all the
     models", Sec. 4).
 
+    ``weighting``: ``uniform`` (default: Eq. 8 and the authors' ``aggregate/scaffold.py``) or
+    ``samples`` (n_k-weighted server mean).
+
+    ``corrected_weight_decay``: the weight decay of the variance-reduced parameters (a parameter
+    group of its own); None (default) keeps the run's ``weight_decay`` for every parameter. The
+    authors' ``opt/opt.py`` uses 0 for every parameter of FedPVR, i.e. the run-wide
+    ``weight_decay: 0``; 0 here removes the decay from the corrected direction only.
+
     ``momentum_on_corrected``: whether the run's local momentum also applies to the
     variance-reduced parameters. Default false, as in the paper's public code, where the
     corrected parameters take plain SGD steps (Eq. 5) and momentum acts only on the others; with
@@ -86,8 +103,15 @@ class FedPVRParams(HyperParams):
     start_param: int | None = None
     server_lr: float = 1.0
     momentum_on_corrected: bool = False
+    weighting: str = "uniform"
+    corrected_weight_decay: float | None = None
 
     def __post_init__(self) -> None:
+        check_weighting(self.weighting)
+        if self.corrected_weight_decay is not None and not self.corrected_weight_decay >= 0:
+            raise ConfigError(
+                f"config key 'params.corrected_weight_decay' must be >= 0, got {self.corrected_weight_decay}"
+            )
         layers = self.layers
         if isinstance(layers, str):
             layers = (layers,)
@@ -222,26 +246,38 @@ class FedPVR(Algorithm[FedPVRParams, FedPVRServerState, FedPVRClientState]):
     ) -> LocalTask[FedPVRClientState]:
         trainer = ctx.trainer
         assert trainer is not None and server.c is not None
+        weighting = self.params.weighting
         if not self.mask_size:  # p = 0: FedAvg (Sec. 3.3)
-            return LocalTask(server.x, lambda y, result: (model_upload(y, data, result), client))
+            return LocalTask(
+                server.x, lambda y, result: (model_upload(y, data, result, weighting=weighting), client)
+            )
         steps = trainer.schedule.num_steps(data.n)
         lr = trainer.schedule.lr
+        momentum = trainer.schedule.momentum
+        # the corrected slice's effective step: momentum acts on it only with momentum_on_corrected
+        slice_momentum = momentum if self.params.momentum_on_corrected else 0.0
         c = server.c
         c_k = client.c if client.c is not None else torch.zeros_like(c)
         shift = c_k - c  # (v,)
         spans = self._packed
+        wd = trainer.schedule.weight_decay
+        wd_c = self.params.corrected_weight_decay
+        undo = 0.0 if wd_c is None else wd - wd_c  # the run's decay the corrected slice drops
 
-        def correct(d: torch.Tensor) -> None:
+        def correct(w: torch.Tensor, d: torch.Tensor) -> None:
             for a, b, off in spans:
                 d[a:b].sub_(shift[off : off + b - a])
+                if undo:
+                    d[a:b].sub_(w[a:b], alpha=undo)
 
         def finish(y: torch.Tensor, result: LocalResult) -> tuple[Upload, FedPVRClientState]:
-            c_new = correction_update(c_k - c, self.gather(server.x), self.gather(y), steps, lr)  # Eq. 7
-            upload = model_upload(y, data, result)
+            c_new = correction_update(  # Eq. 7
+                c_k - c, self.gather(server.x), self.gather(y), steps, lr, slice_momentum
+            )
+            upload = model_upload(y, data, result, weighting=weighting)
             upload.sums["dc"] = c_new - c_k
             return upload, FedPVRClientState(c=c_new)
 
-        momentum = trainer.schedule.momentum
         if momentum and not self.params.momentum_on_corrected:
             # Momentum on the plain-SGD part only: train without the schedule's momentum and apply
             # it here, the same ops as local_sgd's buffer, then keep the corrected entries' own step.
@@ -249,7 +285,7 @@ class FedPVR(Algorithm[FedPVRParams, FedPVRServerState, FedPVRClientState]):
             buf: list[torch.Tensor] = []
 
             def split(w: torch.Tensor, d: torch.Tensor) -> None:
-                correct(d)
+                correct(w, d)
                 if not buf:
                     buf.append(d.clone())
                 else:
@@ -258,7 +294,7 @@ class FedPVR(Algorithm[FedPVRParams, FedPVRServerState, FedPVRClientState]):
 
             plain = dataclasses.replace(trainer.schedule, momentum=0.0)
             return LocalTask(server.x, finish, split, schedule=plain)
-        return LocalTask(server.x, finish, lambda w, d: correct(d))
+        return LocalTask(server.x, finish, correct)
 
     def server_update(
         self, server: FedPVRServerState, aggregate: Aggregate, ctx: ServerContext

@@ -125,6 +125,7 @@ def _features(frozen: nn.Module) -> Represent:
 
 class Moon(PreviousModelAlgorithm[MoonParams, MoonClientState]):
     name = "moon"
+    legacy_sections = ("moon",)
     Params = MoonParams
     State = MoonClientState
 

@@ -11,10 +11,16 @@ Round k, participants C_k (the run's ``clients_per_round``; the paper: 20 of 300
    rows (an allgather; a ring would move the same N·C·d entries per rank, in more steps, so the
    runner's one allgather is kept);
 2. every rank computes its share of the kernel blocks H_ml = (1/C)⟨J_m, J_l⟩ and one reduce sums
-   H (:func:`hpcfl.ntk.evolution.kernel`); one float64 eigendecomposition; the function-space
-   evolution at every t of the grid {t₁…t_Ψ} in closed form (Eq. 9a, MSE);
-3. the weight update Δw(t) = −(η/(N·C)) Σ_m J_mᵀ Σ_{u<t}(f⁽ᵘ⁾ − Y) (Eqs. 9b, 10) as a product over
-   each rank's own participants plus ONE reduce for all grid points;
+   H (:func:`hpcfl.ntk.evolution.kernel`); rank 0 computes the function-space evolution at every t of
+   the grid {t₁…t_Ψ} (default: the reference code's cross-entropy evolution as gradient descent on
+   the linearised model; the paper's MSE analysis in closed form as an option);
+3. rank 0 also computes the weight update Δw(t) = −(η/(N·κ)) Σ_m J_mᵀ S_m(t), S the residuals' sum
+   (or integral, ``flow``) (Eqs. 9b, 10; κ = C for MSE, 1 for cross entropy), for every grid
+   point, and ONE reduce shares evolution and update (:meth:`NTKFL.shared_step`): the other ranks
+   add zeros, so every rank holds the same bits whatever their number (a per-rank share of the
+   update summed by the reduce would round differently on 2 and 3 ranks), and no rank repeats the
+   evolution; the update's products cost ~1/20 of the cross-entropy evolution's at the paper's
+   setup, so little parallelism is lost;
 4. t* = argmin_t of the training loss of the REAL network at w⁽ᵏ⁾ + Δw(t) on the round's samples
    (Eq. 11a), all candidates in one batched (vmapped) pass, and w⁽ᵏ⁺¹⁾ = w⁽ᵏ⁾ + Δw(t*).
 
@@ -26,14 +32,15 @@ Y leaves a client (with MSE it then picks the largest t of the grid, since the k
 the loss monotonically). ``select: validation`` (Section 4.1: "a validation dataset ... obtained
 from held-out clients") holds ``validation_clients`` clients out of training for the whole run (a
 seeded draw) and picks t* by the real network's loss on their data, which the server holds.
-Metrics: ``t_star``, ``kernel_cond`` (λ_max/λ_min of H), the selected
-loss, and the server step's time split; ``bytes_up`` counts the gathered tensors as sent.
+Metrics: ``t_star``, the selected loss, ``evolve_steps`` (products of H the evolution took) and
+``evolve_dt`` (its step), ``kernel_cond`` (λ_max/λ_min of H) only with ``params.kernel_cond``, and
+the server step's time split; ``bytes_up`` counts the gathered tensors as sent.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +67,7 @@ from hpcfl.algorithms.participation import Population
 from hpcfl.entk._common import eval_mode
 from hpcfl.entk.jacobian import JACOBIAN_METHODS, factored_jacobian, fusable, per_sample_jacobian
 from hpcfl.errors import ConfigError
-from hpcfl.ntk.evolution import Jacobian, Rows, balance, evolve, kernel, weight_updates
+from hpcfl.ntk.evolution import Jacobian, Rows, condition, evolve, kernel, weight_updates
 
 UPLOADS = ("auto", "dense", "factored")
 
@@ -74,14 +81,24 @@ def _choice(key: str, value: str, choices: Sequence[str]) -> None:
 class NTKFLParams(HyperParams):
     """NTK-FL's server evolution (Yue et al., ICML 2022, Section 4.1 and Section 6).
 
-    - ``eta`` η = 0.1: the evolution's learning rate; the paper searches {1e-3, 3e-3, 1e-2, 3e-2,
-      1e-1} (Appendix A) and keeps it fixed;
-    - ``grid`` {t₁…t_Ψ} = {100, 200, …, 2000}: the candidate step counts of Section 6;
-    - ``evolution``: ``flow`` (Eq. 9a's exp(−ηtH/N), the paper) or ``discrete`` ((I − ηH/N)ᵗ,
-      exactly gradient descent of the linearised network; diverges when ηλ_max/N > 2);
-    - ``loss``: ``mse`` (the paper's analysis, closed form) or ``ce`` (the reference code's
-      cross-entropy evolution, Euler steps of ``ce_dt`` time units; grid points multiples of it;
-      its weight update is −(η/N) Σ Jᵀ S, without the MSE's 1/C, as in the reference code);
+    - ``eta`` η = 0.01: the evolution's learning rate, the reference code's (``utils/config_fmnist.yaml``);
+      the paper searches {1e-3, 3e-3, 1e-2, 3e-2, 1e-1} (Appendix A) and keeps it fixed;
+    - ``grid`` {t₁…t_Ψ} = {100, 200, …, 1000, 1500, 2000}: the reference code's 12 candidate step
+      counts (Section 6);
+    - ``loss``: ``ce`` (default, the reference code's cross-entropy evolution; its weight update is
+      −(η/N) Σ Jᵀ S, without the MSE's 1/C, as in the reference code) or ``mse`` (the paper's
+      analysis, closed form on the update's time scale η·t/(N·C));
+    - ``evolution``: ``discrete`` (default: gradient descent on the linearised model, step 1, exact;
+      one product of H per step for ``ce``) or ``flow`` (the continuous gradient flow: closed form for
+      ``mse``, RK4 for ``ce`` to :data:`hpcfl.ntk.evolution.RK4_TOLERANCE`, the reference code's
+      dopri5 replaced by stability-limited fixed steps, ~3× the products of ``discrete``);
+      see :mod:`hpcfl.ntk.evolution`;
+    - ``ce_dt``: the cross-entropy flow's largest RK4 step (``evolution: flow``); a step past the
+      stability limit h·η·ρ/(2N) ≤ 2 is split into shorter equal steps, the step taken reported as
+      the metric ``evolve_dt`` (``discrete`` always takes steps of 1);
+    - ``kernel_cond``: also report λ_max/λ_min of H (``kernel_cond``, ``kernel_lambda_max``): an
+      ``eigvalsh`` of the N × N kernel, done once on rank 0, so off by default (the MSE evolution's
+      eigendecomposition supplies it for free);
     - ``select``: ``train`` (Eq. 11a: the real network's training loss on the round's samples),
       ``kernel`` (the closed-form outputs' loss; no inputs leave the clients) or ``validation``
       (the real network's loss on ``validation_clients`` held-out clients, drawn once from
@@ -97,11 +114,12 @@ class NTKFLParams(HyperParams):
       rank; a round that cannot fit is refused before the first round (:mod:`hpcfl.ntk.memory`).
     """
 
-    eta: float = 0.1
-    grid: tuple[int, ...] = tuple(range(100, 2001, 100))
-    evolution: str = "flow"
-    loss: str = "mse"
-    ce_dt: int = 10
+    eta: float = 0.01
+    grid: tuple[int, ...] = (*range(100, 1001, 100), 1500, 2000)
+    evolution: str = "discrete"
+    loss: str = "ce"
+    ce_dt: float = 10.0
+    kernel_cond: bool = False
     select: str = "train"
     validation_clients: int = 0
     validation_seed: int = 0
@@ -136,16 +154,16 @@ class NTKFLParams(HyperParams):
         _choice("upload", self.upload, UPLOADS)
         if self.upload == "factored" and self.jacobian == "vmap":
             raise ConfigError("config key 'params.upload: factored' needs params.jacobian: auto or fused")
-        if self.ce_dt < 1:
-            raise ConfigError(f"config key 'params.ce_dt' must be >= 1, got {self.ce_dt}")
-        if self.loss == "ce" and any(t % self.ce_dt for t in steps):
+        if not self.ce_dt > 0:
+            raise ConfigError(f"config key 'params.ce_dt' must be > 0, got {self.ce_dt}")
+        if not isinstance(self.kernel_cond, bool):
             raise ConfigError(
-                f"with params.loss: ce every params.grid step must be a multiple of params.ce_dt={self.ce_dt}"
+                f"config key 'params.kernel_cond' must be true or false, got {self.kernel_cond!r}"
             )
         if self.memory_budget != "auto":
-            from hpcfl.config import parse_memory_budget
+            from hpcfl.units import parse_memory_budget
 
-            parse_memory_budget(str(self.memory_budget))
+            parse_memory_budget(str(self.memory_budget), key="params.memory_budget")
 
 
 @dataclass
@@ -158,11 +176,29 @@ class _Timer:
         self.parts[key] = self.parts.get(key, 0.0) + seconds
 
 
+@dataclass
+class SharedStep:
+    """What rank 0 computes and shares in one round (:meth:`NTKFL.shared_step`): Δw(t) (Ψ, P) and
+    f⁽ᵗ⁾ (Ψ, N, C) at the grid points, the evolution's products of H and step, the spectrum metrics
+    (only with ``kernel_cond``) and rank 0's seconds."""
+
+    updates: Tensor
+    outputs: Tensor
+    steps: int
+    dt: float
+    spectrum: dict[str, float]
+    eigh_s: float
+    evolve_s: float
+    update_s: float
+
+
 class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
     """NTK-FL: gathered Jacobians, the kernel evolution on every rank, t* by training loss."""
 
     name = "ntkfl"
     Params = NTKFLParams
+    logs_validation = False  # the evolved model is evaluated on the test set only
+    example_params = NTKFLParams(grid=(10, 20))
     unbatched_reason = "its clients compute Jacobians, not local SGD"
 
     network: nn.Module | None = None  # the model the server evaluates candidates with (attach)
@@ -198,9 +234,7 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         return [others[i] for i in self.participation.sample(sub, generator)]
 
     def stages(self) -> Sequence[Stage]:
-        from hpcfl.ntk.stage import enter_ntk
-
-        return (Stage("train", -1, enter=enter_ntk),)
+        return (Stage("train", -1, enter="hpcfl.ntk.stage:enter_ntk"),)
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
         names = ("jacobian", "output", "label") + (("input",) if self.params.select == "train" else ())
@@ -277,36 +311,69 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         t0 = time.perf_counter()
         H = kernel(rows.jacobians, ctx.rank, ctx.world, reduce)  # (N, N) float64
         t1 = time.perf_counter()
-        f0, Y = torch.cat(rows.outputs), torch.cat(rows.labels)  # (N, C)
-        evo = evolve(H, f0, Y, lr=p.eta, grid=p.grid, mode=p.evolution, loss=p.loss, dt=p.ce_dt)
-        t2 = time.perf_counter()
-        owner = balance([float(n) for n in rows.sizes], ctx.world)
-        mine = [m for m, r in enumerate(owner) if r == ctx.rank]
-        dw = weight_updates(rows.jacobians, evo.sums, mine, lr=p.eta, per_output=p.loss == "mse")
-        dw = reduce(dw)  # (Ψ, P), ONE reduce
+        step = self.shared_step(H, rows, server.x.dtype, ctx.rank, reduce)
         t3 = time.perf_counter()
-        candidates = server.x[:P].to(torch.float64) + dw  # (Ψ, P)
-        losses = self.selection_losses(candidates.to(server.x.dtype), rows, evo.outputs)
+        candidates = server.x[:P].to(torch.float64) + step.updates  # (Ψ, P)
+        losses = self.selection_losses(candidates.to(server.x.dtype), rows, step.outputs)
         best = int(torch.argmin(losses))
         t4 = time.perf_counter()
         x = server.x.clone()
         x[:P] = candidates[best].to(x.dtype)
-        lam = evo.eigenvalues
-        lam_max = float(lam[-1])
-        cond = lam_max / max(float(lam[0]), lam_max * 1e-16, 1e-300)
         metrics = {
             "t_star": float(p.grid[best]),
             "select_loss": float(losses[best]),
-            "kernel_cond": cond,
-            "kernel_lambda_max": lam_max,
+            **step.spectrum,
+            "evolve_steps": float(step.steps),
+            "evolve_dt": step.dt,
             "kernel_s": t1 - t0,
-            "eigh_s": evo.eigh_seconds,
-            "evolve_s": t2 - t1 - evo.eigh_seconds,
-            "update_s": t3 - t2,
+            "eigh_s": step.eigh_s,
+            "evolve_s": step.evolve_s,
+            "update_s": step.update_s,
+            "share_s": t3 - t1 - step.evolve_s - step.eigh_s - step.update_s,  # incl. the reduce
             "select_s": t4 - t3,
             "reduce_s": timer.parts.get("reduce_s", 0.0),
         }
         return ServerState(x=x), metrics
+
+    def shared_step(
+        self, H: Tensor, rows: Rows, dtype: torch.dtype, rank: int, reduce: Callable[[Tensor], Tensor]
+    ) -> SharedStep:
+        """The evolution and the weight update of every grid point (and, with ``kernel_cond``, H's
+        spectrum), computed once, on rank 0, and shared by ONE reduce to which the other ranks add
+        zeros (exact): every rank holds rank 0's numbers bit for bit, so a run ends with the same
+        bits on any number of ranks, and no rank repeats rank 0's work. The kernel's blocks stay
+        shared among ranks; the evolution's products of H are sequential in t. ``dtype``: the
+        model's, that of the cross-entropy evolution's products of H."""
+        p = self.params
+        Psi, N, C, P = len(p.grid), rows.total, int(rows.jacobians[0].shape[1]), self.num_params
+        tail = 7  # steps, dt, eigh, evolve and update seconds, λ_max, condition number
+        packed = torch.zeros(Psi * (N * C + P) + tail, dtype=torch.float64, device=H.device)
+        if rank == 0:
+            start = time.perf_counter()
+            f0, Y = torch.cat(rows.outputs), torch.cat(rows.labels)  # (N, C)
+            evo = evolve(
+                H, f0, Y, lr=p.eta, grid=p.grid, mode=p.evolution, loss=p.loss, dt=p.ce_dt, dtype=dtype
+            )
+            evolved = time.perf_counter()
+            clients = range(len(rows.jacobians))
+            dw = weight_updates(rows.jacobians, evo.sums, clients, lr=p.eta, per_output=p.loss == "mse")
+            updated = time.perf_counter()
+            lam_max, cond = condition(H, evo.eigenvalues) if p.kernel_cond else (0.0, 0.0)
+            seconds = [evolved - start - evo.eigh_seconds, updated - evolved]
+            numbers = [float(evo.steps), evo.dt, evo.eigh_seconds, *seconds, lam_max, cond]
+            packed = torch.cat(
+                [
+                    evo.outputs.flatten(),
+                    dw.flatten(),
+                    torch.tensor(numbers, dtype=torch.float64, device=H.device),
+                ]
+            )
+        packed = reduce(packed)
+        outputs = packed[: Psi * N * C].view(Psi, N, C)
+        updates = packed[Psi * N * C : Psi * (N * C + P)].view(Psi, P)
+        steps, dt, eigh_s, evolve_s, update_s, lam_max, cond = (float(v) for v in packed[-tail:])
+        spectrum = {"kernel_cond": cond, "kernel_lambda_max": lam_max} if p.kernel_cond else {}
+        return SharedStep(updates, outputs, int(steps), dt, spectrum, eigh_s, evolve_s, update_s)
 
     def selection_losses(self, candidates: Tensor, rows: Rows, outputs: Tensor) -> Tensor:
         """The loss of each candidate (Ψ,): the real network on the round's inputs (``select:

@@ -23,6 +23,7 @@ from hpcfl.algorithms.base import (
 )
 from hpcfl.algorithms.fedavg import local_training
 from hpcfl.algorithms.tct_params import Stage1Section, Stage2Section
+from hpcfl.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,25 @@ class TCTParams(HyperParams):
     stage1: Stage1Section = field(default_factory=Stage1Section)
     stage2: Stage2Section = field(default_factory=Stage2Section)
 
+    def check_data(self, dataset: str, num_classes: int) -> None:
+        s2 = self.stage2
+        if s2.head == "keep" and not 0 <= s2.logit < num_classes:
+            raise ConfigError(
+                f"config key 'stage2.logit' must be a class index in [0, {num_classes}) for {dataset}, "
+                f"got {s2.logit}"
+            )
+
 
 class TCT(Algorithm[TCTParams, ServerState, ClientState]):
     """Stage 1 of TCT is plain FedAvg (Algorithm 2's stage 1 with no correction)."""
 
     name = "tct"
     Params = TCTParams
+    legacy_sections = ("stage1", "stage2")
+    logs_validation = False  # stage 2 evaluates the linear model on the test set only
+    example_params = TCTParams(
+        Stage1Section(rounds=1), Stage2Section(p=200, rounds=2, local_steps=3, lr=1e-3)
+    )
 
     def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
@@ -45,11 +59,13 @@ class TCT(Algorithm[TCTParams, ServerState, ClientState]):
         return local_training(server, client, data)
 
     def stages(self) -> Sequence[Stage]:
-        from hpcfl.tct.features import check_features_fit
-        from hpcfl.tct.pipeline import enter_stage2, keep_stage1_model
-
         p = self.params
         return (
-            Stage("stage1", p.stage1.rounds, finish=keep_stage1_model),
-            Stage("stage2", p.stage2.rounds, enter=enter_stage2, check=check_features_fit),
+            Stage("stage1", p.stage1.rounds, finish="hpcfl.tct.pipeline:keep_stage1_model"),
+            Stage(
+                "stage2",
+                p.stage2.rounds,
+                enter="hpcfl.tct.pipeline:enter_stage2",
+                check="hpcfl.tct.features:check_features_fit",
+            ),
         )

@@ -52,7 +52,7 @@ def _config_paths(args: argparse.Namespace) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpcfl.cli._config import load_cli_config  # here: building the parser must not import torch
+    from hpcfl.config import load_cli_config  # here: building the parser must not import torch
     from hpcfl.report import markdown_table, write_report
     from hpcfl.runner import StopRequest
     from hpcfl.runner.rundir import DONE

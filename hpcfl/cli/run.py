@@ -72,7 +72,7 @@ def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpcfl.cli._config import load_cli_config  # here: building the parser must not import torch
+    from hpcfl.config import load_cli_config  # here: building the parser must not import torch
     from hpcfl.runner import StopRequest, default_run_dir, run_experiment
 
     cfg = load_cli_config(args.config, args.set, args.data_root)

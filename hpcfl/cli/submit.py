@@ -162,7 +162,7 @@ def follow(run_dir: Path, job: Any, poll_s: float = 2.0) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Validate, then print the script (``--dry-run``) or queue the job."""
-    from hpcfl.cli._config import load_cli_config
+    from hpcfl.config import load_cli_config
     from hpcfl.launch import render_sbatch, submit_run
     from hpcfl.launch.submit import SLURM_DIR, check_options, check_run_dir
     from hpcfl.runner import default_run_dir

@@ -106,7 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def build_sweep(args: argparse.Namespace) -> Sweep:
     """Axes from the options, then the validated plan (nothing runs yet)."""
-    from hpcfl.cli._config import load_cli_config
+    from hpcfl.config import load_cli_config
     from hpcfl.sweep.grid import combine_axes, parse_grid_arg, read_grid_file
     from hpcfl.sweep.plan import plan_sweep
     from hpcfl.sweep.select import search_options

@@ -120,7 +120,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if comm.rank == 0 and last:
         print(
             f"stage 2 [{tag}]: test accuracy {last['test_accuracy']:.4f}, train accuracy "
-            f"{last['train_accuracy']:.4f} after {cfg.stage2.rounds} rounds (η2 = {last['stage2_lr']:.4g}) -> "
+            f"{last['train_accuracy']:.4f} after {cfg.params.stage2.rounds} rounds (η2 = {last['stage2_lr']:.4g}) -> "
             f"{out / 'metrics.jsonl'}"
         )
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,9 @@ from hpcfl.data.root import resolve_data_root
 from hpcfl.data.synthetic import make_synthetic
 from hpcfl.data.types import Dataset, Split
 from hpcfl.errors import ConfigError, unknown
+from hpcfl.registry import DATASET_SPECS, DatasetSpec
 
+#: the built-in dataset names (plugins add theirs through :mod:`hpcfl.registry`)
 DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist", "cifar10", "cifar100", "femnist", "synthetic")
 ALIASES: dict[str, str] = {"fmnist": "fashion-mnist"}
 
@@ -38,16 +39,6 @@ NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
 
-# Options each dataset accepts (besides data_root and download).
-_OPTIONS: dict[str, tuple[str, ...]] = {
-    "mnist": ("verify",),
-    "fashion-mnist": ("verify",),
-    "cifar10": ("verify",),
-    "cifar100": ("verify",),
-    "femnist": (),
-    "synthetic": ("n_train", "n_test", "num_classes", "input_shape", "seed", "separation"),
-}
-
 _CACHE_SIZE = 4  # a decoded MNIST-sized dataset is ~220 MB; CIFAR ~740 MB
 _cache: OrderedDict[tuple[Any, ...], Dataset] = OrderedDict()
 
@@ -56,8 +47,8 @@ def canonical_name(name: str) -> str:
     """The registry name for ``name`` (case-insensitive, aliases resolved); unknown → ConfigError."""
     key = str(name).strip().lower()
     key = ALIASES.get(key, key)
-    if key not in DATASETS:
-        raise unknown("dataset", name, [*DATASETS, *ALIASES])
+    if key not in DATASET_SPECS:
+        raise unknown("dataset", name, [*DATASET_SPECS, *ALIASES])
     return key
 
 
@@ -113,13 +104,15 @@ def _load_synthetic(name: str, root: Path, download: bool, **options: Any) -> Da
     return make_synthetic(**options)
 
 
-_LOADERS: dict[str, Callable[..., Dataset]] = {
-    "mnist": _load_idx,
-    "fashion-mnist": _load_idx,
-    "cifar10": _load_cifar,
-    "cifar100": _load_cifar,
-    "femnist": _load_femnist,
-    "synthetic": _load_synthetic,
+_SYNTHETIC_OPTIONS = ("n_train", "n_test", "num_classes", "input_shape", "seed", "separation")
+
+BUILTIN_DATASETS: dict[str, DatasetSpec] = {
+    "mnist": DatasetSpec(_load_idx, ("verify",)),
+    "fashion-mnist": DatasetSpec(_load_idx, ("verify",)),
+    "cifar10": DatasetSpec(_load_cifar, ("verify",)),
+    "cifar100": DatasetSpec(_load_cifar, ("verify",)),
+    "femnist": DatasetSpec(_load_femnist),
+    "synthetic": DatasetSpec(_load_synthetic, _SYNTHETIC_OPTIONS),
 }
 
 
@@ -135,11 +128,13 @@ def load_dataset(
     Names: ``mnist``, ``fashion-mnist`` (alias ``fmnist``), ``cifar10``, ``cifar100``, ``femnist``,
     ``synthetic``. Missing official files are downloaded when ``download`` is true (FEMNIST never
     is). Options: ``verify=False`` skips the MD5 check of MNIST/Fashion-MNIST/CIFAR files;
-    ``synthetic`` takes the keyword arguments of :func:`hpcfl.data.synthetic.make_synthetic`.
+    ``synthetic`` takes the keyword arguments of :func:`hpcfl.data.synthetic.make_synthetic`. A
+    plugin's dataset (:mod:`hpcfl.registry`) is loaded and cached the same way.
     Raises ConfigError for an unknown name or option and DataError for missing or corrupt data.
     """
     key_name = canonical_name(name)
-    allowed = _OPTIONS[key_name]
+    spec = DATASET_SPECS[key_name]
+    allowed = spec.options
     for option in options:
         if option not in allowed:
             valid = ", ".join(allowed) if allowed else "none"
@@ -157,7 +152,7 @@ def load_dataset(
     if hit is not None:
         _cache.move_to_end(key)
         return hit
-    dataset = _LOADERS[key_name](key_name, root, download, **options)
+    dataset = spec.load(key_name, root, download, **options)
     _cache[key] = dataset
     while len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)

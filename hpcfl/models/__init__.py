@@ -32,8 +32,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,8 +44,17 @@ from hpcfl.models.mlp import INITS, MLP
 from hpcfl.models.resnet import NORMS, resnet8, resnet18
 from hpcfl.models.simplecnn import SimpleCNN
 from hpcfl.models.vgg import vgg11
+from hpcfl.registry import MODEL_SPECS, ModelSpec
 
-__all__ = ["MODELS", "build_model", "last_linear", "reinit_last_layer", "with_fresh_head"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "MODELS",
+    "ModelSpec",
+    "build_model",
+    "last_linear",
+    "reinit_last_layer",
+    "with_fresh_head",
+]
 
 
 def _norm_option(model: str, value: Any) -> str:
@@ -70,26 +78,17 @@ def _init_option(model: str, value: Any) -> str:
     return value
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """How to build one model: the constructor, its options' validators, the smallest input side."""
-
-    build: Callable[..., nn.Module]
-    options: Mapping[str, Callable[[str, Any], Any]] = field(default_factory=dict)
-    min_side: int = 1
-
-
-_SPECS: dict[str, _Spec] = {
-    "simplecnn": _Spec(SimpleCNN),
-    "mlp": _Spec(MLP, {"init": _init_option}),
-    "cnn-proj": _Spec(CNNProj, min_side=16),  # two unpadded 5×5 convs and two 2×2 pools
-    "resnet8": _Spec(resnet8, {"norm": _norm_option}),
-    "resnet18": _Spec(resnet18, {"norm": _norm_option}),
-    "vgg11": _Spec(vgg11, {"batch_norm": _bool_option("batch_norm")}),
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    "simplecnn": ModelSpec(SimpleCNN),
+    "mlp": ModelSpec(MLP, {"init": _init_option}),
+    "cnn-proj": ModelSpec(CNNProj, min_side=16),  # two unpadded 5×5 convs and two 2×2 pools
+    "resnet8": ModelSpec(resnet8, {"norm": _norm_option}),
+    "resnet18": ModelSpec(resnet18, {"norm": _norm_option}),
+    "vgg11": ModelSpec(vgg11, {"batch_norm": _bool_option("batch_norm")}),
 }
 
-MODELS: tuple[str, ...] = tuple(_SPECS)
-"""The model names :func:`build_model` accepts."""
+MODELS: tuple[str, ...] = tuple(BUILTIN_MODELS)
+"""The built-in model names; :func:`build_model` also accepts plugins' (:mod:`hpcfl.registry`)."""
 
 
 def _check_shape(input_shape: Any) -> tuple[int, int, int]:
@@ -119,9 +118,9 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, 
             an image too small for the model, or ``num_classes`` < 1. The message names the
             cause and the valid choices.
     """
-    spec = _SPECS.get(name)
-    if spec is None:
-        raise unknown("model", name, MODELS)
+    if name not in MODEL_SPECS:
+        raise unknown("model", name, MODEL_SPECS)
+    spec = MODEL_SPECS[name]
     for key in options:
         if key not in spec.options:
             valid = ", ".join(sorted(spec.options)) or "none"

@@ -3,8 +3,9 @@
 Every rank holds the whole round after the allgather: the N·C·P Jacobian entries, or the
 N·(Σ in + C·Σ out) numbers of their Linear-layer factors when they travel factored (twice: the
 received buffers and the decoded tensors), the N × N kernel in float64 three times (this rank's
-blocks, the reduced sum, the eigenvectors) and the Ψ × P candidate updates in float64 twice (local
-part and reduced sum). The estimate uses the round's largest possible N (the largest clients).
+blocks, the reduced sum, and the eigenvectors of the MSE evolution or the copy in the model's dtype
+the cross-entropy evolution multiplies with) and the Ψ × P candidate updates in float64 twice (rank
+0's and the shared sum). The estimate uses the round's largest possible N (the largest clients).
 """
 
 from __future__ import annotations

@@ -27,10 +27,10 @@ BUDGET_FRACTION = 0.8
 
 def memory_budget(value: str) -> int:
     """Bytes per rank: ``auto`` = 80 % of available memory over this node's ranks, else the bytes."""
-    from hpcfl.config import parse_memory_budget
     from hpcfl.runner.client_states import _local_ranks, available_memory_bytes
+    from hpcfl.units import parse_memory_budget
 
-    parsed = parse_memory_budget(str(value))
+    parsed = parse_memory_budget(str(value), key="params.memory_budget")
     if parsed == "auto":
         return int(BUDGET_FRACTION * available_memory_bytes()) // _local_ranks()
     if not isinstance(parsed, int):

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from hpcfl.algorithms import ServerState
-from hpcfl.algorithms.base import Stage, state_from_dict, state_to_dict
+from hpcfl.algorithms.base import Stage, resolve_hook, state_from_dict, state_to_dict
 from hpcfl.comm import Communicator, get_comm
-from hpcfl.config import Config, dump_config, parse_memory_budget
+from hpcfl.config import Config, dump_config
 from hpcfl.errors import ConfigError, HpcflError, RunDirError
 from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.runner import determinism
@@ -39,6 +39,7 @@ from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
 from hpcfl.runner.rundir import DONE, FAILED, prepare_run_dir
 from hpcfl.runner.stages import StageInput, StagePlan
 from hpcfl.tct.pipeline import STAGE1_MODEL as STAGE1_MODEL
+from hpcfl.units import parse_memory_budget
 
 
 @dataclass
@@ -302,7 +303,7 @@ def _run_locked(
     stages = run_stages(cfg)
     for stage in stages[1:]:  # what a later stage can refuse from the config alone (TCT: disk space)
         if stage.check is not None and stage.rounds > 0:
-            _collective_check(comm, lambda stage=stage: stage.check(fed, run_dir))
+            _collective_check(comm, lambda stage=stage: resolve_hook(stage.check)(fed, run_dir))
     held = fed.owned if comm.size > 1 else list(range(len(fed.parts)))  # states this rank may train
     every = list(range(len(fed.parts)))  # every rank checks all client files, so all pick one round
     record = determinism.collect(cfg, comm)  # collective: the threads every rank uses
@@ -397,7 +398,8 @@ def drive_stages(
         if done < hi:  # stopped by a signal
             break
         if stage.finish is not None:
-            stage.finish(StageInput(fed=fed, run_dir=run_dir, previous=server, stage_index=first_index + si))
+            finish = resolve_hook(stage.finish)
+            finish(StageInput(fed=fed, run_dir=run_dir, previous=server, stage_index=first_index + si))
     assert server is not None
     return server, round_base + done
 
@@ -421,7 +423,7 @@ def enter_stage(
         return StagePlan(plan=plan, server=server, init_client=lambda k: algo.init_client(k, server))
     stop = book_stop.stop_now if book_stop is not None else None
     entry = StageInput(fed=fed, run_dir=run_dir, previous=previous, stage_index=index, stop=stop, sweep=sweep)
-    return stage.enter(entry)
+    return resolve_hook(stage.enter)(entry)
 
 
 def client_states(

@@ -17,7 +17,7 @@ from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Tra
 from hpcfl.algorithms.layout import StateLayout
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.comm import Communicator, place_clients
-from hpcfl.config import Config, parse_client_batch
+from hpcfl.config import Config
 from hpcfl.data import Dataset, load_dataset, partition
 from hpcfl.errors import ConfigError
 from hpcfl.metrics.conformal import conformal_metrics
@@ -29,6 +29,7 @@ from hpcfl.runner.rounds import Evaluator, RoundPlan
 from hpcfl.training.evaluate import evaluate, evaluate_with_probs
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import LocalSchedule
+from hpcfl.units import parse_client_batch
 
 
 @dataclass
@@ -94,6 +95,7 @@ def schedule_of(cfg: Config) -> LocalSchedule:
         steps=cfg.local_steps,
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
+        drop_last=cfg.drop_last,
     )
 
 
@@ -105,10 +107,12 @@ def client_generator(seed: int, rnd: int, k: int) -> torch.Generator:
 
 
 def model_evaluator(fed: Federation) -> Evaluator:
-    """Test (and, when asked, train) accuracy and loss of the server model."""
+    """Test (and, when asked, train) accuracy and loss of the server's reported model, and the test
+    columns of any other model it names (:meth:`ServerState.evaluated`)."""
 
     def evaluate_server(server: ServerState) -> dict[str, float]:
-        fed.flat.load(server.x)
+        models = server.evaluated()
+        fed.flat.load(models[""])
         model, ds = fed.flat.model, fed.dataset
         row: dict[str, float] = {}
         if fed.cfg.conformal:
@@ -127,6 +131,12 @@ def model_evaluator(fed: Federation) -> Evaluator:
             row["val_accuracy"], row["val_loss"] = evaluate(model, ds.train.x[idx], ds.train.y[idx], fed.comm)
         if fed.cfg.eval_train:
             row["train_accuracy"], row["train_loss"] = evaluate(model, ds.train.x, ds.train.y, fed.comm)
+        for suffix, vec in models.items():
+            if suffix:
+                fed.flat.load(vec)
+                row[f"test_accuracy{suffix}"], row[f"test_loss{suffix}"] = evaluate(
+                    model, ds.test.x, ds.test.y, fed.comm
+                )
         return row
 
     return evaluate_server
@@ -253,7 +263,9 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, dataset.input_shape, dataset.num_classes, **cfg.model_options).to(device)
     flat = FlatModel(model)
-    algorithm = make_algorithm(cfg, model)
+    schedule = schedule_of(cfg)
+    population = Population(tuple(int(p.numel()) for p in parts))
+    algorithm = make_algorithm(cfg, model).resolved(population, schedule)
     return Federation(
         cfg=cfg,
         comm=comm,
@@ -265,5 +277,5 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         client_eval=client_eval,
         flat=flat,
         algorithm=algorithm,
-        trainer=Trainer(flat, schedule_of(cfg)),
+        trainer=Trainer(flat, schedule),
     )

@@ -134,7 +134,7 @@ def plan_sweep(
     ``extra`` holds overrides every point gets after its grid values (the LR search's validation
     split). The result merges the points of an existing manifest of the same sweep directory.
     """
-    from hpcfl.cli._config import load_cli_config
+    from hpcfl.config import load_cli_config
 
     base = load_cli_config(config, sets, data_root)
     sweep_dir = Path(sweep_dir).resolve()
@@ -165,7 +165,7 @@ def _validated(
     sweep_dir: Path,
     extra: dict[str, Any],
 ) -> SweepPoint:
-    from hpcfl.cli._config import load_cli_config
+    from hpcfl.config import load_cli_config
 
     values = {**point.overrides(axes), **extra, "name": point.name}
     try:

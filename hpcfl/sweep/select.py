@@ -21,9 +21,6 @@ from hpcfl.sweep.grid import Axis, parse_grid_arg
 
 DEFAULT_VALIDATION = 0.01
 METRIC = "val_accuracy"
-#: Algorithms whose last stage evaluates a model on the validation split (TCT's stage 2 and NTK-FL
-#: evaluate their own way on the test set only).
-NO_VALIDATION = frozenset({"tct", "ntkfl", "cp-ntkfl"})
 
 
 def search_options(
@@ -46,7 +43,9 @@ def search_options(
 
 def check_searchable(algorithm: str, point: str) -> None:
     """Refuse a search over an algorithm that logs no validation accuracy in its last stage."""
-    if algorithm in NO_VALIDATION:
+    from hpcfl.registry import ALGORITHMS
+
+    if algorithm in ALGORITHMS and not ALGORITHMS[algorithm].logs_validation:
         raise ConfigError(
             f"grid point {point}: --search needs validation accuracy in the last round, which "
             f"{algorithm} does not log (its last stage evaluates on the test set only); search "

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcfl.algorithms.tct_params import Stage2Section
 from hpcfl.comm.base import Communicator
-from hpcfl.config import Stage2Section
 from hpcfl.errors import StoppedError, StoreError
 from hpcfl.features import (
     FeatureMeta,
@@ -208,7 +208,7 @@ def check_features_fit(fed: Any, run_dir: Path, *, note: bool = True, free: int 
     """
     from hpcfl.entk import num_params
 
-    cfg2, model = fed.cfg.stage2, fed.flat.model
+    cfg2, model = fed.cfg.params.stage2, fed.flat.model
     if cfg2.features == "last_layer":
         p = int(model.classifier.in_features)
     else:

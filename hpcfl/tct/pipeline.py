@@ -185,7 +185,7 @@ def enter_stage2(entry: StageInput) -> StagePlan:
     # a sweep reads the run's features as they are (a damaged store is named, not recomputed), except
     # after stage2.rounds: 0, where the run stopped before computing them
     extract = not entry.sweep or not (run_dir / "features.zarr").exists()
-    setup = prepare_stage2(fed, theta, run_dir, fed.cfg.stage2, stop=entry.stop, extract=extract)
+    setup = prepare_stage2(fed, theta, run_dir, fed.cfg.params.stage2, stop=entry.stop, extract=extract)
     setup.plan.stage_index = entry.stage_index
     server = setup.initial_server()
     algo = setup.plan.algorithm

@@ -24,7 +24,13 @@ Correction = Callable[[torch.Tensor, torch.Tensor], None]  # (params, grad) -> a
 
 @dataclass(frozen=True)
 class LocalSchedule:
-    """How a client trains in one round: E local epochs, or M local steps when ``steps`` is set."""
+    """How a client trains in one round: E local epochs, or M local steps when ``steps`` is set.
+
+    ``drop_last``: each epoch's last partial mini-batch is dropped, as a PyTorch ``DataLoader(...,
+    drop_last=True)`` does (the FedPVR authors' loaders), so an epoch is ⌊n/B⌋ steps instead of
+    ⌈n/B⌉. A client with fewer than B samples still takes one step per epoch on all of them (a
+    client with no step has no update and, for SCAFFOLD, no control variate).
+    """
 
     lr: float
     batch_size: int
@@ -32,12 +38,43 @@ class LocalSchedule:
     steps: int | None = None
     momentum: float = 0.0
     weight_decay: float = 1e-5
+    drop_last: bool = False
 
     def num_steps(self, n: int) -> int:
         """Number of SGD steps a client with ``n`` samples takes in one round."""
         if self.steps is not None:
             return self.steps
-        return self.epochs * math.ceil(n / self.batch_size)
+        return self.epochs * self.batches_per_epoch(n)
+
+    def batches_per_epoch(self, n: int) -> int:
+        """⌈n/B⌉, or ⌊n/B⌋ (at least 1) with ``drop_last``."""
+        if self.drop_last:
+            return max(1, n // self.batch_size)
+        return math.ceil(n / self.batch_size)
+
+    def effective_steps(self, n: int) -> float:
+        """‖a‖₁ of a client with ``n`` samples: see :func:`local_norm`."""
+        return local_norm(self.num_steps(n), self.momentum)
+
+
+def local_norm(steps: int, momentum: float) -> float:
+    """‖a‖₁: how far ``steps`` local steps of this module's SGD move the model, in units of η, per
+    unit of a constant direction d (the displacement is η‖a‖₁·d).
+
+    With momentum β (buffer initialised to the first direction, no dampening, as
+    ``torch.optim.SGD``) the s-th direction enters the remaining steps with the coefficients
+    1, β, β², …, so ‖a‖₁ = Σ_{s=1}^{K} (1 − β^{K−s+1})/(1 − β) = (K − β(1 − β^K)/(1 − β))/(1 − β)
+    (FedNova's local-momentum case, Wang et al. 2020); K at β = 0, returned as ``float(K)`` so that
+    a division by ``local_norm(K, 0)·η`` is bit for bit the division by ``K·η``.
+
+    Every estimate of a mean gradient from a model difference, (x − y)/(η‖a‖₁), uses it: FedNova's
+    normalisation and SCAFFOLD's/FedPVR's control variates (dividing by Kη under momentum makes
+    the variates ‖a‖₁/K too large and SCAFFOLD diverge, issue 25).
+    """
+    if not momentum:
+        return float(steps)
+    beta = momentum
+    return (steps - beta * (1.0 - beta**steps) / (1.0 - beta)) / (1.0 - beta)
 
 
 @dataclass
@@ -58,13 +95,17 @@ def batch_indices(n: int, schedule: LocalSchedule, generator: torch.Generator) -
     """The mini-batches of one round: fresh permutations of ``range(n)``, cut into batches.
 
     With ``steps`` set, permutations are chained until M batches exist (epochs roll over).
-    The last batch of an epoch may be smaller; it is kept, as in a plain PyTorch DataLoader.
+    The last batch of an epoch may be smaller; it is kept, as in a plain PyTorch DataLoader, unless
+    ``schedule.drop_last`` (then each epoch is its ⌊n/B⌋ full batches, or one batch of all n < B).
     """
     out: list[torch.Tensor] = []
     total = schedule.num_steps(n)
+    end = n
+    if schedule.drop_last and n >= schedule.batch_size:
+        end = n - n % schedule.batch_size
     while len(out) < total:
         perm = torch.randperm(n, generator=generator)
-        for start in range(0, n, schedule.batch_size):
+        for start in range(0, end, schedule.batch_size):
             out.append(perm[start : start + schedule.batch_size])
             if len(out) == total:
                 break

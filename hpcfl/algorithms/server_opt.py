@@ -1,0 +1,58 @@
+"""Server optimisers: FedAvg's clients, an optimiser step on the server (Reddi et al., ICLR 2021,
+"Adaptive Federated Optimization", Algorithm 1's ServerOpt).
+
+The round's pseudo-gradient is Δ = mean_S(y_k) − x over the trainable parameters (the n_k-weighted
+mean, as every algorithm here). The optimiser turns Δ into a step; the server takes
+x ← x + step on the trainable parameters, while the float buffers (BatchNorm statistics) take
+FedAvg's mean, since they have no gradient. FedAdam and FedAvgM differ only in the step; their
+optimiser buffers are ``server_only`` fields of the server state (checkpointed, never downloaded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpcfl.algorithms.base import Aggregate
+
+
+def pseudo_gradient(
+    x: torch.Tensor, aggregate: Aggregate, num_params: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, delta)``: the weighted mean of the uploaded states ``aggregate.sums["x"]`` and the
+    pseudo-gradient Δ = mean − x over the first ``num_params`` (trainable) entries."""
+    mean = aggregate.sums["x"] / aggregate.weight
+    return mean, mean[:num_params] - x[:num_params]
+
+
+def apply_step(x: torch.Tensor, mean: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The next server vector (a new tensor): ``x + step`` on the trainable entries (the length of
+    ``step``), ``mean`` on the float buffers after them."""
+    out = mean.clone()
+    out[: step.numel()] = x[: step.numel()] + step
+    return out
+
+
+def momentum_step(
+    v: torch.Tensor, delta: torch.Tensor, *, lr: float, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heavy-ball momentum on Δ (Hsu, Qi & Brown 2019, Algorithm 1): v ← β·v + Δ, step = η·v;
+    returns (step, v)."""
+    v = beta * v + delta
+    return lr * v, v
+
+
+def adam_step(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    tau: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adam on Δ without bias correction (Reddi et al. 2021, Algorithm 2): m ← β1·m + (1 − β1)·Δ,
+    v ← β2·v + (1 − β2)·Δ², step = η·m/(√v + τ); returns (step, m, v)."""
+    m = beta1 * m + (1.0 - beta1) * delta
+    v = beta2 * v + (1.0 - beta2) * delta * delta
+    return lr * m / (v.sqrt() + tau), m, v

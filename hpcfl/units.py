@@ -1,0 +1,48 @@
+"""General parsers of config values, each reporting the config key it was given.
+
+They know no algorithm: the caller names the key (``client_state_memory``, NTK-FL's
+``params.memory_budget``), so a bad value is one line naming the key the user wrote.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcfl.errors import ConfigError
+
+#: byte multipliers of the sizes a memory budget may be given in
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory_budget(value: Any, key: str = "client_state_memory") -> int | str:
+    """``auto`` | ``memory`` | ``disk`` | a byte count such as ``512MB`` or ``2GiB`` (→ int bytes)."""
+    text = str(value).strip().lower()
+    if text in ("auto", "memory", "disk"):
+        return text
+    num = text.rstrip("kmgib")
+    unit = text[len(num) :]
+    try:
+        if unit not in SIZE_UNITS:
+            raise ValueError
+        out = int(float(num) * SIZE_UNITS[unit])
+        if out < 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(
+            f"config key {key!r} must be auto, memory, disk or a size such as 2GB, got {value!r}"
+        ) from None
+    return out
+
+
+def parse_client_batch(value: Any, key: str = "client_batch") -> int | str:
+    """``auto`` or a positive group size."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != text:
+        raise ConfigError(f"config key {key!r} must be auto or a positive integer, got {value!r}")
+    return n

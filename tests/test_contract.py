@@ -1,0 +1,361 @@
+"""The algorithm contract, checked for every registered algorithm (built-ins and plugins alike).
+
+Each algorithm runs a tiny synthetic federation (the MLP on 1×8×8 blobs, 3 of 4 clients per round,
+3 rounds) with its own ``example_params``; nothing here lists algorithms, so a new one, built in or
+plugged in, is checked without its author editing this file:
+
+- its registry name and ``Params`` agree with the class;
+- a run stopped after 2 rounds and resumed ends bit-identical to one uninterrupted run;
+- killed with SIGKILL after round 3's metrics row (client states forced into the on-disk store,
+  checkpoints every 2 rounds) and resumed, it ends bit-identical too;
+- ``bytes_down`` is participants × the bytes of the server state's non-``server_only`` fields, and
+  exactly the fields a client reads are downloaded (a server-only field set to NaN leaves the upload
+  bit-identical; any other field changes it);
+- its checkpoint loads with ``torch.load(weights_only=True)`` and restores its state dataclasses;
+- 1 rank and 2 ranks (``mpiexec``) end bit-identical (float64 reduction);
+- ``client_batch`` 3 equals one-by-one training (to 1e-5 relative where the algorithm declares a
+  batched local task, bit for bit where it falls back);
+- its final state matches the golden hash recorded for it (``tests/golden/contract_hashes.json``;
+  record one with ``python tests/test_contract.py --record NAME``).
+
+The subprocess parts run once for all algorithms (one ``mpiexec`` start; one process forking a
+child per killed run), so the suite stays small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpcfl.algorithms import Algorithm, ClientContext, state_from_dict
+from hpcfl.comm import LocalComm
+from hpcfl.config import Config, config_from_dict
+from hpcfl.registry import ALGORITHMS
+from hpcfl.runner import RunResult, StopRequest, run_experiment
+from tests.helpers import MPIEXEC, REPO, final_state, plugin_env, write_config
+
+GOLDEN = REPO / "tests" / "golden" / "contract_hashes.json"
+PROGRAMS = REPO / "tests" / "contract_programs"
+NAMES = list(ALGORITHMS)
+
+#: the tiny federation every algorithm runs (its params come from ``example_params``)
+BASE: dict[str, Any] = dict(
+    dataset="synthetic",
+    dataset_options={"n_train": 240, "n_test": 60, "seed": 3, "input_shape": [1, 8, 8], "num_classes": 4},
+    partition="dir:0.5",
+    num_clients=4,
+    clients_per_round=3,
+    model="mlp",
+    rounds=3,
+    local_steps=2,
+    lr=0.05,
+    momentum=0.5,
+    batch_size=16,
+    seed=5,
+    threads=1,
+    progress=False,
+    reduction="float64",
+)
+
+
+def example_params(cls: type[Algorithm]) -> Any:
+    """The algorithm's ``example_params``, else its defaults."""
+    return cls.example_params if cls.example_params is not None else cls.Params()
+
+
+def contract_config(name: str, **extra: Any) -> dict[str, Any]:
+    """The tiny run of algorithm ``name`` as a config dict (YAML-ready)."""
+    params = Config(params=example_params(ALGORITHMS[name])).to_dict()["params"]
+    return {**BASE, "name": name, "algorithm": name, "params": params, **extra}
+
+
+def sha256(x: torch.Tensor) -> str:
+    return hashlib.sha256(x.contiguous().numpy().tobytes()).hexdigest()
+
+
+def _accuracies(rows: list[dict]) -> list[float]:
+    return [r["test_accuracy"] for r in rows if "test_accuracy" in r]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+class _StopAfterRows(StopRequest):
+    """A stop request that is raised once the run has written ``rows`` metrics rows (as a signal
+    arriving during that round would be)."""
+
+    def __init__(self, run_dir: Path, rows: int) -> None:
+        super().__init__()
+        self._metrics, self._rows = run_dir / "metrics.jsonl", rows
+
+    @property  # type: ignore[override]
+    def requested(self) -> bool:
+        return self._metrics.exists() and len(self._metrics.read_text().splitlines()) >= self._rows
+
+    @requested.setter
+    def requested(self, value: bool) -> None:
+        pass
+
+
+class Runs:
+    """The reference run of every algorithm (in this process, memory store), computed once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._done: dict[str, RunResult] = {}
+
+    def reference(self, name: str) -> RunResult:
+        if name not in self._done:
+            self._done[name] = run_experiment(config_from_dict(contract_config(name)), self.root / name)
+        return self._done[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("contract_reference"))
+
+
+def test_every_builtin_and_the_example_plugin_are_covered() -> None:
+    assert {"fedavg", "fedavgm", "fedadam", "scaffold", "tct", "cp-ntkfl", "example_slr"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_name_and_params_agree_with_the_class(name: str) -> None:
+    cls = ALGORITHMS[name]
+    assert cls.name == name
+    params = example_params(cls)
+    assert type(params) is cls.Params and dataclasses.is_dataclass(params)
+    assert config_from_dict(contract_config(name)).params == params  # survives the YAML round trip
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_final_state(runs: Runs, name: str) -> None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    golden = json.loads(GOLDEN.read_text())
+    assert name in golden, (
+        f"no golden hash for {name!r}: record it with python tests/test_contract.py --record {name}"
+    )
+    if capability not in golden[name]:
+        pytest.skip(
+            f"no {name} hash for CPU capability {capability}: python tests/test_contract.py --record {name}"
+        )
+    assert sha256(runs.reference(name).server.x) == golden[name][capability]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_stopped_and_resumed_run_is_bit_identical(runs: Runs, tmp_path: Path, name: str) -> None:
+    reference = runs.reference(name)
+    cfg = config_from_dict(contract_config(name))
+    run_dir = tmp_path / "stopped"
+    stopped = run_experiment(cfg, run_dir, stop=_StopAfterRows(run_dir, 2))
+    assert (stopped.rounds_done, stopped.finished) == (2, False)
+    resumed = run_experiment(cfg, run_dir, resume=True)
+    assert resumed.finished and torch.equal(resumed.server.x, reference.server.x)
+    assert _accuracies(_rows(run_dir)) == _accuracies(reference.metrics)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bytes_down_are_the_fields_a_participant_receives(runs: Runs, name: str) -> None:
+    server = runs.reference(name).server
+    sent = [f.name for f in dataclasses.fields(server) if f.name not in type(server).server_only]
+    nbytes = sum(
+        v.numel() * v.element_size() for f in sent if isinstance(v := getattr(server, f), torch.Tensor)
+    )
+    row = runs.reference(name).metrics[-1]
+    participants = row.get("participants", range(BASE["num_clients"]))  # absent: everyone took part
+    assert row["bytes_down"] == len(participants) * nbytes > 0
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bitwise equality of uploads (tensors, numbers, nested dicts / lists / tuples)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(map(_same, a, b))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and _same(vars(a), vars(b))
+    return a == b
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_server_only_fields_are_exactly_those_clients_never_read(name: str) -> None:
+    """One participant's upload from the first stage's server state after one round: NaN in a
+    ``server_only`` field leaves it bit-identical; noise in any other field changes it (a field
+    that is sent but never read should be ``server_only``; it would inflate ``bytes_down``)."""
+    from hpcfl.runner.federation import build_federation, client_generator
+
+    fed = build_federation(config_from_dict(contract_config(name, rounds=1)), LocalComm())
+    algo = fed.algorithm
+    server = algo.init_server(fed.flat.vector.clone())
+    g = torch.Generator().manual_seed(0)
+    for f in dataclasses.fields(server):  # every buffer non-trivial, as after some rounds
+        v = getattr(server, f.name)
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and f.name != "x":
+            setattr(server, f.name, v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype))
+
+    def upload(state: Any) -> Any:
+        ctx = ClientContext(0, (0, 1, 2), fed.population, fed.trainer, client_generator(BASE["seed"], 0, 0))
+        client = algo.init_client(0, state)
+        up, _ = algo.client_update(state, client, fed.client_data(0), ctx)
+        return up.sums, up.gathered, up.weight
+
+    base = upload(server)
+    for f in dataclasses.fields(server):
+        v = getattr(server, f.name)
+        if not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()):
+            continue
+        if f.name in type(server).server_only:
+            changed = dataclasses.replace(server, **{f.name: torch.full_like(v, float("nan"))})
+            assert _same(upload(changed), base), f"{name}: server_only field {f.name!r} is read by clients"
+        else:
+            changed = dataclasses.replace(
+                server, **{f.name: v + torch.randn(v.shape, generator=g, dtype=v.dtype)}
+            )
+            assert not _same(upload(changed), base), (
+                f"{name}: field {f.name!r} is downloaded but no client reads it; declare it server_only"
+            )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_loads_weights_only_and_restores_the_states(runs: Runs, name: str) -> None:
+    reference = runs.reference(name)
+    ckpt = reference.run_dir / "checkpoints"
+    latest = ckpt / (ckpt / "LATEST").read_text().strip()
+    saved = torch.load(latest / "server.pt", weights_only=True)["server"]
+    restored = state_from_dict(type(reference.server), saved)
+    for f in dataclasses.fields(reference.server):
+        assert _same(getattr(restored, f.name), getattr(reference.server, f.name)), f.name
+    clients = sorted((latest / "clients").glob("*.pt")) if (latest / "clients").is_dir() else []
+    for path in clients:
+        data = torch.load(path, weights_only=True)
+        assert isinstance(data, dict) and all(not callable(v) for v in data.values()), path.name
+
+
+def _disk_config_files(tmp: Path) -> dict[str, str]:
+    paths = {}
+    for name in NAMES:
+        cfg = contract_config(name, client_state_memory="disk", checkpoint_every=2)
+        paths[name] = str(write_config(tmp / f"{name}.yaml", **cfg))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str], dict[str, str]]:
+    """Every algorithm's disk-store run, SIGKILLed right after its 3rd (last) metrics row."""
+    tmp = tmp_path_factory.mktemp("contract_killed")
+    configs = _disk_config_files(tmp)
+    (tmp / "runs.json").write_text(json.dumps(configs))
+    proc = subprocess.run(
+        [sys.executable, str(PROGRAMS / "killed.py"), str(tmp / "runs.json"), str(tmp / "runs"), "3"],
+        capture_output=True,
+        text=True,
+        env=plugin_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "runs", configs, json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kill_9_with_states_on_disk_resumes_bit_identically(runs: Runs, killed, name: str) -> None:
+    root, configs, ends = killed
+    assert ends[name] == "killed", ends[name]
+    run_dir = root / name
+    assert not (run_dir / "DONE").exists() and len(_rows(run_dir)) == 3  # row 3 written, not checkpointed
+    cfg = config_from_dict(contract_config(name, client_state_memory="disk", checkpoint_every=2))
+    resumed = run_experiment(cfg, run_dir, resume=True)
+    reference = runs.reference(name)
+    assert torch.equal(resumed.server.x, reference.server.x)
+    assert _accuracies(_rows(run_dir)) == _accuracies(reference.metrics)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every algorithm's run on 2 MPI ranks (one mpiexec for all of them)."""
+    tmp = tmp_path_factory.mktemp("contract_ranks")
+    (tmp / "runs.json").write_text(json.dumps({name: contract_config(name) for name in NAMES}))
+    argv = [
+        MPIEXEC,
+        "-n",
+        "2",
+        sys.executable,
+        str(PROGRAMS / "ranks.py"),
+        str(tmp / "runs.json"),
+        str(tmp / "runs"),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=plugin_env(), timeout=600)
+    assert proc.returncode == 0 and proc.stdout.count(": OK") == 2, proc.stdout + proc.stderr
+    return tmp / "runs"
+
+
+#: known breaches of the contract, each a strict xfail (it fails loudly once fixed): name → reason
+RANK_DEPENDENT = {
+    "tct": "stage 2 sums float64 features per rank before the allreduce (federated_moments in "
+    "hpcfl/tct/pipeline.py and the stage-2 round sums of its float64 state), so 2 ranks differ from 1 "
+    "by float64 rounding (1.7e-15 relative here); issue 27's closing note",
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=RANK_DEPENDENT[n]))
+        if n in RANK_DEPENDENT
+        else n
+        for n in NAMES
+    ],
+)
+def test_one_rank_and_two_ranks_are_bit_identical(runs: Runs, two_ranks: Path, name: str) -> None:
+    reference = runs.reference(name)
+    assert torch.equal(final_state(two_ranks / name), reference.server.x)
+    assert _accuracies(_rows(two_ranks / name)) == _accuracies(reference.metrics)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_client_batch_equals_one_by_one(runs: Runs, tmp_path: Path, name: str) -> None:
+    cls = ALGORITHMS[name]
+    reference = runs.reference(name).server.x
+    batched = run_experiment(
+        config_from_dict(contract_config(name, client_batch="3")), tmp_path / "b"
+    ).server.x
+    if cls.local_task is Algorithm.local_task:  # nothing declared: trained one by one, bit for bit
+        assert torch.equal(batched, reference)
+    else:
+        rel = float((batched - reference).norm() / reference.norm())
+        assert rel < 1e-5, rel
+
+
+def _record(names: list[str]) -> None:
+    """Store this CPU capability's final-state hash of each named algorithm's contract run."""
+    import tempfile
+
+    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    capability = torch.backends.cpu.get_cpu_capability()
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            x = run_experiment(config_from_dict(contract_config(name)), Path(tmp) / "run").server.x
+        golden.setdefault(name, {})[capability] = sha256(x)
+        print(name, capability, golden[name][capability], flush=True)
+    GOLDEN.write_text(json.dumps(dict(sorted(golden.items())), indent=1) + "\n")
+
+
+if __name__ == "__main__":  # PYTHONPATH=. python tests/test_contract.py --record NAME [NAME ...] | all
+    from tests.conftest import _example_plugin_on_path
+
+    _example_plugin_on_path()
+    args = sys.argv[1:]
+    if not args or args[0] != "--record":
+        raise SystemExit("usage: python tests/test_contract.py --record NAME [NAME ...] (or --record all)")
+    _record(list(ALGORITHMS) if args[1:] == ["all"] else args[1:])

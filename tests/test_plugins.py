@@ -1,0 +1,225 @@
+"""Extension from outside: the example plugin (tests/plugin_example) through every command, the
+``imports:`` config key, ``hpcfl.register_*``, and one line for a broken or clashing plugin."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import hpcfl
+from hpcfl.config import config_from_dict
+from hpcfl.errors import ConfigError
+from hpcfl.registry import ALGORITHMS, MODEL_SPECS
+from tests.helpers import hpcfl_cmd, mpiexec_cmd, plugin_env, write_config
+
+#: a run made only of the plugin's names (algorithm, model, dataset)
+PLUGIN_RUN = dict(
+    name="plugin",
+    dataset="example_blobs",
+    dataset_options={"n_train": 240, "n_test": 80, "seed": 1},
+    partition="dir:0.5",
+    num_clients=4,
+    model="example_linear",
+    algorithm="example_slr",
+    params={"server_lr": 0.5},
+    rounds=3,
+    local_steps=5,
+    lr=0.1,
+    batch_size=16,
+    seed=2,
+    threads=1,
+    progress=False,
+)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _accuracies(run_dir: Path) -> list[float]:
+    return [r["test_accuracy"] for r in _rows(run_dir) if "test_accuracy" in r]
+
+
+def _run(argv: list[str], cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, env=env or plugin_env(), cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The plugin run in this process, through ``hpcfl.run_experiment``: every command must match."""
+    run_dir = tmp_path_factory.mktemp("plugin_ref") / "run"
+    hpcfl.run_experiment(config_from_dict(dict(PLUGIN_RUN)), run_dir)
+    accuracies = _accuracies(run_dir)
+    assert len(accuracies) == 3 and accuracies[-1] > 0.5  # 4 separable blobs: well above chance 0.25
+    return accuracies
+
+
+def test_plugin_names_are_listed_and_loaded_from_their_entry_points() -> None:
+    assert "example_slr" in list(ALGORITHMS) and ALGORITHMS["example_slr"].name == "example_slr"
+    assert ALGORITHMS["example_slr"].__module__ == "hpcfl_example.algorithm"
+    model = hpcfl.build_model("example_linear", (1, 4, 4), 4)
+    assert model(torch.zeros(2, 1, 4, 4)).shape == (2, 4)
+    data = hpcfl.load_dataset("example_blobs", n_train=10, n_test=5)
+    assert (len(data.train), len(data.test), data.num_classes) == (10, 5, 4)
+
+
+def test_hpcfl_run_matches_run_experiment(tmp_path: Path, reference: list[float]) -> None:
+    cfg = write_config(tmp_path / "plugin.yaml", **PLUGIN_RUN)
+    proc = _run(hpcfl_cmd("run", str(cfg), "--run-dir", str(tmp_path / "run")))
+    assert proc.returncode == 0, proc.stderr
+    assert _accuracies(tmp_path / "run") == reference
+
+
+def test_hpcfl_sweep_with_two_workers_runs_plugin_points(tmp_path: Path, reference: list[float]) -> None:
+    cfg = write_config(tmp_path / "plugin.yaml", **PLUGIN_RUN)
+    out = tmp_path / "sweep"
+    proc = _run(
+        hpcfl_cmd("sweep", str(cfg), "--out", str(out), "--grid", "params.server_lr=0.5,1.0", "-j", "2")
+    )
+    assert proc.returncode == 0, proc.stderr
+    points = sorted(p.name for p in (out / "runs").iterdir())
+    assert len(points) == 2, points
+    half = next(p for p in points if "0.5" in p)
+    assert _accuracies(out / "runs" / half) == reference
+
+
+@pytest.mark.mpi
+def test_mpiexec_two_ranks_matches_one(tmp_path: Path, reference: list[float]) -> None:
+    cfg = write_config(tmp_path / "plugin.yaml", **PLUGIN_RUN)
+    proc = _run(mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(tmp_path / "run")))
+    assert proc.returncode == 0, proc.stderr
+    assert _accuracies(tmp_path / "run") == reference
+
+
+def test_hpcfl_submit_local_executor_runs_the_plugin(tmp_path: Path, reference: list[float]) -> None:
+    cfg = write_config(tmp_path / "plugin.yaml", **PLUGIN_RUN)
+    run_dir = tmp_path / "run"
+    proc = _run(hpcfl_cmd("submit", str(cfg), "--run-dir", str(run_dir), "--executor", "local", "--wait"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (run_dir / "DONE").exists() and _accuracies(run_dir) == reference
+
+
+def _fake_distribution(root: Path, name: str, entry_points: str, module: str | None = None) -> Path:
+    """A directory that, on the path, holds distribution ``name`` with ``entry_points`` (and the
+    module source ``module`` as ``<name>_mod.py`` when given)."""
+    info = root / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+    if module is not None:
+        (root / f"{name}_mod.py").write_text(textwrap.dedent(module))
+    return root
+
+
+def _one_line_error(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("entry_points", "module", "fragments"),
+    [
+        (
+            "[hpcfl.algorithms]\nbroken = broken_dist_mod:Nope\n",
+            "import a_module_that_is_not_there\n",
+            (
+                "plugin algorithm 'broken'",
+                "'broken_dist'",
+                "ModuleNotFoundError",
+                "a_module_that_is_not_there",
+            ),
+        ),
+        (
+            "[hpcfl.algorithms]\nfedavg = broken_dist_mod:Mine\n",
+            "",
+            ("plugin algorithm 'fedavg'", "'broken_dist'", "clashes with the built-in"),
+        ),
+        (
+            "[hpcfl.algorithms]\nbroken = broken_dist_mod:Mine\n",
+            "class Mine:\n    name = 'broken'\n",
+            ("plugin algorithm 'broken'", "'broken_dist'", "not a subclass"),
+        ),
+    ],
+    ids=["import-error", "clash", "not-an-algorithm"],
+)
+def test_a_broken_plugin_is_one_line_naming_its_distribution(
+    tmp_path: Path, entry_points: str, module: str, fragments: tuple[str, ...]
+) -> None:
+    dist = _fake_distribution(tmp_path / "site", "broken_dist", entry_points, module)
+    cfg = write_config(tmp_path / "cfg.yaml", **{**PLUGIN_RUN, "algorithm": "broken", "params": {}})
+    proc = _run(hpcfl_cmd("run", str(cfg), "--run-dir", str(tmp_path / "run")), env=plugin_env(dist))
+    line = _one_line_error(proc)
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_imports_key_registers_a_module_that_is_not_installed(tmp_path: Path, reference: list[float]) -> None:
+    """A script-style plugin beside the config, named in ``imports:``, is seen by ``hpcfl run``:
+    the same algorithm as the example plugin's, registered under another name."""
+    (tmp_path / "my_method.py").write_text(
+        textwrap.dedent(
+            """
+            import hpcfl
+            from hpcfl_example.algorithm import ServerLRFedAvg
+
+            @hpcfl.register_algorithm
+            class Mine(ServerLRFedAvg):
+                name = "my_slr"
+            """
+        )
+    )
+    cfg = write_config(
+        tmp_path / "cfg.yaml", **{**PLUGIN_RUN, "algorithm": "my_slr", "imports": ["my_method"]}
+    )
+    proc = _run(hpcfl_cmd("run", str(cfg), "--run-dir", str(tmp_path / "run")), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _accuracies(tmp_path / "run") == reference
+
+
+def test_imports_key_failing_module_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "bad_method.py").write_text("raise RuntimeError('half-written')\n")
+    cfg = write_config(tmp_path / "cfg.yaml", **{**PLUGIN_RUN, "imports": ["bad_method"]})
+    line = _one_line_error(_run(hpcfl_cmd("run", str(cfg)), cwd=tmp_path))
+    assert "config key 'imports'" in line and "'bad_method'" in line and "RuntimeError: half-written" in line
+
+
+@pytest.mark.parametrize("value", ["my_module", [1]])
+def test_imports_key_must_be_a_list_of_module_names(value) -> None:
+    with pytest.raises(ConfigError, match="config key 'imports' must be a list of module names"):
+        config_from_dict({"imports": value})
+
+
+def test_register_refuses_builtin_names_and_non_algorithms() -> None:
+    from hpcfl.algorithms import FedAvg
+
+    with pytest.raises(ConfigError, match="'fedavg' is a built-in algorithm"):
+        hpcfl.register_algorithm(FedAvg)
+    with pytest.raises(ConfigError, match="is a built-in model"):
+        hpcfl.register_model("mlp", lambda shape, classes: None)
+    with pytest.raises(ConfigError, match="not a subclass of hpcfl.algorithms.Algorithm"):
+        hpcfl.register_algorithm(int, "int_algo")  # type: ignore[arg-type]
+    assert "int_algo" not in ALGORITHMS and "mlp" in MODEL_SPECS
+
+
+def test_register_in_a_script_reaches_run_experiment(tmp_path: Path, reference: list[float]) -> None:
+    """``register_model`` / ``register_dataset`` / ``register_algorithm`` under new names in this
+    process give the same run as the entry points."""
+    from hpcfl.registry import DATASET_SPECS
+
+    plugin = ALGORITHMS["example_slr"]
+    renamed = type("Renamed", (plugin,), {"name": "renamed_slr"})
+    hpcfl.register_algorithm(renamed)
+    hpcfl.register_model("renamed_linear", MODEL_SPECS["example_linear"].build)
+    hpcfl.register_dataset(
+        "renamed_blobs", DATASET_SPECS["example_blobs"].load, options=("n_train", "n_test", "seed")
+    )
+    cfg = {**PLUGIN_RUN, "algorithm": "renamed_slr", "model": "renamed_linear", "dataset": "renamed_blobs"}
+    hpcfl.run_experiment(config_from_dict(cfg), tmp_path / "run")
+    assert _accuracies(tmp_path / "run") == reference
