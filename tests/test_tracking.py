@@ -199,12 +199,12 @@ def _tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def _wandb_history(run: Path) -> list[dict[str, float]]:
-    """History rows of every offline run segment under RUN/wandb, decoded with W&B's own protobuf
-    records from its transaction log (leveldb log format: 7-byte header, 32 KiB blocks)."""
+def _wandb_records(run: Path) -> list:
+    """Every record of every offline run segment under RUN/wandb, decoded with W&B's own protobuf
+    classes from its transaction log (leveldb log format: 7-byte header, 32 KiB blocks)."""
     from wandb.proto import wandb_internal_pb2
 
-    rows = []
+    records = []
     for path in sorted(run.glob("wandb/offline-run-*/run-*.wandb")):
         data = path.read_bytes()
         pos, pending = 7, b""
@@ -222,15 +222,18 @@ def _wandb_history(run: Path) -> list[dict[str, float]]:
             if kind in (1, 4):  # FULL or LAST
                 record = wandb_internal_pb2.Record()
                 record.ParseFromString(pending)
+                records.append(record)
                 pending = b""
-                if record.WhichOneof("record_type") == "history":
-                    rows.append(
-                        {
-                            i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                            for i in record.history.item
-                        }
-                    )
-    return rows
+    return records
+
+
+def _wandb_history(run: Path) -> list[dict[str, float]]:
+    """The history rows of the offline run segments (name -> value, with ``_step``)."""
+    return [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in _wandb_records(run)
+        if r.WhichOneof("record_type") == "history"
+    ]
 
 
 def _check_tensorboard(run: Path, expected: dict[str, dict[int, float]]) -> None:
@@ -314,11 +317,13 @@ def test_every_logger_across_a_kill_and_resume(tmp_path):
     assert json.loads((run / "loggers.json").read_text())["wandb"]["through"] == 5
 
 
-def test_a_sweep_point_is_grouped_under_the_sweep(tmp_path):
-    """Two points of one sweep: one TensorBoard directory per point under the sweep, and MLflow child
-    runs of one parent run named after the sweep."""
-    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-    pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
+def test_a_sweep_point_is_grouped_under_the_sweep(tmp_path, monkeypatch):
+    """Two points of one sweep: one TensorBoard directory per point under the sweep, MLflow child
+    runs of one parent run named after the sweep, one W&B group named after the sweep."""
+    for name in ("tensorboard", "mlflow", "wandb"):
+        pytest.importorskip(name, reason=f"the {name} extra is not installed")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     from mlflow import MlflowClient
 
     from hpcfl.runner.loggers import open_loggers
@@ -329,11 +334,15 @@ def test_a_sweep_point_is_grouped_under_the_sweep(tmp_path):
     ids = []
     for point in ("p0", "p1"):
         (sweep / "runs" / point).mkdir()
-        loggers = open_loggers(["tensorboard", "mlflow"], sweep / "runs" / point, {"name": point, "lr": 0.1})
+        loggers = open_loggers(
+            ["tensorboard", "mlflow", "wandb"], sweep / "runs" / point, {"name": point, "lr": 0.1}
+        )
         loggers.flush([{"round": 1, "test_accuracy": 0.5}])
         loggers.close(finished=True)
         ids.append(json.loads((sweep / "runs" / point / "loggers.json").read_text())["mlflow"])
         assert _tensorboard_scalars(sweep / "tensorboard" / point)["test/accuracy"] == [(1, 0.5)]
+        runs = [r.run for r in _wandb_records(sweep / "runs" / point) if r.WhichOneof("record_type") == "run"]
+        assert runs and all(r.run_group == "mysweep" for r in runs)
     client = MlflowClient(tracking_uri=ids[0]["tracking_uri"])
     parents = {client.get_run(i["run_id"]).data.tags["mlflow.parentRunId"] for i in ids}
     assert len(parents) == 1
