@@ -287,7 +287,13 @@ def test_mlflow_and_wandb_hold_the_rows_params_and_figures(tmp_path, monkeypatch
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline by default
     cfg = load_config(_cfg(tmp_path, rounds=3, loggers=["mlflow", "wandb"], num_clients=4))
     run = tmp_path / "run"
-    run_experiment(cfg, run)
+    try:
+        run_experiment(cfg, run)
+    finally:  # stop the W&B service this process started; its address must not reach later runs
+        import wandb
+
+        wandb.teardown()
+        os.environ.pop("WANDB_SERVICE", None)
     expected = _expected(run)
     _check_mlflow(run, expected)
     history = [r for r in _wandb_history(run) if "test/accuracy" in r]
@@ -298,12 +304,15 @@ def test_mlflow_and_wandb_hold_the_rows_params_and_figures(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_every_logger_across_a_kill_and_resume(tmp_path):
+def test_every_logger_across_a_kill_and_resume(tmp_path, monkeypatch):
     """All three loggers through SIGKILL + --resume (about a minute): TensorBoard and MLflow hold
     every step once; W&B's offline segments together hold every step, and its last segment every
     step from the first one the killed segment may have lost."""
     for name in ("tensorboard", "mlflow", "wandb"):
         pytest.importorskip(name, reason=f"the {name} extra is not installed")
+    # a W&B run started in this test process leaves its service's address in the environment; the
+    # killed and the resumed run must each have their own, as separate jobs do
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
     cfg = _cfg(tmp_path, rounds=5, loggers=["tensorboard", "mlflow", "wandb"], num_clients=4)
     run = tmp_path / "run"
     kill_after_rows(cfg, run, rows=3)
@@ -343,6 +352,10 @@ def test_a_sweep_point_is_grouped_under_the_sweep(tmp_path, monkeypatch):
         assert _tensorboard_scalars(sweep / "tensorboard" / point)["test/accuracy"] == [(1, 0.5)]
         runs = [r.run for r in _wandb_records(sweep / "runs" / point) if r.WhichOneof("record_type") == "run"]
         assert runs and all(r.run_group == "mysweep" for r in runs)
+    import wandb
+
+    wandb.teardown()  # the W&B service this process started
+    os.environ.pop("WANDB_SERVICE", None)
     client = MlflowClient(tracking_uri=ids[0]["tracking_uri"])
     parents = {client.get_run(i["run_id"]).data.tags["mlflow.parentRunId"] for i in ids}
     assert len(parents) == 1
@@ -389,3 +402,37 @@ def test_report_shows_the_client_distribution_and_the_sweep_table_its_p10(tmp_pa
     per_seed = [np.mean([r["client_acc_p10"] for r in s.rows[-2:]]) for s in summaries]
     assert float(row["client_acc_p10_mean"]) == pytest.approx(np.mean(per_seed), abs=1e-12)
     assert float(row["client_acc_p10_std"]) == pytest.approx(np.std(per_seed, ddof=1), abs=1e-12)
+
+
+def test_rounds_a_kill_left_in_doubt_are_written_once(tmp_path):
+    """A kill in the middle of a flush (rounds named ``pending`` in loggers.json, written to the
+    backends, ``through`` not yet advanced): the resume settles them from the backends, so
+    TensorBoard and MLflow still hold every round exactly once."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
+    from hpcfl.runner.loggers import open_loggers
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"round": r, "test_accuracy": r / 10, "seconds": 1.0 + r} for r in range(1, 5)]
+    config = {"name": "doubt", "lr": 0.1}
+    first = open_loggers(["tensorboard", "mlflow"], run, config)
+    first.flush(rows[:2])
+    first.pending = {"tensorboard": 3, "mlflow": 3}  # what flush records before writing round 3
+    first._save()
+    for logger in first.loggers:
+        logger.log(3, scalar_names(rows[2]))
+    first.loggers[0].writer.close()  # the process dies here: round 3 written, through still 2
+    again = open_loggers(["tensorboard", "mlflow"], run, config)
+    again.flush(rows[:3])  # the catch-up of the rows a checkpoint covers
+    again.flush(rows)
+    again.close(finished=True)
+    board = _tensorboard_scalars(run / "tensorboard")
+    assert [s for s, _ in board["test/accuracy"]] == [1, 2, 3, 4]
+    from mlflow import MlflowClient
+
+    record = json.loads((run / "loggers.json").read_text())["mlflow"]
+    history = MlflowClient(tracking_uri=record["tracking_uri"]).get_metric_history(
+        record["run_id"], "test/accuracy"
+    )
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]

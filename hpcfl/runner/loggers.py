@@ -10,10 +10,11 @@ attached as artifacts / images.
 Exactly once per round, across kills and resumes: a row is handed to the loggers only once a
 checkpoint covers it (the run's bookkeeping calls :meth:`Loggers.flush` after saving one, every
 round with the default ``checkpoint_every: 1``), and each logger records in ``loggers.json`` of the
-run directory the last round it wrote and the id of its run. A resumed run continues the same
-TensorBoard directory, MLflow run and W&B run, and first writes what a logger has not seen yet (a
-logger added on resume catches up); a round that was logged but not checkpointed before a kill
-cannot happen, so no step is written twice and none is missing. W&B is the exception: its service
+run directory the last round it wrote (and, while writing, the rounds in doubt) and the id of its
+run. A resumed run continues the same TensorBoard directory, MLflow run and W&B run, and first
+writes what a logger has not seen yet (a logger added on resume catches up); a round that was
+logged but not checkpointed before a kill cannot happen, and rounds a kill interrupted are settled
+from the backend (:func:`open_loggers`), so no step is written twice and none is missing. W&B is the exception: its service
 writes the offline log behind the caller, so a SIGKILL can lose rows it was given; they count as
 written only once its run closed cleanly, and after a kill the resumed run writes them again into its
 new offline segment (a killed segment that did get them repeats those steps; W&B ignores a logged
@@ -235,6 +236,12 @@ class MLflowLogger(Logger):
             run = self.client.create_run(exp_id, tags={"hpcfl.sweep_parent": "true"}, run_name=sweep_name)
             return run.info.run_id
 
+    def held_through(self, through: int, pending: int) -> int:
+        """The last round up to ``pending`` this run holds (a killed flush's rounds are settled by
+        what the store has: one ``log_batch`` per round, so a round is there whole or not at all)."""
+        steps = {m.step for m in self.client.get_metric_history(self.run_id, "time/seconds")}
+        return max((s for s in steps if through < s <= pending), default=through)  # written in order
+
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         import time
 
@@ -242,7 +249,10 @@ class MLflowLogger(Logger):
 
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, step) for k, v in scalars.items()]
-        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a batch
+        # MLflow takes at most 1000 metrics a batch; "time/seconds" (every row has it) goes last, so
+        # a round whose last batch is stored is whole (held_through)
+        metrics.sort(key=lambda m: m.key == "time/seconds")
+        for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def close(self, figures: Sequence[Path], finished: bool) -> None:
@@ -304,10 +314,21 @@ class Loggers:
     def __init__(self, loggers: list[Logger], run_dir: Path, through: dict[str, int]) -> None:
         self.loggers, self.run_dir, self.through = loggers, run_dir, through
         self.durable = dict(through)  # what loggers.json says each logger holds for sure
+        self.pending: dict[str, int] = {}  # rounds being written now (a kill leaves them in doubt)
 
     def flush(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Write every row a logger has not written yet (rows a checkpoint covers), then record it."""
+        """Write every row a logger has not written yet (rows a checkpoint covers), then record it.
+
+        ``loggers.json`` names the rounds about to be written first (``pending``), so a kill in the
+        middle leaves a record of which rounds are in doubt (see :func:`open_loggers`)."""
         rows = list(rows)
+        last = max((int(r["round"]) for r in rows), default=0)
+        behind = [lg for lg in self.loggers if last > self.through.get(lg.name, 0)]
+        if not behind:
+            return
+        self.pending = {lg.name: last for lg in behind if lg.durable_log}
+        if self.pending:
+            self._save()
         for logger in self.loggers:
             seen = self.through.get(logger.name, 0)
             for row in rows:
@@ -317,6 +338,7 @@ class Loggers:
             self.through[logger.name] = seen
             if logger.durable_log:
                 self.durable[logger.name] = seen
+        self.pending = {}
         self._save()
 
     def close(self, finished: bool) -> None:
@@ -329,28 +351,50 @@ class Loggers:
         self.loggers = []
 
     def _save(self) -> None:
-        state = {lg.name: {"through": self.durable.get(lg.name, 0), **lg.record()} for lg in self.loggers}
+        state = {
+            lg.name: {
+                "through": self.durable.get(lg.name, 0),
+                **({"pending": self.pending[lg.name]} if lg.name in self.pending else {}),
+                **lg.record(),
+            }
+            for lg in self.loggers
+        }
         atomic_write_text(self.run_dir / STATE, json.dumps(state, indent=1) + "\n")
 
 
 def open_loggers(names: Sequence[str], run_dir: Path, config: Mapping[str, Any]) -> Loggers:
-    """Open (or, after a resume, continue) the configured loggers of ``run_dir`` (rank 0 only)."""
+    """Open (or, after a resume, continue) the configured loggers of ``run_dir`` (rank 0 only).
+
+    Rounds a kill left in doubt (``pending`` beyond ``through`` in ``loggers.json``: the process
+    died while writing them) are settled from the backend itself: TensorBoard's directory is
+    written again from ``metrics.jsonl`` (its event files cannot drop a step), MLflow's run is
+    asked which of those rounds it holds."""
     run_dir = Path(run_dir)
     try:
         saved = json.loads((run_dir / STATE).read_text())
     except (OSError, ValueError):
         saved = {}
     made: list[Logger] = []
+    through: dict[str, int] = {}
     for name in names:
         record = saved.get(name, {})
+        done, doubt = (
+            int(record.get("through", 0)),
+            int(record.get("pending", 0)) > int(record.get("through", 0)),
+        )
         if name == "tensorboard":
-            made.append(TensorBoardLogger(run_dir, config, fresh=not record))
+            made.append(TensorBoardLogger(run_dir, config, fresh=not record or doubt))
+            done = 0 if doubt else done
         elif name == "mlflow":
-            made.append(MLflowLogger(run_dir, config, record))
+            logger = MLflowLogger(run_dir, config, record)
+            done = logger.held_through(done, int(record["pending"])) if doubt else done
+            made.append(logger)
         else:
             made.append(WandbLogger(run_dir, config, record))
-    through = {name: int(saved.get(name, {}).get("through", 0)) for name in names}
-    return Loggers(made, run_dir, through)
+        through[name] = done
+    loggers = Loggers(made, run_dir, through)
+    loggers._save()  # the runs' ids, before any row: a kill now still resumes the same runs
+    return loggers
 
 
 __all__ = ["STATE", "Loggers", "check_loggers", "open_loggers", "scalar_names"]
