@@ -311,8 +311,15 @@ class WandbLogger(Logger):
 class Loggers:
     """The run's loggers on rank 0: each writes the rows after the last round it wrote."""
 
-    def __init__(self, loggers: list[Logger], run_dir: Path, through: dict[str, int]) -> None:
+    def __init__(
+        self,
+        loggers: list[Logger],
+        run_dir: Path,
+        through: dict[str, int],
+        others: Mapping[str, Any] | None = None,
+    ) -> None:
         self.loggers, self.run_dir, self.through = loggers, run_dir, through
+        self.others = dict(others or {})  # records of loggers not configured now (kept for a later resume)
         self.durable = dict(through)  # what loggers.json says each logger holds for sure
         self.pending: dict[str, int] = {}  # rounds being written now (a kill leaves them in doubt)
 
@@ -351,7 +358,7 @@ class Loggers:
         self.loggers = []
 
     def _save(self) -> None:
-        state = {
+        state = dict(self.others) | {
             lg.name: {
                 "through": self.durable.get(lg.name, 0),
                 **({"pending": self.pending[lg.name]} if lg.name in self.pending else {}),
@@ -392,7 +399,7 @@ def open_loggers(names: Sequence[str], run_dir: Path, config: Mapping[str, Any])
         else:
             made.append(WandbLogger(run_dir, config, record))
         through[name] = done
-    loggers = Loggers(made, run_dir, through)
+    loggers = Loggers(made, run_dir, through, {k: v for k, v in saved.items() if k not in names})
     loggers._save()  # the runs' ids, before any row: a kill now still resumes the same runs
     return loggers
 
