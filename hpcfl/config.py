@@ -25,6 +25,18 @@ from hpcfl.units import parse_client_batch, parse_memory_budget
 
 
 @dataclass
+class FinetuneEval:
+    """``finetune_eval``: the global model fine-tuned on each evaluated client's training data for
+    ``steps`` plain SGD steps at ``lr`` (batch size and weight decay of the run), then evaluated on the
+    client's ``client_eval`` share ("FedAvg + local fine-tuning"); ``rounds``: ``every`` evaluated
+    round or only the ``last``. ``steps: 0`` turns it off. Never changes the trajectory."""
+
+    steps: int = 0
+    lr: float = 0.01
+    rounds: str = "every"  # every | last
+
+
+@dataclass
 class Config:
     """One federated run. Field comments are the documentation ``hpcfl run --help`` points to."""
 
@@ -69,6 +81,10 @@ class Config:
     reduction: str = "float64"  # float64: the round's sum is placement-independent | float32: half the bytes
     client_state_memory: str = "auto"  # auto | memory | disk | a byte budget, e.g. 2GB
     client_batch: str = "1"  # participants trained as one vectorised step: 1 (one by one) | N | auto
+    client_eval: float = 0.0  # share of each client's data held out (seeded) for per-client accuracy
+    client_eval_clients: int | None = None  # evaluate a seeded sample of M clients per row (None: all)
+    finetune_eval: FinetuneEval = field(default_factory=lambda: FinetuneEval())  # personalised accuracy
+    loggers: list[str] = field(default_factory=list)  # tensorboard | mlflow | wandb: views of metrics.jsonl
     params: Any = None  # the algorithm's hyper-parameters (its frozen Params dataclass)
     privacy: PrivacySection = field(default_factory=PrivacySection)  # differential privacy (hpcfl.privacy)
 
@@ -154,6 +170,11 @@ RESUMABLE_KEYS = frozenset(
         "client_batch",  # results equal to float32 rounding (not bit for bit) across values
         "conformal",
         "conformal_calibration",
+        "loggers",  # views of metrics.jsonl
+        "client_eval_clients",  # which clients are evaluated, not what trains
+        "finetune_eval.steps",  # fine-tunes copies, never the trajectory
+        "finetune_eval.lr",
+        "finetune_eval.rounds",
     }
 )
 
@@ -381,6 +402,7 @@ def validate(cfg: Config) -> None:
     parse_memory_budget(cfg.client_state_memory)
     parse_client_batch(cfg.client_batch)
     validate_privacy(cfg.privacy, cfg)
+    _validate_evaluation(cfg)
     _check_against_dataset(cfg)
 
 
@@ -415,6 +437,32 @@ def _check_against_dataset(cfg: Config) -> None:
         )
     if isinstance(cfg.params, HyperParams):
         cfg.params.check_data(cfg.dataset, classes)
+
+
+LOGGERS = ("tensorboard", "mlflow", "wandb")
+
+
+def _validate_evaluation(cfg: Config) -> None:
+    """``loggers``, ``client_eval``, ``client_eval_clients`` and ``finetune_eval``."""
+    if not isinstance(cfg.loggers, list) or any(name not in LOGGERS for name in cfg.loggers):
+        raise ConfigError(f"config key 'loggers' must be a list of {', '.join(LOGGERS)}, got {cfg.loggers!r}")
+    if not 0 <= cfg.client_eval < 1:
+        raise ConfigError(
+            f"config key 'client_eval' must be in [0, 1) (the share of each client's data held out for "
+            f"per-client evaluation), got {cfg.client_eval}"
+        )
+    _check_positive(cfg, ("client_eval_clients",))
+    ft = cfg.finetune_eval
+    if ft.steps < 0:
+        raise ConfigError(f"config key 'finetune_eval.steps' must be >= 0, got {ft.steps}")
+    _check_positive(ft, ("lr",), prefix="finetune_eval.")
+    if ft.rounds not in ("every", "last"):
+        raise ConfigError(f"config key 'finetune_eval.rounds' must be every or last, got {ft.rounds!r}")
+    if (cfg.client_eval_clients is not None or ft.steps > 0) and cfg.client_eval == 0:
+        raise ConfigError(
+            "client_eval_clients and finetune_eval evaluate on each client's held-out share: set "
+            "client_eval (e.g. 0.1) too"
+        )
 
 
 def _validate_run_name(name: str) -> None:

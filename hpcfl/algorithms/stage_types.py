@@ -75,6 +75,7 @@ class RoundStart:
     server: ServerState  # the state the participants start from
     started: float  # time.perf_counter() when the round began
     writes_row: bool  # whether the round ends with a metrics row (costly observers work only then)
+    final: bool = False  # the stage's last round (observers that work only at the end)
 
     @functools.cached_property
     def position(self) -> dict[int, int]:

@@ -4,7 +4,8 @@
 - :mod:`hpcfl.report.methods`: the headline table, one line per method, mean ± std over seeds;
 - :mod:`hpcfl.report.summary`: one line per run (final and best accuracy, participation, time);
 - :mod:`hpcfl.report.targets`: rounds and bytes to a target accuracy with the speed-up over FedAvg;
-- :mod:`hpcfl.report.plots`: accuracy curves, drift-diversity heatmaps, conformal coverage curves.
+- :mod:`hpcfl.report.plots`: accuracy curves, drift-diversity heatmaps, conformal coverage curves,
+  the clients' accuracy distribution.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from pathlib import Path
 from hpcfl.files import atomic_write_text
 from hpcfl.report.methods import group_methods, method_csv, method_markdown
 from hpcfl.report.plots import (
+    client_runs,
     conformal_points,
     conformal_runs,
     drift_runs,
     plot_accuracy,
+    plot_clients,
     plot_conformal,
     plot_drift,
 )
@@ -35,8 +38,8 @@ def write_report(
 ) -> list[RunSummary]:
     """Into ``out``: report.md (per method: last-k mean ± std over seeds and rounds/MB to ``target``
     on the running mean; then per run: final results, rounds/bytes to target, conformal table),
-    methods.csv, report.csv, targets.csv, accuracy.png; drift_diversity.png and conformal.{png,csv}
-    when the runs recorded them. ``target`` (a fraction) defaults to the level every run's running
+    methods.csv, report.csv, targets.csv, accuracy.png; drift_diversity.png, conformal.{png,csv} and
+    clients.{png,csv} (per-client accuracy, ``client_eval``) when the runs recorded them. ``target`` (a fraction) defaults to the level every run's running
     mean reaches."""
     protocol = protocol or Protocol()
     runs = [summarise(d) for d in run_dirs]
@@ -57,6 +60,10 @@ def write_report(
     if drifting := drift_runs(runs):
         plot_drift(drifting, out / "drift_diversity.png")
         md.append("Drift diversity per layer and round: drift_diversity.png\n")
+    if evaluated := client_runs(runs):
+        plot_clients([(m.row, [r for r in m.runs if r in evaluated]) for m in methods], out / "clients.png")
+        atomic_write_text(out / "clients.csv", _clients_csv(evaluated))
+        md.append(_clients_markdown(evaluated))
     if covering := conformal_runs(runs):
         plot_conformal(covering, out / "conformal.png")
         atomic_write_text(out / "conformal.csv", _conformal_csv(covering))
@@ -85,4 +92,50 @@ def _conformal_csv(runs: list[RunSummary]) -> str:
     for r in runs:
         for method, level, size, cov in conformal_points(r):
             writer.writerow([r.name, method, level, size, cov])
+    return buf.getvalue()
+
+
+_CLIENT_COLUMNS = ("client_acc_mean", "client_acc_p10", "client_acc_p90", "client_acc_min", "client_acc_std")
+_FINETUNE_COLUMNS = ("finetune_acc_mean", "finetune_acc_p10", "finetune_acc_p90")
+
+
+def _final(run: RunSummary, key: str) -> float | None:
+    """``key`` of the last row that carries it (fine-tuning may run at the last round only)."""
+    return next((float(row[key]) for row in reversed(run.rows) if key in row), None)
+
+
+def _clients_markdown(runs: list[RunSummary]) -> str:
+    lines = [
+        "Per-client accuracy of the global model at the final evaluated round (clients.png; every "
+        "client counts once: p10 / p90 are the mean accuracy of the worst / best 10 % of clients), "
+        "and after local fine-tuning where the run did it (finetune_eval):",
+        "",
+        "| run | test acc. | clients | client mean | p10 | p90 | min | std | fine-tuned mean | fine-tuned p10 "
+        "| fine-tuned p90 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        cells = [_pct(_final(r, k)) for k in (*_CLIENT_COLUMNS, *_FINETUNE_COLUMNS)]
+        n = _final(r, "client_eval_clients")
+        lines.append(
+            f"| {r.name} | {100 * r.final_accuracy:.2f}% | {int(n) if n is not None else '—'} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.2f}%"
+
+
+def _clients_csv(runs: list[RunSummary]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["run", "method", "round", "test_accuracy", *_CLIENT_COLUMNS, *_FINETUNE_COLUMNS])
+    for r in runs:
+        values = [_final(r, k) for k in (*_CLIENT_COLUMNS, *_FINETUNE_COLUMNS)]
+        writer.writerow(
+            [r.name, r.label, r.rounds, r.final_accuracy, *["" if v is None else v for v in values]]
+        )
     return buf.getvalue()

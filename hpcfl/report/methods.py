@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hpcfl.report.protocol import Protocol, fmt_mean_std, last_k_mean, mean_std
+from hpcfl.report.protocol import TEST, Protocol, fmt_mean_std, last_k_mean, mean_std
 from hpcfl.report.summary import RunSummary
 from hpcfl.report.targets import rounds_to_target
 
@@ -37,6 +37,7 @@ RUN_ONLY = frozenset(
         "checkpoint_every",
         "client_state_memory",
         "client_batch",
+        "loggers",  # views of metrics.jsonl (TensorBoard, MLflow, W&B)
     }
 )
 
@@ -56,9 +57,9 @@ class Cell:
     def n(self) -> int:
         return len(self.runs)
 
-    def last_k(self, k: int) -> list[float]:
-        """Each seed's mean test accuracy over its last ``k`` evaluated rounds."""
-        return [v for v in (last_k_mean(r.rows, k) for r in self.runs) if v is not None]
+    def last_k(self, k: int, key: str = TEST) -> list[float]:
+        """Each seed's mean of ``key`` (test accuracy) over its last ``k`` evaluated rounds."""
+        return [v for v in (last_k_mean(r.rows, k, key) for r in self.runs) if v is not None]
 
     def reached(self, target: float, window: int) -> list[tuple[int, float]]:
         """(rounds, bytes) to ``target`` on the running mean, of the seeds that reached it."""

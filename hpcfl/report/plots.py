@@ -1,4 +1,5 @@
-"""The report's figures: accuracy per round, drift diversity as a heatmap, conformal coverage."""
+"""The report's figures: accuracy per round, drift diversity as a heatmap, conformal coverage, the
+clients' accuracy distribution (``client_eval``)."""
 
 from __future__ import annotations
 
@@ -127,5 +128,54 @@ def plot_conformal(runs: list[RunSummary], path: Path) -> Path:
     ax.set_title("split-conformal sets of the final model (targets 90/95/99%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
+
+
+def client_runs(runs: list[RunSummary]) -> list[RunSummary]:
+    """The runs that evaluated the global model per client (``client_eval``)."""
+    return [r for r in runs if "client_acc_mean" in r.rows[-1]]
+
+
+def plot_clients(methods: list[tuple[str, list[RunSummary]]], path: Path) -> Path:
+    """Left: per method, the final round's per-client accuracies of all its seeds as a violin with
+    the quartile box (from ``client_metrics.jsonl``); right: per run, the clients' mean accuracy per
+    round (line) between their worst-10 % and best-10 % means (band, ``client_acc_p10/p90``)."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels, spreads = [], []
+    for label, runs in methods:
+        accs = [100 * v["accuracy"] for r in runs for v in (r.final_clients or {}).values()]
+        if accs:
+            labels.append(label)
+            spreads.append(accs)
+    if spreads:
+        left.violinplot(spreads, showextrema=False)
+        left.boxplot(spreads, widths=0.15, showfliers=False)
+        left.set_xticks(range(1, len(labels) + 1), labels, rotation=20, fontsize=8)
+    left.set_ylabel("client accuracy at the final round (%)")
+    left.set_title("accuracy of the global model per client")
+    left.grid(alpha=0.3)
+    i = 0
+    for _, runs in methods:
+        for r in runs:
+            rows = [row for row in r.rows if "client_acc_mean" in row]
+            rounds = [row["round"] for row in rows]
+            colour = f"C{i % 10}"
+            right.plot(rounds, [100 * row["client_acc_mean"] for row in rows], color=colour, label=r.name)
+            right.fill_between(
+                rounds,
+                [100 * row["client_acc_p10"] for row in rows],
+                [100 * row["client_acc_p90"] for row in rows],
+                color=colour,
+                alpha=0.2,
+                lw=0,
+            )
+            i += 1
+    right.set_xlabel("communication round")
+    right.set_ylabel("client accuracy (%): mean, p10–p90 band")
+    right.set_title("clients' accuracy: worst 10 %, mean, best 10 %")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, path, dpi=120)

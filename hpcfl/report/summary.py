@@ -27,6 +27,7 @@ class RunSummary:
     participation: str = "all"  # "all", or "M of K (each client trained a..b times)"
     form: str | None = None  # the form the algorithm ran in (SCAFFOLD's control_variates/one_model)
     config: dict = field(default_factory=dict)  # the run's config.yaml, as written
+    final_clients: dict | None = None  # the last line of client_metrics.jsonl (client_eval), if any
 
     @property
     def label(self) -> str:
@@ -65,7 +66,14 @@ def summarise(run_dir: Path) -> RunSummary:
         participation=_participation(cfg, rows),
         form=recorded_form(cfg, rows),
         config=cfg,
+        final_clients=_final_clients(run_dir),
     )
+
+
+def _final_clients(run_dir: Path) -> dict | None:
+    """Per-client values of the last evaluated round ({id: {accuracy, loss, n, ...}}), or None."""
+    rows = read_jsonl(run_dir / "client_metrics.jsonl")
+    return rows[-1]["clients"] if rows else None
 
 
 def recorded_form(cfg: dict, rows: list[dict]) -> str | None:

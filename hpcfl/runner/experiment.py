@@ -31,9 +31,11 @@ from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.privacy.build import budget_line
 from hpcfl.runner import determinism
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from hpcfl.runner.client_eval import CLIENT_ROWS
 from hpcfl.runner.client_states import ClientStates
 from hpcfl.runner.federation import Federation, build_federation, model_plan
 from hpcfl.runner.lock import RunLock
+from hpcfl.runner.loggers import Loggers, check_loggers, open_loggers
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
 from hpcfl.runner.rundir import DONE, FAILED, prepare_run_dir
@@ -164,29 +166,53 @@ def stage_rounds(cfg: Config) -> tuple[int, int]:
     return stages[0].rounds, sum(s.rounds for s in stages)
 
 
+CLIENT_METRICS = "client_metrics.jsonl"  # per-client evaluation, one line per evaluated round
+
+
 class _Bookkeeper:
-    """Metrics rows, checkpoints, progress and stop requests after each round (the loop's hook)."""
+    """Metrics rows (per-client values into ``client_metrics.jsonl``), checkpoints, the loggers'
+    views, progress and stop requests after each round (the loop's hook)."""
 
     def __init__(
         self, cfg: Config, comm: Communicator, run_dir: Path, stop: StopRequest, start: int, total: int
     ) -> None:
         self.cfg, self.comm, self.run_dir, self.stop = cfg, comm, run_dir, stop
         self.metrics_path = run_dir / "metrics.jsonl"
+        self.clients_path = run_dir / CLIENT_METRICS
         self.rows: list[dict[str, Any]] = []
+        self.loggers: Loggers | None = None  # rank 0's views of the rows (cfg.loggers)
         if comm.rank == 0:
             kept = [r for r in read_jsonl(self.metrics_path) if r["round"] <= start]
             write_jsonl(self.metrics_path, kept)
             self.rows = kept
+            if self.clients_path.exists():
+                write_jsonl(
+                    self.clients_path, [r for r in read_jsonl(self.clients_path) if r["round"] <= start]
+                )
         self.total = total
         self.note: dict[str, Any] = {}  # columns for the next metrics row (a resume's resets)
         self.progress = Progress(total=total, initial=start, enabled=cfg.progress and comm.rank == 0)
         self.budget_stop: str | None = None  # set when privacy.epsilon_budget ends the run
+
+    def open_loggers(self, cfg: Config) -> None:
+        """Open the configured loggers (rank 0) and write the rows they have not seen yet."""
+        try:
+            self.loggers = open_loggers(cfg.loggers, self.run_dir, cfg.to_dict())
+        except HpcflError:
+            raise
+        except Exception as err:  # a tracking server that refuses, a damaged store: one line
+            raise ConfigError(f"loggers: could not open {', '.join(cfg.loggers)}: {err}") from None
+        self.loggers.flush(self.rows)
 
     def hook(self, stage: str, offset: int, last: int) -> RoundHook:
         def after_round(done: int, srv: ServerState, states: Any, row: dict[str, Any] | None) -> bool:
             done += offset
             if row is not None and self.comm.rank == 0:
                 row, self.note = {**row, **self.note}, {}
+                if (per_client := row.pop(CLIENT_ROWS, None)) is not None:
+                    append_jsonl(
+                        self.clients_path, {"round": row["round"], "stage": stage, "clients": per_client}
+                    )
                 append_jsonl(self.metrics_path, row)
                 self.rows.append(row)
             self.progress.update(done, row)
@@ -205,6 +231,8 @@ class _Bookkeeper:
                 save_checkpoint(
                     self.run_dir / "checkpoints", done, state_to_dict(srv), held, self.comm, extra=extra
                 )
+                if self.loggers is not None:  # rows a checkpoint covers: never logged twice on resume
+                    self.loggers.flush(self.rows)
             return halt
 
         return after_round
@@ -272,6 +300,7 @@ def _run_locked(
     stop: StopRequest | None,
     reset: Sequence[int],
 ) -> RunResult:
+    check_loggers(cfg.loggers)  # every rank alike: a missing extra is one line before any work
     set_threads(cfg, comm)
     has_state = _collective_check(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)
@@ -302,10 +331,17 @@ def _run_locked(
     book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total)
     if reset and ckpt is not None:
         book.note["reset_client_states"] = reset
+    if cfg.loggers:
+        _collective_check(comm, lambda: book.open_loggers(cfg) if comm.rank == 0 else None)
     t0 = time.perf_counter()
-    server, done = drive_stages(fed, stages, run_dir, ckpt, book, reset=reset)
-    book.progress.close()
-    finished = done >= total or book.budget_stop is not None
+    finished = False
+    try:
+        server, done = drive_stages(fed, stages, run_dir, ckpt, book, reset=reset)
+        finished = done >= total or book.budget_stop is not None
+    finally:
+        book.progress.close()
+        if book.loggers is not None:
+            book.loggers.close(finished)
     if comm.rank == 0 and finished:
         atomic_write_text(run_dir / DONE, f"rounds={done} seconds={time.perf_counter() - t0:.3f}\n")
         (run_dir / FAILED).unlink(missing_ok=True)  # a point that failed before is now done

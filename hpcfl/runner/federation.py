@@ -45,6 +45,7 @@ class Federation:
     parts: list[torch.Tensor]  # train indices of every client (all ranks know all of them)
     owned: list[int]  # the clients this rank trains under full participation (static placement)
     validation: torch.Tensor | None  # train indices held out from every client (cfg.validation), or None
+    client_eval: list[torch.Tensor] | None  # each client's held-out share (cfg.client_eval), or None
     flat: FlatModel
     algorithm: Algorithm
     trainer: Trainer
@@ -209,6 +210,10 @@ def chosen_observers(fed: Federation) -> tuple[Observer, ...]:
         chosen.append(LayerCKA(LayerSimilarity.for_federation(fed)))
     if fed.cfg.drift_diversity:
         chosen.append(Drift(drift_of(fed), fed.algorithm.num_params))
+    if fed.client_eval is not None:
+        from hpcfl.runner.client_eval import ClientEval
+
+        chosen.append(ClientEval.for_federation(fed))
     return tuple(chosen)
 
 
@@ -239,7 +244,21 @@ def hold_out(
     Per client, so the validation set follows the clients' label skew, as FedPVR's 1% split does;
     the clients never train on it, and it is drawn from the training split, never the test set.
     """
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x76616C]))  # "val"
+    kept, held = split_clients(parts, fraction, seed, salt=0x76616C)  # "val"
+    return kept, torch.cat(held) if held else torch.empty(0, dtype=torch.long)
+
+
+#: The seed salt of ``client_eval``'s held-out shares ("cev"), apart from validation's.
+CLIENT_EVAL_SALT = 0x636576
+
+
+def split_clients(
+    parts: list[torch.Tensor], fraction: float, seed: int, *, salt: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per client, a seeded ``fraction`` of its samples (at least one, never its last) held out:
+    (the remaining indices, the held-out indices), both per client in client order. ``salt`` keeps
+    the draws of different hold-outs (validation, ``client_eval``) apart."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, salt]))
     kept, held = [], []
     for part in parts:
         n = int(part.numel())
@@ -249,7 +268,7 @@ def hold_out(
         mask = torch.from_numpy(chosen)
         kept.append(part[~mask])
         held.append(part[mask])
-    return kept, torch.cat(held) if held else torch.empty(0, dtype=torch.long)
+    return kept, held
 
 
 def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = None) -> Federation:
@@ -269,6 +288,9 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
     validation = None
     if cfg.validation > 0:
         parts, validation = hold_out(parts, cfg.validation, cfg.seed)
+    client_eval = None
+    if cfg.client_eval > 0:  # drawn from what validation left: disjoint from it and from training
+        parts, client_eval = split_clients(parts, cfg.client_eval, cfg.seed, salt=CLIENT_EVAL_SALT)
     owned = place_clients([int(p.numel()) for p in parts], comm.size)[comm.rank]
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, dataset.input_shape, dataset.num_classes, **cfg.model_options).to(device)
@@ -289,6 +311,7 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         parts=parts,
         owned=owned,
         validation=validation,
+        client_eval=client_eval,
         flat=flat,
         algorithm=algorithm,
         trainer=trainer,

@@ -258,7 +258,7 @@ def run_rounds(
         layout = round_layout(plan, len(who), dtype, observers)
         buf = layout.allocate(bdtype, server.x.device)
         writes_row = (rnd + 1) % plan.eval_every == 0 or rnd + 1 == stop
-        begun = RoundStart(rnd, who, plan.population, server, t0, writes_row)
+        begun = RoundStart(rnd, who, plan.population, server, t0, writes_row, final=rnd + 1 == stop)
         watch = RoundWatch(observers, begun, layout, buf, comm.rank)
         gathered: list[tuple[int, dict[str, Any]]] = []
         io = StateIO(states, mine)  # reads the next participant's state while this one trains

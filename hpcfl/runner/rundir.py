@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # the config imports every algorithm (torch); the markers her
     from hpcfl.config import Config
 
 DONE = "DONE"
+SWEEP_MANIFEST = "sweep.json"  # a sweep directory's manifest (hpcfl.sweep.plan)
+SWEEP_RUNS = "runs"  # the points' run directories: SWEEP_DIR/runs/<point name>
 FAILED = "FAILED"  # a sweep point's one-line error (hpcfl.sweep.local); never beside DONE
 MARKER = ".hpcfl-run"  # written when hpcfl starts a run in a directory
 #: Everything hpcfl writes at the top of a run directory (``slurm/`` holds job history and stays),
@@ -41,6 +43,11 @@ RUN_ENTRIES = (
     FAILED,
     "WALL_SECONDS",
     "determinism.json",  # the threads per rank etc. the run used (hpcfl.runner.determinism)
+    "client_metrics.jsonl",  # per-client evaluation (client_eval), one line per evaluated round
+    "loggers.json",  # the loggers' runs and last rounds written (hpcfl.runner.loggers)
+    "tensorboard",
+    "mlflow",
+    "wandb",
 )
 _RUN_SIGNS = ("config.yaml", "checkpoints", DONE)
 

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from hpcfl.errors import ConfigError, HpcflError, RunDirError
 from hpcfl.files import atomic_write_text, read_yaml
+from hpcfl.runner.rundir import SWEEP_MANIFEST, SWEEP_RUNS
 from hpcfl.sweep.grid import Axis, Point, expand
 
 if TYPE_CHECKING:  # the config module imports every algorithm (torch): not for reading a manifest
     from hpcfl.config import Config
 
-MANIFEST = "sweep.json"
-RUNS = "runs"  # the points' run directories: SWEEP_DIR/runs/<point name>
+MANIFEST = SWEEP_MANIFEST  # defined beside the run directory's markers (loggers group a sweep's points)
+RUNS = SWEEP_RUNS  # the points' run directories: SWEEP_DIR/runs/<point name>
 
 
 @dataclass

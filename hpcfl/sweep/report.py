@@ -6,7 +6,9 @@ each cell the mean ± sample standard deviation over the seeds of the finished p
 table is the protocol's (:mod:`hpcfl.report.protocol`): each seed's mean test accuracy over its last
 k evaluated rounds; then rounds to a target accuracy on a running mean, and, secondary, the final
 and best single-round accuracy; the form an algorithm ran in where its runs record one. All in
-``report.md`` and one long ``summary.csv``; ``curves.png`` draws the mean test accuracy per round
+``report.md`` and one long ``summary.csv``; where the runs evaluated per client (``client_eval``), the
+worst-10 % client accuracy ``client_acc_p10`` (last-k mean, mean ± std over seeds) beside test
+accuracy; ``curves.png`` draws the mean test accuracy per round
 with a band of ± one standard deviation. With a ``--search``, each cell uses only the value chosen
 on the validation split by the same last-k mean of ``val_accuracy`` (``selection.csv`` lists every
 candidate's).
@@ -34,6 +36,8 @@ from hpcfl.runner.rundir import DONE
 from hpcfl.sweep.grid import SEED, Axis
 from hpcfl.sweep.plan import Sweep
 from hpcfl.sweep.select import choose
+
+CLIENT_P10 = "client_acc_p10"  # the worst-10 % client accuracy (client_eval), shown beside test accuracy
 
 
 def _show(value: Any) -> str:
@@ -144,6 +148,15 @@ def protocol_markdown(
         "",
         *_grid(cells, lambda c: _fmt([r.best_accuracy for r in c.runs])),
     ]
+    if any(c.last_k(k, CLIENT_P10) for c in cells):
+        md += [
+            "",
+            f"Worst-10 % client accuracy (client_acc_p10, %: the mean accuracy of the worst 10 % of clients "
+            f"on their held-out shares, each seed's mean over its last {k} evaluated rounds, then mean ± std "
+            "over seeds), beside the test accuracy:",
+            "",
+            *_grid(cells, lambda c: f"{_fmt(c.last_k(k, CLIENT_P10))} (test {_fmt(c.last_k(k))})"),
+        ]
     if any(c.forms for c in cells):
         md += ["", "Form each method ran in (as its runs record it):", ""]
         md += _grid(cells, lambda c: ", ".join(c.forms) or "—")
@@ -204,7 +217,8 @@ def summary_csv(cells: list[Cell], target: float, protocol: Protocol | None = No
     writer.writerow(
         ["method", "column", "n", "last_k", "last_k_mean", "last_k_std", "final_mean", "final_std",
          "best_mean", "best_std", "target", "window", "rounds_to_target_mean", "rounds_to_target_std",
-         "bytes_to_target_mean", "bytes_to_target_std", "reached", "form", "chosen"]
+         "bytes_to_target_mean", "bytes_to_target_std", "reached", "form", "chosen",
+         "client_acc_p10_mean", "client_acc_p10_std"]
     )  # fmt: skip
     for c in cells:
         last = mean_std(c.last_k(protocol.last_k))
@@ -216,7 +230,8 @@ def summary_csv(cells: list[Cell], target: float, protocol: Protocol | None = No
         chosen = _show(c.choice.value) if c.choice else ""
         writer.writerow(
             [c.row, c.column, c.n, protocol.last_k, *last, *final, *best, target, protocol.window,
-             *rounds, *spent, len(reached), "/".join(c.forms), chosen]
+             *rounds, *spent, len(reached), "/".join(c.forms), chosen,
+             *mean_std(c.last_k(protocol.last_k, CLIENT_P10))]
         )  # fmt: skip
     return buf.getvalue()
 
