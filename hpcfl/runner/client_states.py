@@ -92,6 +92,22 @@ Record = list[int | None]
 UNCHECKED = -1
 
 
+def _create_flags(root: Any, name: str, dtype: str, num_clients: int, fields: int) -> None:
+    """Create the per-(slot, client, field) array ``name`` unless another rank just did."""
+    try:
+        root.create_array(
+            name,
+            shape=(2, num_clients, fields),
+            dtype=dtype,
+            chunks=(1, 1, fields),
+            compressors=None,
+            fill_value=0,
+            chunk_key_encoding=_KEYS,
+        )
+    except ContainsArrayError:
+        pass  # another rank created it in between
+
+
 class ClientStateError(StoreError):
     """A client's stored state is missing, truncated or damaged; ``client`` names it, so the user can
     re-initialise it (``--reset-client-states``) instead of losing the run."""
@@ -226,32 +242,11 @@ class ClientStateStore:
                 f"client-state store {path} holds {got.get('num_clients')} clients with fields "
                 f"{got.get('fields')}, not {num_clients} with {names}; it belongs to another run, delete it"
             )
-        if create and not (path / "present" / "zarr.json").is_file():
-            try:  # after the group's check, so a foreign store is never written to
-                root.create_array(
-                    "present",
-                    shape=(2, num_clients, len(names)),
-                    dtype="uint8",
-                    chunks=(1, 1, len(names)),
-                    compressors=None,
-                    fill_value=0,
-                    chunk_key_encoding=_KEYS,
-                )
-            except ContainsArrayError:
-                pass  # another rank created it in between
-        if create and not (path / "crc32" / "zarr.json").is_file():
-            try:
-                root.create_array(
-                    "crc32",
-                    shape=(2, num_clients, len(names)),
-                    dtype="uint32",
-                    chunks=(1, 1, len(names)),
-                    compressors=None,
-                    fill_value=0,
-                    chunk_key_encoding=_KEYS,
-                )
-            except ContainsArrayError:
-                pass
+        # after the group's check, so a foreign store is never written to
+        flags = (("present", "uint8"), ("crc32", "uint32"))
+        for name, dtype in flags if create else ():
+            if not (path / name / "zarr.json").is_file():
+                _create_flags(root, name, dtype, num_clients, len(names))
         if not (path / "present" / "zarr.json").is_file():
             raise StoreError(
                 f"client-state store {path} is incomplete (no presence flags); delete it and rerun"
