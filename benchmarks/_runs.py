@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcfl.report.methods import Cell
 from hpcfl.report.protocol import Protocol
+from hpcfl.report.targets import default_target
 
 if TYPE_CHECKING:
     from hpcfl.sweep.select import Choice
@@ -137,6 +138,16 @@ def run_protocol(
         runs = [summarise(d) for d in dirs if (d / "DONE").exists()]
         cells.append(Cell(s.row, s.column, runs, chosen[i]))
     return cells
+
+
+def column_targets(cells: list[Cell], columns: list[str], protocol: Protocol) -> dict[str, float]:
+    """Each column's default target (:func:`hpcfl.report.targets.default_target` over its runs, on
+    the protocol's running mean); 0.5 for a column with no finished run."""
+    targets = {}
+    for column in columns:
+        runs = [r for c in cells if c.column == column for r in c.runs]
+        targets[column] = default_target(runs, window=protocol.window) if runs else 0.5
+    return targets
 
 
 def write_tables(

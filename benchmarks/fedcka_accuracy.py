@@ -34,10 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _runs import Setting, run_protocol, write_tables
+from _runs import Setting, column_targets, run_protocol, write_tables
 
 from hpcfl.report.protocol import Protocol
-from hpcfl.report.targets import default_target
 
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "fedavg": {},
@@ -124,10 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = run_protocol(
         settings, seeds=list(range(args.seeds)), out=args.out, jobs=args.jobs, protocol=protocol
     )
-    targets = {}
-    for partition in args.partitions:
-        runs = [r for c in cells if c.column == partition for r in c.runs]
-        targets[partition] = default_target(runs, window=protocol.window) if runs else 0.5
+    targets = column_targets(cells, args.partitions, protocol)
     local = f"{args.local_steps} local steps" if args.local_steps else f"{args.local_epochs} local epoch(s)"
     header = (
         "# FedCKA Table 2's grid on Fashion-MNIST\n\n"

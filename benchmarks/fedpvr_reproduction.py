@@ -62,11 +62,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _runs import Setting, run_protocol, write_tables
+from _runs import Setting, column_targets, run_protocol, write_tables
 
 from hpcfl.report.methods import Cell
 from hpcfl.report.protocol import Protocol
-from hpcfl.report.targets import default_target
 
 METHODS = ("fedavg", "fedprox", "scaffold", "feddyn", "fednova", "fedadam", "fedpvr")
 TRACKS = ("paper-code", "equal-optimiser")
@@ -267,10 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if "fednova" in args.methods and not args.fednova_epochs:
         cells += [Cell("fednova = fedavg (equal τ_k; not run)", part) for part in args.partitions]
-    targets = {}
-    for part in args.partitions:
-        runs = [r for c in cells if c.column == part for r in c.runs]
-        targets[part] = default_target(runs, window=protocol.window) if runs else 0.5
+    targets = column_targets(cells, args.partitions, protocol)
     for item in args.targets:
         part, _, pct = item.partition("=")
         targets[part] = float(pct) / 100

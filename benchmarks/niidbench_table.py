@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _runs import Setting, run_protocol, write_tables
+from _runs import Setting, column_targets, run_protocol, write_tables
 
 from hpcfl.report.protocol import Protocol
-from hpcfl.report.targets import default_target
 
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {  # row -> (algorithm, params)
     "fedavg": ("fedavg", {}),
@@ -107,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = run_protocol(
         settings, seeds=list(range(args.seeds)), out=args.out, jobs=args.jobs, protocol=protocol
     )
-    targets = {}
-    for part in args.partitions:
-        runs = [r for c in cells if c.column == part for r in c.runs]
-        targets[part] = default_target(runs, window=protocol.window) if runs else 0.5
+    targets = column_targets(cells, args.partitions, protocol)
     header = (
         "# NIID-Bench-style table, Fashion-MNIST\n\n"
         f"**Budget.** SimpleCNN, {args.clients} clients, {args.rounds} rounds × {args.local_epochs} local "

@@ -61,11 +61,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _runs import Setting, run_dir_of, run_protocol, write_tables
+from _runs import Setting, column_targets, run_dir_of, run_protocol, write_tables
 
 from hpcfl.report.methods import Cell
 from hpcfl.report.protocol import Protocol
-from hpcfl.report.targets import default_target
 
 PARTITIONS = ["classes:1", "classes:2", "dir:0.1", "dir:0.5"]
 METHODS = ["fedavg", "fedprox", "scaffold", "tct"]
@@ -381,10 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         fig3 = figure3_runs(args)
         plot_figure3(args, fig3, args.results / "tct_figure3.png")
     fig3_s = sum(rows[0]["sweep_seconds"] for rows in fig3.values() if rows)
-    targets = {}
-    for part in args.partitions:
-        runs = [r for c in cells if c.column == part for r in c.runs]
-        targets[part] = default_target(runs, window=protocol.window) if runs else 0.5
+    targets = column_targets(cells, args.partitions, protocol)
     header = (
         "# TCT Table 2, Fashion-MNIST rows, on a CPU budget\n\n"
         f"**Budget.** {budget(args)} This invocation: {time.perf_counter() - t0:.0f} s wall (runs already "
