@@ -22,6 +22,11 @@ The paper-scale round, for the lead to time alone (one thread per rank):
 
 Kernel-step scaling = kernel(1 rank) / kernel(2 ranks) (required ≥ 1.8×).
 
+``--products`` (cross entropy, ``discrete``): on rank 0 of the 1-rank run, the same evolution on the
+same kernel with each product of :mod:`hpcfl.ntk.product` and with the one it replaced (float32, the
+N × 10 residual unpadded: ``before``), its seconds and its error against the float64 iteration
+(max over grid points of ‖Δf‖ / max ‖f(t) − f(0)‖), in the summary's ``products``.
+
     python benchmarks/ntkfl_server_time.py --out benchmarks/results/ntkfl_server_time
     python benchmarks/ntkfl_server_time.py --clients 4 --samples 50 --out /tmp/ntk_time   # smoke
 
@@ -85,7 +90,11 @@ def worker(args: argparse.Namespace) -> None:
     with torch.no_grad():
         outs = [flat.model(x) for x in xs]
     params = NTKFLParams(
-        upload=args.upload, loss=args.loss, evolution=args.evolution, kernel_cond=args.kernel_cond
+        upload=args.upload,
+        loss=args.loss,
+        evolution=args.evolution,
+        kernel_cond=args.kernel_cond,
+        kernel_product=args.kernel_product,
     )
     algo = NTKFL(params, layout=StateLayout.of_model(flat.model))
     algo.attach(flat.model)
@@ -119,7 +128,10 @@ def worker(args: argparse.Namespace) -> None:
         allreduce=reduce_s,
         server_total=total,
         t_star=m["t_star"],
+        evolve_product=m["evolve_product"],
     )
+    if args.products and comm.size == 1:
+        result["products"] = compare_products(jac, outs, ys, params)
     # the kernel's own reduce: time it alone on the same matrix size
     N = args.clients * args.samples
     H = torch.zeros(N, N, dtype=torch.float64)
@@ -131,6 +143,41 @@ def worker(args: argparse.Namespace) -> None:
     rows = comm.allgather(result)
     if comm.rank == 0:
         Path(args.result).write_text(json.dumps({"ranks": comm.size, "per_rank": rows}))
+
+
+def compare_products(jac: list, outs: list, ys: list, params: object) -> list[dict[str, object]]:
+    """The discrete cross-entropy evolution on the round's kernel with each product (and the
+    replaced unpadded float32 one), timed, and its error against the float64 iteration."""
+    import torch
+    import torch.nn.functional as F
+
+    from hpcfl.ntk import evolution as ev
+    from hpcfl.ntk.product import kernel_product
+
+    H = ev.kernel(jac, 0, 1, lambda t: t)
+    f0 = torch.cat(outs).double()
+    Y = F.one_hot(torch.cat(ys), f0.shape[1]).double()
+    lr, grid = params.eta, params.grid
+    H32 = H.float()
+    ways = {
+        "float64": kernel_product(H, "float64"),
+        "before (float32, unpadded)": lambda v: (H32 @ v.float()).double(),
+        "float32": kernel_product(H, "float32"),
+        "int8": None,  # built inside the timing: its setup (subspace, limbs) is part of its cost
+    }
+    rows, ref = [], None
+    for name, matvec in ways.items():
+        t0 = time.perf_counter()
+        mv = kernel_product(H, "int8") if matvec is None else matvec
+        evo = ev._descend_ce(mv, f0, Y, lr=lr, grid=grid)
+        seconds = time.perf_counter() - t0
+        ref = evo if ref is None else ref
+        move = max(float((o - f0).norm()) for o in ref.outputs)
+        err = max(float((a - b).norm()) for a, b in zip(evo.outputs, ref.outputs, strict=True)) / move
+        rows.append(
+            {"product": name, "seconds": seconds, "per_step_ms": 1e3 * seconds / evo.steps, "error": err}
+        )
+    return rows
 
 
 def main() -> None:
@@ -150,6 +197,15 @@ def main() -> None:
     ap.add_argument("--loss", choices=["ce", "mse"], default="ce")
     ap.add_argument("--evolution", choices=["discrete", "flow"], default="discrete")
     ap.add_argument("--kernel-cond", action="store_true", help="also compute λ_max/λ_min (an eigvalsh)")
+    ap.add_argument(
+        "--kernel-product",
+        choices=["auto", "float64", "float32", "int8"],
+        default="auto",
+        help="the cross-entropy evolution's products of H (params.kernel_product)",
+    )
+    ap.add_argument(
+        "--products", action="store_true", help="also time the evolution with every product (1 rank)"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -170,18 +226,24 @@ def main() -> None:
             "--worker",
         ]
         cmd += ["--clients", str(args.clients), "--samples", str(args.samples), "--result", str(result)]
-        cmd += [
-            "--baseline-samples",
-            str(args.baseline_samples),
-            "--baseline-batch",
-            str(args.baseline_batch),
-            "--upload",
-            args.upload,
-            "--loss",
-            args.loss,
-            "--evolution",
-            args.evolution,
-        ] + (["--kernel-cond"] if args.kernel_cond else [])
+        cmd += (
+            [
+                "--baseline-samples",
+                str(args.baseline_samples),
+                "--baseline-batch",
+                str(args.baseline_batch),
+                "--upload",
+                args.upload,
+                "--loss",
+                args.loss,
+                "--evolution",
+                args.evolution,
+                "--kernel-product",
+                args.kernel_product,
+            ]
+            + (["--kernel-cond"] if args.kernel_cond else [])
+            + (["--products"] if args.products else [])
+        )
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
@@ -220,6 +282,10 @@ def main() -> None:
         "kernel_cond": args.kernel_cond,
         "table": table,
     }
+    summary["evolve_product"] = runs[args.ranks[0]]["per_rank"][0]["evolve_product"]
+    products = runs[args.ranks[0]]["per_rank"][0].get("products")
+    if products:
+        summary["products"] = products
     if 1 in runs and 2 in runs:
         k1 = next(t for t in table if t["ranks"] == 1)["kernel_compute"]
         k2 = next(t for t in table if t["ranks"] == 2)["kernel_compute"]
@@ -235,6 +301,11 @@ def main() -> None:
             + ", ".join(f"{p}={row[p]:.3f}s" for p in parts)
             + f"; Jacobians ({args.upload}) {row['jacobian_fused_samples_per_s']:.0f}/s vs vmap(jacrev) "
             f"{row['jacobian_vmap_samples_per_s']:.0f}/s"
+        )
+    for row in products or []:
+        print(
+            f"evolution with {row['product']}: {row['seconds']:.2f}s ({row['per_step_ms']:.2f} ms/step), "
+            f"error {row['error']:.1e} of the movement"
         )
     if "kernel_scaling_1_to_2" in summary:
         print(f"kernel step scaling 1 → 2 ranks: {summary['kernel_scaling_1_to_2']:.2f}×")

@@ -34,8 +34,9 @@ J_i J_jᵀ is H_ij·I_C, e.g. a linear model; tested: J·Δw(t) = f(t) − f(0) 
   outputs, no 1/C (the reference code's; the same kernel H = ⟨J, J⟩/C as the paper). No closed form:
 
   ``discrete``: gradient descent on the linearised model with step 1 (f ← f − (η/N)H(softmax(f) − Y),
-  S ← S + softmax(f) − Y, u = 0..t−1), which is exact, so its only error is round-off; one product of
-  H per step (in the Jacobians' dtype, accumulated in float64).
+  S ← S + softmax(f) − Y, u = 0..t−1), which is exact, so its only error is that of the products of
+  H, one per step (:func:`hpcfl.ntk.product.kernel_product`: float64, float32, or deflated int8 limbs
+  to :data:`hpcfl.ntk.product.INT8_TOLERANCE` on a CPU; f and S accumulate in float64).
   ``flow``: the continuous flow, classical Runge-Kutta (RK4) on (f, S) with equal steps of at most
   ``dt`` between grid points, split further so that h·μ ≤ :data:`RK4_STEP` where μ = η·ρ/(2N) bounds
   the right-hand side's Lipschitz constant (ρ = :func:`lambda_bound` ≥ λ_max(H), ½ ≥ the softmax
@@ -62,6 +63,7 @@ import torch
 from torch import Tensor
 
 from hpcfl.entk.jacobian import FactoredJacobian
+from hpcfl.ntk.product import Product, kernel_product
 
 Jacobian = Tensor | FactoredJacobian
 """A group of rows' per-sample Jacobians: dense (n, C, P) or as Linear-layer factors (same values)."""
@@ -198,15 +200,17 @@ def evolve(
     loss: str = "ce",
     dt: float = 10.0,
     dtype: torch.dtype = torch.float64,
+    precision: str = "auto",
 ) -> Evolution:
     """The function-space evolution over ``grid`` (see the module docstring), in float64; the
-    cross-entropy evolution's products of H are taken in ``dtype`` (the Jacobians') and accumulated
-    in float64."""
+    cross-entropy evolution's products of H by ``precision`` (:mod:`hpcfl.ntk.product`; ``auto``
+    resolves with ``dtype``, the model's), accumulated in float64."""
     f0, Y = f0.to(torch.float64), Y.to(torch.float64)
     if loss == "ce":
+        matvec = kernel_product(H, precision, dtype)
         if mode == "discrete":
-            return _descend_ce(H, f0, Y, lr=lr, grid=grid, dtype=dtype)
-        return _flow_ce(H, f0, Y, lr=lr, grid=grid, dt=dt, dtype=dtype)
+            return _descend_ce(matvec, f0, Y, lr=lr, grid=grid)
+        return _flow_ce(H, matvec, f0, Y, lr=lr, grid=grid, dt=dt)
     N, C = f0.shape
     start = time.perf_counter()
     lam, U = torch.linalg.eigh(H)
@@ -228,20 +232,11 @@ def evolve(
     return Evolution(sums=sums, outputs=outputs, eigenvalues=lam, eigh_seconds=eigh_seconds)
 
 
-def _product(H: Tensor, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-    """v ↦ H v with H held once in ``dtype``, the result in float64."""
-    Hd = H.to(dtype)
-    return lambda v: (Hd @ v.to(dtype)).to(torch.float64)
-
-
-def _descend_ce(
-    H: Tensor, f0: Tensor, Y: Tensor, *, lr: float, grid: Sequence[float], dtype: torch.dtype
-) -> Evolution:
+def _descend_ce(matvec: Product, f0: Tensor, Y: Tensor, *, lr: float, grid: Sequence[float]) -> Evolution:
     """Gradient descent with step 1 on the linearised model's cross entropy: one product per step."""
-    N = H.shape[0]
+    N = f0.shape[0]
     if any(float(t) != int(t) for t in grid):
         raise ValueError("evolution: discrete needs integer grid points")
-    matvec = _product(H, dtype)
     f, acc = f0.clone(), torch.zeros_like(f0)
     wanted = {int(t): i for i, t in enumerate(grid)}
     sums = torch.empty(len(grid), *f0.shape, dtype=torch.float64, device=f0.device)
@@ -266,11 +261,10 @@ def flow_step(H: Tensor, N: int, lr: float, dt: float) -> float:
 
 
 def _flow_ce(
-    H: Tensor, f0: Tensor, Y: Tensor, *, lr: float, grid: Sequence[float], dt: float, dtype: torch.dtype
+    H: Tensor, matvec: Product, f0: Tensor, Y: Tensor, *, lr: float, grid: Sequence[float], dt: float
 ) -> Evolution:
-    """RK4 on (f, S) of df/dt = −(η/N) H (softmax(f) − Y), dS/dt = softmax(f) − Y."""
+    """RK4 on (f, S) of df/dt = −(η/N) H (softmax(f) − Y), dS/dt = softmax(f) − Y (``matvec``: v ↦ H v)."""
     N = H.shape[0]
-    matvec = _product(H, dtype)
     h_max = flow_step(H, N, lr, dt)
     a = lr / N
 
