@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 import subprocess
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from hpcfl.files import read_jsonl
 from hpcfl.runner import run_experiment
 from hpcfl.runner.client_eval import sampled_clients, spread
 from hpcfl.runner.federation import build_federation
-from hpcfl.runner.loggers import scalar_names
+from hpcfl.runner.loggers import scalar_names, wandb_records
 from hpcfl.training.evaluate import evaluate
 from tests.helpers import REPO, final_state, kill_after_rows, mpiexec_cmd, run_cli, synthetic_config
 
@@ -300,39 +299,13 @@ def _tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def _wandb_records(run: Path) -> list:
-    """Every record of every offline run segment under RUN/wandb, decoded with W&B's own protobuf
-    classes from its transaction log (leveldb log format: 7-byte header, 32 KiB blocks)."""
-    from wandb.proto import wandb_internal_pb2
-
-    records = []
-    for path in sorted(run.glob("wandb/offline-run-*/run-*.wandb")):
-        data = path.read_bytes()
-        pos, pending = 7, b""
-        while pos + 7 <= len(data):
-            block_left = 32768 - pos % 32768
-            if block_left < 7:
-                pos += block_left
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-            chunk = data[pos + 7 : pos + 7 + length]
-            pos += 7 + length
-            if kind == 0 and length == 0:
-                continue
-            pending += chunk
-            if kind in (1, 4):  # FULL or LAST
-                record = wandb_internal_pb2.Record()
-                record.ParseFromString(pending)
-                records.append(record)
-                pending = b""
-    return records
-
-
 def _wandb_history(run: Path) -> list[dict[str, float]]:
-    """The history rows of the offline run segments (name -> value, with ``_step``)."""
+    """The history rows of the offline run segments, in the segments' start-time order (name ->
+    value, with ``_step``), read back with W&B's own protobuf classes (:func:`wandb_records`)."""
     return [
         {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-        for r in _wandb_records(run)
+        for path in sorted(run.glob("wandb/offline-run-*/run-*.wandb"))  # named by start time
+        for r in wandb_records(path)
         if r.WhichOneof("record_type") == "history"
     ]
 
@@ -407,8 +380,8 @@ def test_mlflow_and_wandb_hold_the_rows_params_and_figures(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_every_logger_across_a_kill_and_resume(tmp_path, monkeypatch):
     """All three loggers through SIGKILL + --resume (about a minute): TensorBoard and MLflow hold
-    every step once; W&B's offline segments together hold every step, and its last segment every
-    step from the first one the killed segment may have lost."""
+    every step once; W&B's two offline segments (one per invocation) hold every step once between
+    them, and loggers.json names them and the `wandb sync` command that uploads them as one run."""
     for name in ("tensorboard", "mlflow", "wandb"):
         pytest.importorskip(name, reason=f"the {name} extra is not installed")
     # a W&B run started in this test process leaves its service's address in the environment; the
@@ -422,9 +395,17 @@ def test_every_logger_across_a_kill_and_resume(tmp_path, monkeypatch):
     expected = _expected(run)
     _check_tensorboard(run, expected)
     _check_mlflow(run, expected)
+    # the segments, synced in start-time order as `wandb sync --id` does, hold every step once
     steps = [r["_step"] for r in _wandb_history(run) if "test/accuracy" in r]
-    assert set(steps) == {1, 2, 3, 4, 5}
-    assert json.loads((run / "loggers.json").read_text())["wandb"]["through"] == 5
+    assert steps == [1, 2, 3, 4, 5]
+    record = json.loads((run / "loggers.json").read_text())["wandb"]
+    assert record["through"] == 5
+    segments = sorted(p.name for p in run.glob("wandb/offline-run-*"))
+    assert record["segments"] == segments and len(segments) == 2
+    assert (
+        record["sync"]
+        == f"wandb sync --id {record['run_id']} -p hpcfl wandb/{segments[0]} wandb/{segments[1]}"
+    )
 
 
 def test_a_sweep_point_is_grouped_under_the_sweep(tmp_path, monkeypatch):
@@ -451,7 +432,8 @@ def test_a_sweep_point_is_grouped_under_the_sweep(tmp_path, monkeypatch):
         loggers.close(finished=True)
         ids.append(json.loads((sweep / "runs" / point / "loggers.json").read_text())["mlflow"])
         assert _tensorboard_scalars(sweep / "tensorboard" / point)["test/accuracy"] == [(1, 0.5)]
-        runs = [r.run for r in _wandb_records(sweep / "runs" / point) if r.WhichOneof("record_type") == "run"]
+        logs = (sweep / "runs" / point).glob("wandb/offline-run-*/run-*.wandb")
+        runs = [r.run for path in logs for r in wandb_records(path) if r.WhichOneof("record_type") == "run"]
         assert runs and all(r.run_group == "mysweep" for r in runs)
     import wandb
 
