@@ -215,11 +215,17 @@ def accuracy(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]
     σ the run used (calibrated by Opacus's ``get_noise_multiplier`` for the run's rounds, sampling
     rate and steps; ε = ∞ is clipping with σ = 1e-9) and the ε(δ) the accountant reports at the end."""
     out: dict[str, dict[str, dict[str, float]]] = {}
+
+    def final(level: str, eps: float | None, rounds: int, tag: str) -> dict[str, Any]:
+        keys = _config(args, level, eps, rounds)
+        keys.update(eval_every=rounds, checkpoint_every=rounds)  # only the last round is read
+        return _run(args, keys, tag)[-1]
+
     for level, rounds in (("client", args.rounds), ("sample", args.sample_rounds)):
-        last = _run(args, _config(args, level, None, rounds), f"{level}_nonprivate")[-1]
+        last = final(level, None, rounds, f"{level}_nonprivate")
         out[level] = {"nonprivate": {"accuracy": last["test_accuracy"], "rounds": rounds}}
         for eps in args.epsilons:
-            last = _run(args, _config(args, level, eps, rounds), f"{level}_eps{eps:g}")[-1]
+            last = final(level, eps, rounds, f"{level}_eps{eps:g}")
             out[level][f"{eps:g}"] = {
                 "accuracy": last["test_accuracy"], "sigma": last["dp_noise_multiplier"],
                 "epsilon": last["epsilon"], "rounds": rounds,

@@ -185,7 +185,8 @@ def _group_norm(m: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor) -> tuple[torc
     per = {}
     if w is not None:
         xhat = F.group_norm(a, m.num_groups, None, None, m.eps)  # (B, C, H, W)
-        per[id(w)] = (xhat * g).sum(dims)  # (B, C)
+        B, C = g.shape[:2]
+        per[id(w)] = torch.bmm(xhat.reshape(B * C, 1, -1), g.reshape(B * C, -1, 1)).view(B, C)  # Σ_hw x̂·g
     if b is not None:
         per[id(b)] = g.sum(dims)
     sq = sum((_rowdot(v, v) for v in per.values()), g.new_zeros(g.shape[0]))
