@@ -409,9 +409,11 @@ def test_kernel_and_shared_step_on_two_and_three_ranks_equal_the_single_process_
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_ntkfl_run_is_bit_identical_on_1_2_and_3_ranks(tmp_path: Path):
+@pytest.mark.parametrize("product", ["auto", "int8"])
+def test_ntkfl_run_is_bit_identical_on_1_2_and_3_ranks(tmp_path: Path, product: str):
     """A 4-round NTK-FL run at the defaults (CE evolution on rank 0, shared) ends with the same
-    parameters and the same t* on 1, 2 and 3 ranks."""
+    parameters and the same t* on 1, 2 and 3 ranks, with the float32 product ``auto`` picks at this
+    size and with the int8 product it picks at the paper's."""
     import json
     import subprocess
 
@@ -419,8 +421,9 @@ def test_ntkfl_run_is_bit_identical_on_1_2_and_3_ranks(tmp_path: Path):
     from hpcfl.runner import run_experiment
     from tests.helpers import final_state, mpiexec_cmd
 
-    cfg = _small_cfg(tmp_path, "ntkfl")
+    cfg = _small_cfg(tmp_path, "ntkfl", params={"kernel_product": product})
     one = run_experiment(load_config(cfg), tmp_path / "r1")
+    assert {r["evolve_product"] for r in one.metrics} == {"float32" if product == "auto" else "int8"}
     for n in (2, 3):
         proc = subprocess.run(
             mpiexec_cmd(n, "run", str(cfg), "--run-dir", str(tmp_path / f"r{n}")),
