@@ -230,6 +230,7 @@ def accuracy(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]
                 "accuracy": last["test_accuracy"], "sigma": last["dp_noise_multiplier"],
                 "epsilon": last["epsilon"], "rounds": rounds,
             }  # fmt: skip
+            (args.out / "accuracy_partial.json").write_text(json.dumps(out, indent=1))  # survives a kill
     return out
 
 
