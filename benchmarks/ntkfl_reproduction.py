@@ -22,8 +22,11 @@ Budget (CPU, 2 cores): an NTK-FL round at 21 × 200 samples is its Jacobians (fa
 4,200 × 4,200 kernel and 2,000 float32 products of it (the cross-entropy evolution), ~1 min on one
 busy thread; 3 seeds × 50 rounds × 2 methods plus FedAvg's 300 rounds × (4 local-step counts ×
 3 lrs + 2 more seeds each) is many hours: run it alone. Runs are cached (a re-run only adds what is
-missing). To compare before/after a change, run the same command on both checkouts with different
-``--out``. Writes ``ntkfl_reproduction.{md,csv,json,png}`` under ``--out``.
+missing). ``--euler-step 10`` runs NTK-FL's evolution before issue 32 (explicit Euler steps of 10 on
+the cross-entropy flow, past its stability limit), exactly: an Euler step of K with η is a gradient
+step with η·K, S growing by K·g either way, so η·K on the grid / K is the same iteration and the same
+weight update. To compare other before/after changes, run the same command on both checkouts with
+different ``--out``. Writes ``ntkfl_reproduction.{md,csv,json,png}`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from _runs import Setting, run_protocol, write_tables  # noqa: E402
 
+from hpcfl.algorithms.ntkfl import NTKFLParams  # noqa: E402
 from hpcfl.report.protocol import DEFAULT_LAST_K, DEFAULT_WINDOW, Protocol  # noqa: E402
 
 
@@ -93,9 +97,16 @@ def settings(args: argparse.Namespace) -> list[Setting]:
             continue
         paper = _paper("fmnist_ntkfl_paper.yaml" if method == "ntkfl" else "fmnist_cp_ntkfl_paper.yaml")
         params = {**paper["params"], "evolution": args.evolution}
+        name = method
+        if args.euler_step > 1:
+            # explicit Euler steps of K on the flow = gradient descent steps with η·K, the grid / K
+            k = args.euler_step
+            grid = [int(t) // k for t in params.get("grid", NTKFLParams().grid)]
+            params = {**params, "eta": params.get("eta", NTKFLParams().eta) * k, "grid": grid}
+            name = f"{method}-euler{k}"
         cfg = {**paper, **_common(args, 0), "rounds": args.rounds, "params": params}
         cfg.pop("seed")
-        out.append(Setting(method, column, cfg, (0.01,)))
+        out.append(Setting(name, column, cfg, (0.01,)))
     return out
 
 
@@ -110,6 +121,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=50, help="NTK-FL / CP-NTK-FL rounds")
     ap.add_argument("--methods", nargs="+", default=["ntkfl", "cp-ntkfl", "fedavg"])
     ap.add_argument("--evolution", choices=["discrete", "flow"], default="discrete")
+    ap.add_argument(
+        "--euler-step",
+        type=int,
+        default=1,
+        help="K > 1: NTK-FL's evolution before issue 32 (explicit Euler steps of K on the cross-entropy "
+        "flow, K = 10 then), run exactly as gradient descent with η·K on the grid / K",
+    )
     ap.add_argument("--fedavg-rounds", type=int, default=300)
     ap.add_argument("--fedavg-steps", type=int, nargs="+", default=[1, 5, 10, 20])
     ap.add_argument("--fedavg-lrs", type=float, nargs="+", default=[0.01, 0.03, 0.1])

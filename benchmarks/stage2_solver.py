@@ -237,7 +237,7 @@ def run_stage2(
         trainer=None,
         population=Population(tuple(problems[k].n for k in sorted(problems))),
         generator=lambda rnd, k: torch.Generator(),
-        evaluate=lambda server: {},
+        evaluate=lambda server, joint: {},
     )
     server = algo.init_server(torch.zeros(shape[0] * shape[1], dtype=dtype))
     clients = MemoryStates(lambda k: algo.init_client(k, server))

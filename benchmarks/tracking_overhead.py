@@ -20,9 +20,12 @@
    5 + 5) with ``client_eval: 0.1`` and ``finetune_eval: {steps: 20, lr: 0.01, rounds: last}``,
    through ``benchmarks/_runs.py`` (the protocol's tables, now with ``client_acc_p10`` beside test
    accuracy) plus one table of the final round: test accuracy, client p10 / mean / p90 and the
-   fine-tuned mean, mean ± std over seeds. TCT's per-client numbers are those of its stage 1 (the
-   FedAvg model it convexifies): its stage 2 trains a linear model on eNTK features that hpcfl does
-   not yet evaluate per client.
+   fine-tuned mean, mean ± std over seeds. TCT's final per-client numbers are those of its stage-2
+   linear model on each client's held-out eNTK features; its fine-tuning takes the 20 local steps
+   of the client's stage-2 solver at stage 2's own η2, not at lr 0.01
+   (:func:`hpcfl.tct.pipeline.prepare_stage2`). Runs are cached in ``--out``/table (a finished run
+   is not re-run): to re-run one method alone, delete its runs there (``method=TCT``) and run
+   ``--parts table`` again.
 
 Budget (estimated, not timed end to end here): part 1 ≈ 4 × (rounds × ~10 s + start-up) ≈ 4 min at 5
 rounds on 2 cores; part 2 ≈ 1 min; part 3 = 12 runs of 10 rounds ≈ 20–25 min two at a time. Run it
@@ -255,7 +258,8 @@ def client_table(args: argparse.Namespace) -> str:
     md = [
         "",
         "Final round, mean ± std over seeds (%; client columns: the global model on each client's held-out "
-        "10 %, every client counted once; TCT's client columns are from its stage 1):",
+        "10 %, every client counted once; TCT's: its stage-2 linear model on the shares' eNTK features, "
+        "fine-tuned with stage 2's own η2):",
         "",
         "| method | test | client p10 | client mean | client p90 | fine-tuned mean |",
         "|---|---:|---:|---:|---:|---:|",

@@ -29,7 +29,9 @@ class FinetuneEval:
     """``finetune_eval``: the global model fine-tuned on each evaluated client's training data for
     ``steps`` plain SGD steps at ``lr`` (batch size and weight decay of the run), then evaluated on the
     client's ``client_eval`` share ("FedAvg + local fine-tuning"); ``rounds``: ``every`` evaluated
-    round or only the ``last``. ``steps: 0`` turns it off. Never changes the trajectory."""
+    round or only the ``last``. ``steps: 0`` turns it off. Never changes the trajectory. TCT's
+    stage 2 fine-tunes its linear model with ``steps`` local steps of the client's stage-2 solver at
+    stage 2's own η2 instead (:func:`hpcfl.tct.pipeline.prepare_stage2`)."""
 
     steps: int = 0
     lr: float = 0.01

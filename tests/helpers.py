@@ -136,7 +136,7 @@ def simulate(
         trainer=trainer,
         population=Population(tuple(by_id[k].n for k in sorted(by_id))),
         generator=lambda rnd, k: torch.Generator(),
-        evaluate=lambda s: {},
+        evaluate=lambda s, joint: {},
         seed=seed,
         reduction=reduction,
         eval_every=10**9,

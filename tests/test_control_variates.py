@@ -59,7 +59,7 @@ def _simulate(algo, clients, schedule, rounds, *, client_batch=1, model=None, lo
         trainer=trainer,
         population=Population(tuple(by_id[k].n for k in sorted(by_id))),
         generator=lambda rnd, k: torch.Generator().manual_seed(1000 * rnd + k),
-        evaluate=lambda s: {},
+        evaluate=lambda s, joint: {},
         seed=0,
         reduction="float64",
         eval_every=10**9,

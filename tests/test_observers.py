@@ -98,7 +98,7 @@ def _run(observers: tuple[Observer, ...], rounds: int = 2) -> tuple[torch.Tensor
         trainer=trainer,
         population=Population(tuple(c.n for c in clients)),
         generator=lambda rnd, k: torch.Generator().manual_seed(rnd * 10 + k),
-        evaluate=lambda s: {"test_accuracy": 0.5},
+        evaluate=lambda s, joint: {"test_accuracy": 0.5},
         observers=observers,
     )
     rows: list[dict] = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 import subprocess
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from hpcfl.files import read_jsonl
 from hpcfl.runner import run_experiment
 from hpcfl.runner.client_eval import sampled_clients, spread
 from hpcfl.runner.federation import build_federation
-from hpcfl.runner.loggers import scalar_names
+from hpcfl.runner.loggers import scalar_names, wandb_records
 from hpcfl.training.evaluate import evaluate
 from tests.helpers import REPO, final_state, kill_after_rows, mpiexec_cmd, run_cli, synthetic_config
 
@@ -92,6 +91,92 @@ def test_client_values_equal_a_direct_evaluation_of_the_final_model(tmp_path):
     assert row["client_eval_clients"] == 5
 
 
+class CountingComm(LocalComm):
+    """One process that records the length of every allreduced tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.sizes.append(tensor.numel())
+        return super().allreduce(tensor)
+
+
+def test_an_evaluated_round_reduces_test_validation_and_client_counts_once(tmp_path):
+    runs = {}
+    for name, keys in {"plain": dict(client_eval=0.0), "clients": dict(validation=0.1)}.items():
+        comm = CountingComm()
+        rows = run_experiment(load_config(_cfg(tmp_path / name, **keys)), tmp_path / name / "run", comm=comm)
+        runs[name] = (comm.sizes, rows.metrics)
+    (plain, _), (counted, rows) = runs["plain"], runs["clients"]
+    assert len(counted) == len(plain)  # validation and 5 clients' table add no allreduce
+    joint = 3 + 3 + 5 * 3  # test (correct, loss, n), validation, and (accuracy, loss, n) per client
+    assert counted.count(joint) == len(rows) == 3
+    assert all("val_accuracy" in r and "client_acc_mean" in r for r in rows)
+
+
+_TCT = dict(
+    algorithm="tct",
+    partition="classes:2",
+    stage1={"rounds": 1},
+    stage2={"p": 300, "rounds": 1, "local_steps": 20, "auto_lr": True},
+)
+
+
+def test_tct_stage2_clients_are_the_final_linear_model_on_their_held_out_features(tmp_path):
+    from hpcfl.features import open_feature_store
+    from hpcfl.tct.features import compute_features, convexified_model, feature_meta
+    from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
+    from hpcfl.tct.solvers import ClosedFormSolver
+
+    cfg = load_config(
+        _cfg(
+            tmp_path,
+            **{**_TCT, "stage2": {**_TCT["stage2"], "rounds": 2}},
+            finetune_eval={"steps": 3, "lr": 0.05},
+        )
+    )
+    run = tmp_path / "run"
+    result = run_experiment(cfg, run)
+    rows = read_jsonl(run / "client_metrics.jsonl")
+    assert [r["round"] for r in rows] == [1, 2, 3] and [m["stage"] for m in result.metrics][1:] == [
+        "stage2"
+    ] * 2
+    # the direct evaluation: the stage-1 model convexified, the shares' features computed afresh,
+    # standardised with the training features' moments, times the final W
+    fed = build_federation(cfg, LocalComm())
+    cfg2 = cfg.params.stage2
+    fed.flat.load(torch.load(run / "stage1_model.pt", weights_only=True))
+    model = convexified_model(fed.flat.model, cfg2)
+    meta = feature_meta(model, cfg2)
+    train = open_feature_store(run / "features.zarr", expect=meta)
+    raw = {k: train.read_client(k) for k in range(5)}
+    moments = federated_moments({k: z for k, (z, _) in raw.items()}, LocalComm(), p=meta.p, clients=5)
+    w = result.server.x.view(meta.p + 1, 10)
+    lr = result.metrics[-1]["stage2_lr"]
+    direct, tuned = {}, {}
+    for k, share in enumerate(fed.client_eval):
+        x, y = fed.dataset.train.x[share], fed.dataset.train.y[share]
+        z = torch.cat(list(compute_features(model, x, cfg2, meta)))
+        held = LinearProblem(design_matrix(z, moments), centred_one_hot(y, 10), y)
+        own = LinearProblem(design_matrix(raw[k][0], moments), centred_one_hot(raw[k][1], 10), raw[k][1])
+        w_k = ClosedFormSolver(own).local_steps(w, torch.zeros_like(w), lr, 3)  # at η2: see the docstring
+        for out, v in ((direct, w), (tuned, w_k)):
+            scores = held.z @ v
+            out[str(k)] = (
+                float((scores.argmax(1) == y).sum()) / y.numel(),
+                float(0.5 * ((scores - held.y) ** 2).sum(1).sum()) / y.numel(),
+            )
+    last = rows[-1]["clients"]
+    assert {k: (v["accuracy"], v["loss"]) for k, v in last.items()} == direct
+    assert {k: (v["finetune_accuracy"], v["finetune_loss"]) for k, v in last.items()} == tuned
+    assert (
+        result.metrics[-1]["client_acc_mean"]
+        == spread([a for a, _ in direct.values()], "client_acc")["client_acc_mean"]
+    )
+
+
 def test_a_seeded_sample_of_clients_is_evaluated_and_stated(tmp_path):
     cfg = load_config(_cfg(tmp_path, client_eval_clients=2, rounds=2))
     result = run_experiment(cfg, tmp_path / "run")
@@ -125,8 +210,9 @@ def test_finetune_only_at_the_last_round(tmp_path):
 
 
 @pytest.mark.mpi
-def test_client_evaluation_on_one_and_two_ranks_is_bit_identical(tmp_path):
-    cfg = _cfg(tmp_path, finetune_eval={"steps": 2, "lr": 0.05}, rounds=2)
+@pytest.mark.parametrize("keys", [{}, _TCT], ids=["fedavg", "tct"])
+def test_client_evaluation_on_one_and_two_ranks_is_bit_identical(tmp_path, keys):
+    cfg = _cfg(tmp_path, finetune_eval={"steps": 2, "lr": 0.05}, rounds=2, **keys)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     one = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr
@@ -159,6 +245,20 @@ def test_bad_evaluation_and_logger_keys_give_one_line(tmp_path, capsys, override
     lines = [line for line in err.splitlines() if line.strip()]
     assert code != 0 and "Traceback" not in err
     assert lines[-1].startswith("hpcfl: error:") and fragment in lines[-1], lines
+
+
+def test_client_eval_of_a_projected_ntk_model_is_refused_in_one_line(tmp_path, capsys):
+    from tests.test_ntkfl import _small_cfg
+
+    cfg = _small_cfg(tmp_path, "cp-ntkfl", params={"beta": 0.5, "projection_dim": 30, "keep": 0.2})
+    code = main(["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", "client_eval=0.2"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and "Traceback" not in err
+    assert (
+        lines[-1].startswith("hpcfl: error:")
+        and "set client_eval: 0 or params.projection_dim: 0" in lines[-1]
+    )
 
 
 def test_a_missing_logger_package_names_the_pip_install(tmp_path, capsys, monkeypatch):
@@ -199,39 +299,13 @@ def _tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def _wandb_records(run: Path) -> list:
-    """Every record of every offline run segment under RUN/wandb, decoded with W&B's own protobuf
-    classes from its transaction log (leveldb log format: 7-byte header, 32 KiB blocks)."""
-    from wandb.proto import wandb_internal_pb2
-
-    records = []
-    for path in sorted(run.glob("wandb/offline-run-*/run-*.wandb")):
-        data = path.read_bytes()
-        pos, pending = 7, b""
-        while pos + 7 <= len(data):
-            block_left = 32768 - pos % 32768
-            if block_left < 7:
-                pos += block_left
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-            chunk = data[pos + 7 : pos + 7 + length]
-            pos += 7 + length
-            if kind == 0 and length == 0:
-                continue
-            pending += chunk
-            if kind in (1, 4):  # FULL or LAST
-                record = wandb_internal_pb2.Record()
-                record.ParseFromString(pending)
-                records.append(record)
-                pending = b""
-    return records
-
-
 def _wandb_history(run: Path) -> list[dict[str, float]]:
-    """The history rows of the offline run segments (name -> value, with ``_step``)."""
+    """The history rows of the offline run segments, in the segments' start-time order (name ->
+    value, with ``_step``), read back with W&B's own protobuf classes (:func:`wandb_records`)."""
     return [
         {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-        for r in _wandb_records(run)
+        for path in sorted(run.glob("wandb/offline-run-*/run-*.wandb"))  # named by start time
+        for r in wandb_records(path)
         if r.WhichOneof("record_type") == "history"
     ]
 
@@ -306,8 +380,8 @@ def test_mlflow_and_wandb_hold_the_rows_params_and_figures(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_every_logger_across_a_kill_and_resume(tmp_path, monkeypatch):
     """All three loggers through SIGKILL + --resume (about a minute): TensorBoard and MLflow hold
-    every step once; W&B's offline segments together hold every step, and its last segment every
-    step from the first one the killed segment may have lost."""
+    every step once; W&B's two offline segments (one per invocation) hold every step once between
+    them, and loggers.json names them and the `wandb sync` command that uploads them as one run."""
     for name in ("tensorboard", "mlflow", "wandb"):
         pytest.importorskip(name, reason=f"the {name} extra is not installed")
     # a W&B run started in this test process leaves its service's address in the environment; the
@@ -321,9 +395,17 @@ def test_every_logger_across_a_kill_and_resume(tmp_path, monkeypatch):
     expected = _expected(run)
     _check_tensorboard(run, expected)
     _check_mlflow(run, expected)
+    # the segments, synced in start-time order as `wandb sync --id` does, hold every step once
     steps = [r["_step"] for r in _wandb_history(run) if "test/accuracy" in r]
-    assert set(steps) == {1, 2, 3, 4, 5}
-    assert json.loads((run / "loggers.json").read_text())["wandb"]["through"] == 5
+    assert steps == [1, 2, 3, 4, 5]
+    record = json.loads((run / "loggers.json").read_text())["wandb"]
+    assert record["through"] == 5
+    segments = sorted(p.name for p in run.glob("wandb/offline-run-*"))
+    assert record["segments"] == segments and len(segments) == 2
+    assert (
+        record["sync"]
+        == f"wandb sync --id {record['run_id']} -p hpcfl wandb/{segments[0]} wandb/{segments[1]}"
+    )
 
 
 def test_a_sweep_point_is_grouped_under_the_sweep(tmp_path, monkeypatch):
@@ -350,7 +432,8 @@ def test_a_sweep_point_is_grouped_under_the_sweep(tmp_path, monkeypatch):
         loggers.close(finished=True)
         ids.append(json.loads((sweep / "runs" / point / "loggers.json").read_text())["mlflow"])
         assert _tensorboard_scalars(sweep / "tensorboard" / point)["test/accuracy"] == [(1, 0.5)]
-        runs = [r.run for r in _wandb_records(sweep / "runs" / point) if r.WhichOneof("record_type") == "run"]
+        logs = (sweep / "runs" / point).glob("wandb/offline-run-*/run-*.wandb")
+        runs = [r.run for path in logs for r in wandb_records(path) if r.WhichOneof("record_type") == "run"]
         assert runs and all(r.run_group == "mysweep" for r in runs)
     import wandb
 

@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # annotations only: the communicator, data and model types si
 
     from hpcfl.comm.base import Communicator
     from hpcfl.data import Dataset
+    from hpcfl.training.evaluate import JointCounts
     from hpcfl.training.flat import FlatModel
 
 # -- round observers -------------------------------------------------------------------------------
@@ -94,7 +95,8 @@ class LocalWork:
 
 @dataclass(frozen=True)
 class RoundEnd:
-    """A finished round: allreduced, server-updated and evaluated."""
+    """A finished round: allreduced and server-updated (evaluated by the time :meth:`Observer.row`
+    sees it)."""
 
     work: LocalWork
     server: ServerState  # after the server update
@@ -126,15 +128,28 @@ class Observer:
         """This rank's local work is done: values for its per-rank (or per-round) channels."""
         return {}
 
+    def eval_counts(self, end: RoundEnd) -> torch.Tensor | None:
+        """In a round that writes a row, before the evaluation: this rank's share (float64, 1-D) of
+        values to sum over ranks in the evaluation's ONE allreduce (per-client evaluation's table),
+        or None. :meth:`row` finds their sum in ``slots[EVAL_SLOT]``."""
+        return None
+
     def row(self, end: RoundEnd, slots: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """The round's columns; ``slots`` holds its channels, summed over ranks."""
+        """The round's columns; ``slots`` holds its channels, summed over ranks (and, under
+        :data:`EVAL_SLOT`, its :meth:`eval_counts` summed with the evaluation's counts)."""
         return {}
+
+
+#: The ``slots`` key of an observer's :meth:`Observer.eval_counts`, summed over ranks.
+EVAL_SLOT = "eval"
 
 
 # -- the round plan ----------------------------------------------------------------------------------
 
-# Evaluates the server state; returns metric columns (test_accuracy, test_loss, ...).
-Evaluator = Callable[[ServerState], dict[str, float]]
+# Evaluates the server state; returns metric columns (test_accuracy, test_loss, ...). Its counts
+# over ranks and the observers' ``eval_counts`` (the JointCounts) are summed in ONE allreduce
+# (JointCounts.reduce); an evaluator with nothing to sum over ranks may leave the JointCounts alone.
+Evaluator = Callable[[ServerState, "JointCounts"], dict[str, float]]
 # The RNG of client k in round r (a pure function of seed, round and client).
 GeneratorFn = Callable[[int, int], torch.Generator]
 
@@ -195,6 +210,24 @@ class FederationView(Protocol):
     @property
     def clients(self) -> dict[int, ClientData]:
         """The data of the clients this rank owns under the static placement."""
+        ...
+
+    @property
+    def client_eval(self) -> list[torch.Tensor] | None:
+        """Each client's held-out share (train indices, ``client_eval``), or None when off."""
+        ...
+
+    def client_evaluation(
+        self,
+        score: Callable[[torch.Tensor, int], tuple[float, float]],
+        place: Callable[[list[int]], list[int]],
+        finetune: Callable[[torch.Tensor, int, int], tuple[float, float]] | None,
+    ) -> Observer | None:
+        """Per-client evaluation (``client_eval``, issue 28) of a model the stage evaluates itself
+        (TCT's stage 2), with the run's sample, spread and ``client_metrics.jsonl``; None when off.
+        ``score(x, k)``: (accuracy, loss) of server vector x on client k's held-out share;
+        ``place(ids)``: which of the evaluated clients this rank scores; ``finetune(x, k, steps)``:
+        (accuracy, loss) after ``finetune_eval.steps`` local steps (None: not offered)."""
         ...
 
     @property

@@ -16,7 +16,7 @@ from hpcfl.comm.base import Communicator
 from hpcfl.errors import ConfigError
 from hpcfl.node import memory_share
 from hpcfl.ntk.memory import RoundShape, check_round_memory, largest_round
-from hpcfl.training.evaluate import evaluate
+from hpcfl.training.evaluate import JointCounts, accuracy_loss, shard_counts
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.layout import StateLayout
 
@@ -110,6 +110,11 @@ def enter_ntk(entry: StageInput) -> StagePlan:
     flat = fed.flat
     d_out = int(getattr(algo.params, "projection_dim", 0))
     input_dim = math.prod(fed.dataset.input_shape)
+    if d_out and fed.client_eval is not None:  # ClientEval scores the configured network on raw inputs
+        raise ConfigError(
+            f"client_eval needs the configured model on raw inputs; {algo.name} with params.projection_dim "
+            f"{d_out} trains a model on projected inputs: set client_eval: 0 or params.projection_dim: 0"
+        )
     if d_out:
         flat, data, test_x = _projected(fed, d_out, int(getattr(algo.params, "projection_seed", 0)))
         algo = type(algo)(
@@ -120,9 +125,10 @@ def enter_ntk(entry: StageInput) -> StagePlan:
 
         comm: Communicator = entry.comm
 
-        def evaluate_server(server: ServerState) -> dict[str, float]:
+        def evaluate_server(server: ServerState, joint: JointCounts) -> dict[str, float]:
             projected_flat.load(server.x)
-            acc, loss = evaluate(projected_flat.model, test_x, test_y, comm)
+            (counts,) = joint.reduce(comm, [shard_counts(projected_flat.model, test_x, test_y, comm)])
+            acc, loss = accuracy_loss(counts)
             return {"test_accuracy": acc, "test_loss": loss}
 
         plan = dataclasses.replace(

@@ -16,32 +16,38 @@ one), ``client_acc_p90`` that of the best 10 %, ``client_acc_min`` the worst cli
 
 Sharding: the evaluated clients are placed on ranks balanced by held-out size
 (:func:`hpcfl.comm.placement.place_round`); each rank evaluates (and fine-tunes) its clients whole,
-so a client's numbers are computed the same way on any number of ranks (1 vs R ranks bit-identical),
-and ONE allreduce per evaluated round carries every client's (accuracy, loss, n) and fine-tuned
-(accuracy, loss). The per-client values travel in the row under :data:`CLIENT_ROWS`; the run's
-bookkeeping moves them into ``client_metrics.jsonl`` (one line per round) before the row reaches
-``metrics.jsonl``.
+so a client's numbers are computed the same way on any number of ranks (1 vs R ranks bit-identical).
+Every client's (accuracy, loss, n) and fine-tuned (accuracy, loss) fill one row of a table that
+rides the evaluation's ONE allreduce with the test (and validation, train) counts
+(:meth:`ClientEval.eval_counts`, :class:`hpcfl.training.evaluate.JointCounts`): each row is filled
+by one rank and zero elsewhere, so the sum is exact. The per-client values travel in the row under
+:data:`CLIENT_ROWS`; the run's bookkeeping moves them into ``client_metrics.jsonl`` (one line per
+round) before the row reaches ``metrics.jsonl``.
 
-Never changes results: evaluation loads the server's ``x`` into the working model, which every local
-update reloads before training, and the fine-tuning draws its batches from its own generator
-(seed, round, client), never from a training generator. The rounds are those of the stage that
-trains the configured model (TCT: stage 1; its stage 2 trains a linear model on features and is not
-evaluated per client).
+The model evaluated is the server's reported model (:meth:`ServerState.evaluated` ``[""]``, the one
+``test_accuracy`` is of). Never changes results: evaluation loads it into the working model, which
+every local update reloads before training, and the fine-tuning draws its batches from its own
+generator (seed, round, client), never from a training generator.
+
+TCT: stage 1 is the configured network, evaluated as above; stage 2's rounds evaluate its linear
+model W on every client's held-out share, through the eNTK features of that share computed and
+standardised as the training and test features are, by the rank that owns the client
+(:func:`hpcfl.tct.pipeline.prepare_stage2`); its fine-tuning takes S local steps of the client's
+stage-2 solver at stage 2's own η2 (the reason is given there).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from hpcfl.algorithms import ClientData, Trainer
+from hpcfl.algorithms import ClientData
 from hpcfl.algorithms.base import NonFiniteLoss
-from hpcfl.comm.base import Communicator
+from hpcfl.algorithms.stage_types import EVAL_SLOT
 from hpcfl.comm.local import LocalComm
 from hpcfl.comm.placement import place_round
 from hpcfl.runner.observers import Observer, RoundEnd
@@ -74,14 +80,6 @@ def spread(values: Sequence[float], prefix: str) -> dict[str, float]:
     }
 
 
-@dataclass(frozen=True)
-class Finetune:
-    """``finetune_eval``: S plain SGD steps at ``lr`` on the client's training data (``steps`` 0: off)."""
-
-    schedule: LocalSchedule | None
-    last_only: bool
-
-
 def sampled_clients(num_clients: int, m: int | None, seed: int, rnd: int) -> list[int]:
     """The clients a round evaluates: all of them, or a seeded sample of ``m`` (sorted), a pure
     function of (seed, round) so every rank and every resume draws the same ones."""
@@ -91,8 +89,21 @@ def sampled_clients(num_clients: int, m: int | None, seed: int, rnd: int) -> lis
     return sorted(int(k) for k in rng.choice(num_clients, size=m, replace=False))
 
 
+#: (accuracy, loss) of a server vector on client k's held-out share, computed on this rank alone.
+Score = Callable[[torch.Tensor, int], tuple[float, float]]
+#: (accuracy, loss) on client k's held-out share after fine-tuning the server vector in round r
+#: (NaN, NaN when the fine-tuning diverged).
+Tune = Callable[[torch.Tensor, int, int], tuple[float, float]]
+
+
 class ClientEval(Observer):
-    """Per-client accuracy of the global model (and after local fine-tuning) on held-out shares."""
+    """Per-client accuracy of the global model (and after local fine-tuning) on held-out shares.
+
+    What is evaluated is given as functions, so the same observer serves the configured network
+    (:meth:`for_federation`) and TCT's stage-2 linear model on eNTK features
+    (:func:`hpcfl.tct.pipeline.prepare_stage2`): ``score(x, k)``, ``tune(x, k, round)`` (None: no
+    fine-tuning) and ``place(ids)``, the evaluated clients this rank holds.
+    """
 
     group = "clients"
     columns = (
@@ -112,27 +123,27 @@ class ClientEval(Observer):
     def __init__(
         self,
         *,
-        comm: Communicator,
-        model: torch.nn.Module,
-        load: Callable[[torch.Tensor], None],
-        held_out: Callable[[int], ClientData],
+        score: Score,
         held_sizes: Sequence[int],
-        train_data: Callable[[int], ClientData],
-        trainer: Trainer,
-        finetune: Finetune,
+        place: Callable[[list[int]], list[int]],
+        tune: Tune | None,
+        last_only: bool,
         sample: int | None,
         seed: int,
     ) -> None:
-        self.comm, self.model, self.load = comm, model, load
-        self.held_out, self.held_sizes, self.train_data = held_out, list(held_sizes), train_data
-        self.trainer, self.finetune, self.sample, self.seed = trainer, finetune, sample, seed
+        self.score, self.held_sizes, self.place, self.tune = score, list(held_sizes), place, tune
+        self.last_only, self.sample, self.seed = last_only, sample, seed
+        self._ids: list[int] = []
+        self._tuned = False
 
     @classmethod
     def for_federation(cls, fed: Federation) -> ClientEval:
-        """The observer of a federation with ``client_eval`` (held-out shares sliced once, lazily)."""
+        """The observer of a federation with ``client_eval``: the configured network (held-out
+        shares sliced once, lazily), placed on ranks balanced by held-out size."""
         assert fed.client_eval is not None
         shares, cache = fed.client_eval, {}
-        train = fed.dataset.train
+        train, model, load = fed.dataset.train, fed.flat.model, fed.flat.load
+        alone = LocalComm()  # each rank evaluates its clients whole: no collective per client
 
         def held_out(k: int) -> ClientData:
             if k not in cache:
@@ -140,52 +151,62 @@ class ClientEval(Observer):
                 cache[k] = ClientData(k=k, x=train.x[idx].to(fed.device), y=train.y[idx].to(fed.device))
             return cache[k]
 
+        def score(x: torch.Tensor, k: int) -> tuple[float, float]:
+            load(x)
+            data = held_out(k)
+            return evaluate(model, data.x, data.y, alone)
+
         ft = fed.cfg.finetune_eval
-        schedule = (
-            LocalSchedule(
+        tune = None
+        if ft.steps > 0:
+            schedule = LocalSchedule(
                 lr=ft.lr, batch_size=fed.cfg.batch_size, steps=ft.steps, weight_decay=fed.cfg.weight_decay
             )
-            if ft.steps > 0
-            else None
-        )
+
+            def tune(x: torch.Tensor, k: int, rnd: int) -> tuple[float, float]:
+                try:
+                    tuned, _ = fed.trainer.train(
+                        x, fed.client_data(k), finetune_generator(fed.cfg.seed, rnd, k), schedule=schedule
+                    )
+                except NonFiniteLoss:
+                    return math.nan, math.nan
+                return score(tuned, k)
+
+        sizes = [int(s.numel()) for s in shares]
         return cls(
-            comm=fed.comm,
-            model=fed.flat.model,
-            load=fed.flat.load,
-            held_out=held_out,
-            held_sizes=[int(s.numel()) for s in shares],
-            train_data=fed.client_data,
-            trainer=fed.trainer,
-            finetune=Finetune(schedule, last_only=ft.rounds == "last"),
+            score=score,
+            held_sizes=sizes,
+            place=lambda ids: place_round(ids, [sizes[k] for k in ids], fed.comm.size)[fed.comm.rank],
+            tune=tune,
+            last_only=ft.rounds == "last",
             sample=fed.cfg.client_eval_clients,
             seed=fed.cfg.seed,
         )
 
-    def row(self, end: RoundEnd, slots: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    def eval_counts(self, end: RoundEnd) -> torch.Tensor:
+        """This rank's clients' rows of the (M, 3 or 5) table: accuracy, loss, n (, fine-tuned
+        accuracy, loss); the other rows are zero, so the evaluation's allreduce sums them exactly."""
         start = end.work.start
-        ids = sampled_clients(len(self.held_sizes), self.sample, self.seed, start.round)
-        tune = self.finetune.schedule is not None and (not self.finetune.last_only or start.final)
-        width = 5 if tune else 3  # accuracy, loss, n (, fine-tuned accuracy, loss)
-        table = torch.zeros(len(ids), width, dtype=torch.float64)
-        mine = place_round(ids, [self.held_sizes[k] for k in ids], self.comm.size)[self.comm.rank]
+        self._ids = ids = sampled_clients(len(self.held_sizes), self.sample, self.seed, start.round)
+        self._tuned = tune = self.tune is not None and (not self.last_only or start.final)
+        table = torch.zeros(len(ids), 5 if tune else 3, dtype=torch.float64)
         at = {k: i for i, k in enumerate(ids)}
-        x = end.server.x
-        alone = LocalComm()  # each rank evaluates its clients whole: no collective per client
-        for k in mine:
-            data = self.held_out(k)
-            if data.y.numel() == 0:  # a one-sample client keeps its sample for training
+        x = end.server.evaluated()[""]  # the reported model, as test_accuracy is
+        for k in self.place(ids):
+            if self.held_sizes[k] == 0:  # a one-sample client keeps its sample for training
                 table[at[k]] = math.nan
                 table[at[k], 2] = 0
                 continue
-            self.load(x)
-            table[at[k], 0], table[at[k], 1] = evaluate(self.model, data.x, data.y, alone)
-            table[at[k], 2] = data.y.numel()
+            table[at[k], 0], table[at[k], 1] = self.score(x, k)
+            table[at[k], 2] = self.held_sizes[k]
             if tune:
-                table[at[k], 3:5] = torch.tensor(
-                    self._finetuned(x, k, start.round, data, alone), dtype=torch.float64
-                )
-        self.load(x)
-        self.comm.allreduce(table)  # one slot per client, filled by one rank: the sum is exact
+                assert self.tune is not None
+                table[at[k], 3], table[at[k], 4] = self.tune(x, k, start.round)
+        return table.view(-1)
+
+    def row(self, end: RoundEnd, slots: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        ids, tune = self._ids, self._tuned
+        table = slots[EVAL_SLOT].view(len(ids), 5 if tune else 3)
         out: dict[str, Any] = {**spread(table[:, 0].tolist(), "client_acc"), "client_eval_clients": len(ids)}
         per_client: dict[str, dict[str, float]] = {}
         for k, values in zip(ids, table.tolist(), strict=True):
@@ -198,17 +219,9 @@ class ClientEval(Observer):
         out[CLIENT_ROWS] = per_client
         return out
 
-    def _finetuned(
-        self, x: torch.Tensor, k: int, rnd: int, data: ClientData, alone: Communicator
-    ) -> tuple[float, float]:
-        """Accuracy and loss on ``data`` of the global model fine-tuned on client ``k``'s training
-        data (NaN, NaN when the fine-tuning diverged)."""
-        state = np.random.SeedSequence([self.seed, _FINETUNE_SALT, rnd, k])
-        words = state.generate_state(2, dtype=np.uint32)
-        generator = torch.Generator().manual_seed(int(words[0]) << 32 | int(words[1]))
-        try:
-            tuned, _ = self.trainer.train(x, self.train_data(k), generator, schedule=self.finetune.schedule)
-        except NonFiniteLoss:
-            return math.nan, math.nan
-        self.load(tuned)
-        return evaluate(self.model, data.x, data.y, alone)
+
+def finetune_generator(seed: int, rnd: int, k: int) -> torch.Generator:
+    """The fine-tuning's batch generator of client ``k`` in round ``rnd``: its own stream (seed,
+    salt, round, client), never a training generator's."""
+    words = np.random.SeedSequence([seed, _FINETUNE_SALT, rnd, k]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(words[0]) << 32 | int(words[1]))

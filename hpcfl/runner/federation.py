@@ -8,6 +8,7 @@ Fashion-MNIST in float32) and slices a client's samples onto the device when it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +27,7 @@ from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.models import build_model
 from hpcfl.registry import MODEL_SPECS
 from hpcfl.runner.observers import Drift, LayerCKA
-from hpcfl.training.evaluate import evaluate, evaluate_with_probs
+from hpcfl.training.evaluate import JointCounts, accuracy_loss, shard_counts, with_probs
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.layout import StateLayout
 from hpcfl.training.sgd import LocalSchedule
@@ -106,6 +107,29 @@ class Federation:
     def model_plan(self) -> RoundPlan:
         return model_plan(self)
 
+    def client_evaluation(
+        self,
+        score: Callable[[torch.Tensor, int], tuple[float, float]],
+        place: Callable[[list[int]], list[int]],
+        finetune: Callable[[torch.Tensor, int, int], tuple[float, float]] | None,
+    ) -> Observer | None:
+        """:meth:`FederationView.client_evaluation`: a :class:`~hpcfl.runner.client_eval.ClientEval`
+        over the given functions, with the config's sample, fine-tuning steps and seed."""
+        if self.client_eval is None:
+            return None
+        from hpcfl.runner.client_eval import ClientEval
+
+        ft = self.cfg.finetune_eval
+        return ClientEval(
+            score=score,
+            held_sizes=[int(s.numel()) for s in self.client_eval],
+            place=place,
+            tune=None if finetune is None or ft.steps == 0 else lambda x, k, rnd: finetune(x, k, ft.steps),
+            last_only=ft.rounds == "last",
+            sample=self.cfg.client_eval_clients,
+            seed=self.cfg.seed,
+        )
+
 
 def resolve_device(cfg: Config, comm: Communicator) -> torch.device:
     """CPU, or the GPU of this rank's local index (``cuda``) / the named GPU (``cuda:N``)."""
@@ -139,36 +163,41 @@ def client_generator(seed: int, rnd: int, k: int) -> torch.Generator:
 
 
 def model_evaluator(fed: Federation) -> Evaluator:
-    """Test (and, when asked, train) accuracy and loss of the server's reported model, and the test
-    columns of any other model it names (:meth:`ServerState.evaluated`)."""
+    """Test (and, when asked, validation and train) accuracy and loss of the server's reported model,
+    and the test columns of any other model it names (:meth:`ServerState.evaluated`): every rank
+    counts its shards of each, and ONE allreduce sums them with the observers' ``joint`` counts."""
 
-    def evaluate_server(server: ServerState) -> dict[str, float]:
+    def evaluate_server(server: ServerState, joint: JointCounts) -> dict[str, float]:
         models = server.evaluated()
         fed.flat.load(models[""])
-        model, ds = fed.flat.model, fed.dataset
+        model, ds, comm = fed.flat.model, fed.dataset, fed.comm
+        sets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {"test": (ds.test.x, ds.test.y)}
+        if fed.validation is not None:
+            sets["val"] = (ds.train.x[fed.validation], ds.train.y[fed.validation])
+        if fed.cfg.eval_train:
+            sets["train"] = (ds.train.x, ds.train.y)
+        own = {  # (split, model suffix): this rank's counts
+            (name, ""): shard_counts(model, x, y, comm, probs=fed.cfg.conformal and name == "test")
+            for name, (x, y) in sets.items()
+        }
+        for suffix, vec in models.items():
+            if suffix:
+                fed.flat.load(vec)
+                own["test", suffix] = shard_counts(model, ds.test.x, ds.test.y, comm)
+        summed = dict(zip(own, joint.reduce(comm, list(own.values())), strict=True))
         row: dict[str, float] = {}
+        test = summed.pop(("test", ""))
         if fed.cfg.conformal:
-            row["test_accuracy"], row["test_loss"], probs = evaluate_with_probs(
-                model, ds.test.x, ds.test.y, fed.comm
-            )
+            row["test_accuracy"], row["test_loss"], probs = with_probs(test, ds.test.y.numel())
             row.update(
                 conformal_metrics(
                     probs, ds.test.y, seed=fed.cfg.seed, calibration_fraction=fed.cfg.conformal_calibration
                 )
             )
         else:
-            row["test_accuracy"], row["test_loss"] = evaluate(model, ds.test.x, ds.test.y, fed.comm)
-        if fed.validation is not None:
-            idx = fed.validation
-            row["val_accuracy"], row["val_loss"] = evaluate(model, ds.train.x[idx], ds.train.y[idx], fed.comm)
-        if fed.cfg.eval_train:
-            row["train_accuracy"], row["train_loss"] = evaluate(model, ds.train.x, ds.train.y, fed.comm)
-        for suffix, vec in models.items():
-            if suffix:
-                fed.flat.load(vec)
-                row[f"test_accuracy{suffix}"], row[f"test_loss{suffix}"] = evaluate(
-                    model, ds.test.x, ds.test.y, fed.comm
-                )
+            row["test_accuracy"], row["test_loss"] = accuracy_loss(test)
+        for (split, suffix), counts in summed.items():
+            row[f"{split}_accuracy{suffix}"], row[f"{split}_loss{suffix}"] = accuracy_loss(counts)
         return row
 
     return evaluate_server

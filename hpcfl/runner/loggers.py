@@ -14,12 +14,26 @@ run directory the last round it wrote (and, while writing, the rounds in doubt) 
 run. A resumed run continues the same TensorBoard directory, MLflow run and W&B run, and first
 writes what a logger has not seen yet (a logger added on resume catches up); a round that was
 logged but not checkpointed before a kill cannot happen, and rounds a kill interrupted are settled
-from the backend (:func:`open_loggers`), so no step is written twice and none is missing. W&B is the exception: its service
-writes the offline log behind the caller, so a SIGKILL can lose rows it was given; they count as
-written only once its run closed cleanly, and after a kill the resumed run writes them again into its
-new offline segment (a killed segment that did get them repeats those steps; W&B ignores a logged
-step below a run's current one, which should keep the first value when both are synced — not
-checked here, there is no W&B server offline).
+from the backend (:func:`open_loggers`), so no step is written twice and none is missing.
+
+W&B offline. W&B does not resume an offline run: ``wandb.init(id=..., resume="allow")`` in offline
+mode starts a new local folder for the same id every time, with ``run.resumed`` False (checked
+with wandb 0.31; the feature request wandb/wandb#2423 is closed, and the pull request that would
+make offline init honour ``resume``, wandb/wandb#12110, was still open when this was written).
+Its service writes the transaction log behind the caller, so a SIGKILL can lose rows it was given:
+rows count as written only once its run closed cleanly, and a resumed run first reads the earlier
+segments' transaction logs back (:func:`wandb_records`, W&B's own protobuf classes) and writes only
+the rounds they do not hold, so each round is in exactly one segment and the segments, in start-time
+order, hold every round once (tested after a SIGKILL). Documented way to upload them as ONE run
+(``wandb sync --help``, wandb 0.31: "--id: Upload to an existing run ID. If this is set when syncing
+multiple files (with the same entity and project), the files will be synced in order of start
+time"; the ``wandb beta sync`` reference adds "intended to work with syncing multiple resumed
+fragments of the same run"): run, from the run directory, the command ``loggers.json`` records under
+``wandb.sync``, ``wandb sync --id <id> -p <project> wandb/offline-run-...`` naming every segment.
+What is NOT verified here: the upload itself (no network, no W&B server: ``wandb sync`` was not run),
+and so not that the server stitches the segments into one history. Older clients' ``wandb sync
+--append`` is not used: 0.31's ``wandb sync`` no longer offers it, and wandb/wandb#5865 reports it
+did not append offline folders of the same id.
 
 Where they write, and how a sweep's points are grouped (a point is a run directory
 ``SWEEP/runs/<point>`` beside the sweep's manifest):
@@ -30,9 +44,9 @@ Where they write, and how a sweep's points are grouped (a point is a run directo
   (artifacts beside it; MLflow 3 refuses new plain-file stores) — ``SWEEP/mlflow/`` for a sweep,
   whose points are child runs of one parent run named after the sweep. Experiment: the sweep's or
   run's name.
-- ``wandb``: offline unless ``WANDB_MODE`` says otherwise (no network needed; ``wandb sync
-  RUN/wandb/offline-run-*`` uploads later), files under ``RUN/wandb``; project ``$WANDB_PROJECT`` or
-  ``hpcfl``; a sweep's points share the group named after the sweep.
+- ``wandb``: offline unless ``WANDB_MODE`` says otherwise (no network needed; the ``wandb sync
+  --id`` command in ``loggers.json`` uploads later, see above), files under ``RUN/wandb``; project
+  ``$WANDB_PROJECT`` or ``hpcfl``; a sweep's points share the group named after the sweep.
 
 Each package is an optional extra (``pip install 'hpcfl[tensorboard]'`` ...); a missing one is
 refused before the run starts, in one line naming the ``pip install`` to run.
@@ -268,12 +282,16 @@ class MLflowLogger(Logger):
 
 
 class WandbLogger(Logger):
-    """One W&B run per run directory (offline unless ``WANDB_MODE`` is set); a sweep is a group."""
+    """One W&B run per run directory (offline unless ``WANDB_MODE`` is set); a sweep is a group.
+
+    Offline, every invocation of the run is one segment (``RUN/wandb/offline-run-<time>-<id>``,
+    W&B's own choice: it does not resume an offline run in place); ``loggers.json`` lists them and
+    the one ``wandb sync`` command that uploads them as one run (see the module docstring)."""
 
     name = "wandb"
     # W&B's service process writes the offline transaction log behind the caller: a killed run can
     # lose rows it logged, so they count as written only once the run closed; a resume after a kill
-    # logs them again into the new offline segment (see the module docstring)
+    # first reads what the killed segment holds (held_through) and logs the rest
     durable_log = False
 
     def __init__(self, run_dir: Path, config: Mapping[str, Any], record: Mapping[str, Any]) -> None:
@@ -281,18 +299,37 @@ class WandbLogger(Logger):
 
         sweep = sweep_of(run_dir)
         self.run_id = record.get("run_id") or secrets.token_hex(4)
+        self.project = os.environ.get("WANDB_PROJECT", "hpcfl")
+        self.mode = os.environ.get("WANDB_MODE", "offline")
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "hpcfl"),
+            project=self.project,
             dir=str(run_dir),
             id=self.run_id,
             name=str(config.get("name", run_dir.name)),
             group=sweep[1] if sweep else None,
             config=dict(config),
-            mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
+            mode=self.mode,  # type: ignore[arg-type]
             resume="allow",
             reinit="create_new",
         )
+        segment = Path(self.run.dir).parent.name  # RUN/wandb/<segment>/files
+        earlier = [s for s in record.get("segments", []) if s != segment]
+        self.segments = [*earlier, segment] if self.mode == "offline" else []
+
+    @staticmethod
+    def held_through(run_dir: Path, run_id: str, through: int) -> int:
+        """The last round after ``through`` that the offline segments of ``run_id`` already hold
+        without a gap (their transaction logs read back; a record a kill tore is not counted), so a
+        resumed run writes each round into exactly one segment."""
+        steps = {
+            int(step)
+            for path in (run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+            for step in wandb_steps(path)
+        }
+        while through + 1 in steps:
+            through += 1
+        return through
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         self.run.log(dict(scalars), step=step)
@@ -305,7 +342,58 @@ class WandbLogger(Logger):
         self.run.finish(exit_code=0 if finished else 1)
 
     def record(self) -> dict[str, Any]:
-        return {"run_id": self.run_id}
+        if not self.segments:
+            return {"run_id": self.run_id}
+        paths = " ".join(f"wandb/{s}" for s in self.segments)
+        return {
+            "run_id": self.run_id,
+            "segments": self.segments,
+            "sync": f"wandb sync --id {self.run_id} -p {self.project} {paths}",  # from the run directory
+        }
+
+
+def wandb_records(path: Path) -> list[Any]:
+    """The records of one W&B transaction log (``run-<id>.wandb``), decoded with W&B's own protobuf
+    classes (leveldb log format: 7-byte header, 32 KiB blocks; a record a kill tore is left out)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, records, pending = path.read_bytes(), [], b""
+    pos = 7  # the file's own header
+    while pos + 7 <= len(data):
+        block_left = 32768 - pos % 32768
+        if block_left < 7:
+            pos += block_left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        if len(chunk) < length:  # cut short by a kill
+            break
+        pending += chunk
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(pending)
+            except Exception:  # noqa: BLE001  # a torn record: what follows is not trusted either
+                break
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_steps(path: Path) -> list[int]:
+    """The steps of the history rows of one W&B transaction log, in the order written."""
+    steps = []
+    for record in wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                if item.key == "_step":
+                    steps.append(int(json.loads(item.value_json)))
+    return steps
 
 
 class Loggers:
@@ -375,7 +463,8 @@ def open_loggers(names: Sequence[str], run_dir: Path, config: Mapping[str, Any])
     Rounds a kill left in doubt (``pending`` beyond ``through`` in ``loggers.json``: the process
     died while writing them) are settled from the backend itself: TensorBoard's directory is
     written again from ``metrics.jsonl`` (its event files cannot drop a step), MLflow's run is
-    asked which of those rounds it holds."""
+    asked which of those rounds it holds; W&B offline (whose rows are durable only once its run
+    closed) is asked what its earlier segments' transaction logs hold."""
     run_dir = Path(run_dir)
     try:
         saved = json.loads((run_dir / STATE).read_text())
@@ -397,6 +486,8 @@ def open_loggers(names: Sequence[str], run_dir: Path, config: Mapping[str, Any])
             done = logger.held_through(done, int(record["pending"])) if doubt else done
             made.append(logger)
         else:
+            if record and os.environ.get("WANDB_MODE", "offline") == "offline":
+                done = WandbLogger.held_through(run_dir, record["run_id"], done)
             made.append(WandbLogger(run_dir, config, record))
         through[name] = done
     loggers = Loggers(made, run_dir, through, {k: v for k, v in saved.items() if k not in names})

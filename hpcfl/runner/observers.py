@@ -8,22 +8,26 @@ guarantees rest on; everything it MEASURES is an :class:`Observer`. An observer 
 - its **columns**: the keys it adds to a metrics row (and a ``group`` a logger files them under,
   e.g. ``comm/bytes_up``);
 
-and answers four hooks, each with values, never by touching the loop's state:
+and answers five hooks, each with values, never by touching the loop's state:
 
 1. :meth:`Observer.start` when a round begins (CKA keeps the global model's Grams);
 2. :meth:`Observer.client` after each of this rank's participants trained: values for its channels
    (the loop writes them into this client's slot, or adds them for a per-round channel);
 3. :meth:`Observer.local_done` when this rank's local work is done: values for per-rank channels;
-4. :meth:`Observer.row` in a round that writes a metrics row, after the allreduce, the server step
-   and the evaluation: the columns, from the summed channels.
+4. :meth:`Observer.eval_counts` in a round that writes a metrics row, after the allreduce and the
+   server step: this rank's share of values the evaluation sums in its ONE allreduce
+   (:class:`~hpcfl.training.evaluate.JointCounts`);
+5. :meth:`Observer.row` then, after the evaluation: the columns, from the summed channels and
+   counts.
 
 Observers never change a round's results (the buffer's declared sums, the server state, what is
 checkpointed): a metric is added or removed without changing a bit of the trajectory. What must
 change results (client-level DP's clipping and noise, issue 29) belongs to the algorithm's steps
 instead. :meth:`Observer.row` runs on every rank in the same order, so an observer may use
-collectives there (sharded evaluation, as the test evaluation does); per-client evaluation (issue 28)
-is such an observer. Rows go to ``metrics.jsonl`` through the loop's hook (rank 0 writes them), which
-is where loggers of those rows belong.
+collectives there, though an evaluation's counts belong in :meth:`Observer.eval_counts`, so the round
+evaluates with one allreduce; per-client evaluation (issue 28) is such an observer. Rows go to
+``metrics.jsonl`` through the loop's hook (rank 0 writes them), which is where loggers of those rows
+belong.
 
 The observer types (:class:`Observer`, :class:`Channel`, :class:`RoundStart`, :class:`LocalWork`,
 :class:`RoundEnd`) are part of the stage contract (:mod:`hpcfl.algorithms.stage_types`), because a
@@ -43,10 +47,19 @@ from typing import Any
 import torch
 
 from hpcfl.algorithms.base import ServerState, Upload
-from hpcfl.algorithms.stage_types import Channel, LocalWork, Observer, RoundEnd, RoundStart, Value
+from hpcfl.algorithms.stage_types import (
+    EVAL_SLOT,
+    Channel,
+    LocalWork,
+    Observer,
+    RoundEnd,
+    RoundStart,
+    Value,
+)
 from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.runner.buffer import BufferLayout
+from hpcfl.training.evaluate import JointCounts
 
 
 def observer_segments(
@@ -68,6 +81,7 @@ class RoundWatch:
         rank: int,
     ) -> None:
         self.observers, self.start, self.rank = observers, start, rank
+        self._counts: dict[int, torch.Tensor] = {}
         self._channels = {ch.name: ch for obs in observers for ch in obs.channels()}
         self._views = {name: layout.view(buf, name) for name in self._channels}
         for obs in observers:
@@ -81,10 +95,21 @@ class RoundWatch:
         for obs in self.observers:
             self._place(obs.local_done(work), None)
 
+    def eval_counts(self, end: RoundEnd) -> JointCounts:
+        """The observers' shares of the evaluation's one allreduce (:meth:`Observer.eval_counts`)."""
+        self._counts = {
+            i: c for i, obs in enumerate(self.observers) if (c := obs.eval_counts(end)) is not None
+        }
+        return JointCounts(list(self._counts.values()))
+
     def row(self, end: RoundEnd) -> dict[str, Any]:
+        """The observers' columns, after the evaluation summed their :meth:`eval_counts`."""
         out: dict[str, Any] = {}
-        for obs in self.observers:
-            out.update(obs.row(end, {ch.name: self._views[ch.name] for ch in obs.channels()}))
+        for i, obs in enumerate(self.observers):
+            slots = {ch.name: self._views[ch.name] for ch in obs.channels()}
+            if i in self._counts:
+                slots[EVAL_SLOT] = self._counts[i]
+            out.update(obs.row(end, slots))
         return out
 
     def _place(self, values: Mapping[str, Value], k: int | None) -> None:

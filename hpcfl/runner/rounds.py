@@ -15,7 +15,8 @@ algorithm:
    and the slots are added in draw order after the allreduce (:func:`ordered_sums`);
 3. ONE allreduce (plus an allgather only when the algorithm gathers);
 4. the same server update on every rank;
-5. evaluation sharded over ranks, and the metrics of the round's observers
+5. evaluation sharded over ranks (one allreduce of every count, the observers' included), and the
+   metrics of the round's observers
    (:mod:`hpcfl.runner.observers`: client metrics, CKA, drift diversity, per-rank load, bytes,
    timing), which declare their own buffer channels and row columns;
 6. bookkeeping (metrics, checkpoints, progress, stop requests) in the hook.
@@ -323,7 +324,10 @@ def run_rounds(
                 buffer_bytes=layout.nbytes(bdtype),
                 reduced=reduced,
             )
-            row = {"round": round_offset + done, "stage": stage, **plan.evaluate(server), **watch.row(end)}
+            joint = watch.eval_counts(end)  # the observers' counts ride the evaluation's one allreduce
+            evaluated = plan.evaluate(server, joint)
+            joint.settle(comm)
+            row = {"round": round_offset + done, "stage": stage, **evaluated, **watch.row(end)}
         # 6. bookkeeping (metrics, checkpoint, progress) lives in the hook
         if hook is not None and hook(done, server, states, row):
             return server, done

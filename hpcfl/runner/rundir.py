@@ -39,6 +39,7 @@ RUN_ENTRIES = (
     "stage1_model.pt",
     "features.zarr",
     "features_test.zarr",
+    "features_heldout.zarr",  # TCT stage 2 with client_eval: the held-out shares' features
     "stage2",
     FAILED,
     "WALL_SECONDS",

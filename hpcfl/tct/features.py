@@ -2,7 +2,9 @@
 
 ``features.zarr`` holds one array per training client, written by the rank that owns the client;
 ``features_test.zarr`` holds the test set cut into ``num_clients`` fixed shards (rank r owns
-shards s with s mod R = r), so the stores do not depend on the number of ranks. A store that is
+shards s with s mod R = r), so the stores do not depend on the number of ranks. With
+``client_eval``, ``features_heldout.zarr`` holds every client's held-out share (issue 28), written
+by the rank that owns the client, like its training features. A store that is
 complete and matches the model / seed / p / head / logit / scope / dtype is reused as it is, which
 is what makes ``hpcfl tct-stage2`` and resumed runs skip the extraction.
 
@@ -39,6 +41,7 @@ from hpcfl.features.meta import model_hash
 from hpcfl.features.store import verify_client
 from hpcfl.training.evaluate import shard_range
 
+HELD_OUT_STORE = "features_heldout.zarr"  # client_eval's held-out shares, one array per client
 EXTRACT_ROWS = 2048  # samples per extraction call: bounds host memory to 2048·p floats
 
 
@@ -204,8 +207,8 @@ def check_features_fit(
     """Refuse (rank 0), before any row is written, feature stores the run directory's disk cannot hold.
 
     Needs only the built federation (model, partition, test set), so a run checks it before stage 1
-    is trained and again before the extraction. The stores hold every training client's and test
-    shard's rows; bytes already in them (an interrupted extraction) count as written. With ``note``
+    is trained and again before the extraction. The stores hold every training client's, test
+    shard's and held-out share's rows; bytes already in them (an interrupted extraction) count as written. With ``note``
     it also says when ``stage2.p`` exceeds the parameter count and is clamped to it.
     """
     from hpcfl.entk import num_params
@@ -223,9 +226,10 @@ def check_features_fit(
                 file=sys.stderr,
             )
     rows = sum(int(part.numel()) for part in fed.parts) + int(fed.dataset.test.y.numel())
+    rows += sum(int(share.numel()) for share in fed.client_eval or ())
     itemsize = torch.empty((), dtype=getattr(torch, cfg2.dtype)).element_size()
     need = rows * p * itemsize
-    for name in ("features.zarr", "features_test.zarr"):
+    for name in ("features.zarr", "features_test.zarr", HELD_OUT_STORE):
         store = run_dir / name
         if store.is_dir():
             need -= sum(f.stat().st_size for f in store.rglob("*") if f.is_file())

@@ -10,23 +10,40 @@ representation of Table 12), standardise them with statistics from one allreduce
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hpcfl.algorithms import ClientData, FederationView, RoundPlan, ServerState, StageInput, StagePlan
+from hpcfl.algorithms import (
+    ClientData,
+    FederationView,
+    Observer,
+    RoundPlan,
+    ServerState,
+    StageInput,
+    StagePlan,
+)
 from hpcfl.algorithms.participation import Population
 from hpcfl.algorithms.tct_params import Stage2Section
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import StoreError
 from hpcfl.features import open_feature_store
 from hpcfl.files import atomic_torch_save, load_torch_file
-from hpcfl.tct.features import check_features_fit, convexified_model, ensure_store, feature_meta, test_shards
+from hpcfl.tct.features import (
+    HELD_OUT_STORE,
+    check_features_fit,
+    convexified_model,
+    ensure_store,
+    feature_meta,
+    test_shards,
+)
 from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
 from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver
 from hpcfl.tct.stage2 import Stage2, Stage2Params, auto_lr, check_stability, spectrum
+from hpcfl.training.evaluate import JointCounts
 
 log = logging.getLogger("hpcfl.tct")
 
@@ -75,8 +92,9 @@ def prepare_stage2(
     # 2. features of every owned client and test shard, into Zarr (reused when complete)
     K = len(fed.parts)
     shards = test_shards(ds.test.y.numel(), K, comm)
+    held = _held_out_items(fed)  # client_eval's held-out shares of this rank's clients
     if not extract:
-        for name in ("features.zarr", "features_test.zarr"):
+        for name in ("features.zarr", "features_test.zarr", *((HELD_OUT_STORE,) if held is not None else ())):
             open_feature_store(run_dir / name, expect=meta)  # StoreError names what differs
     else:  # the disk must hold the stores before the first row is written
         error = None
@@ -108,6 +126,18 @@ def prepare_stage2(
         comm,
         stop=stop,
     )
+    if held is not None and extract:
+        assert fed.client_eval is not None
+        ensure_store(
+            run_dir / HELD_OUT_STORE,
+            meta,
+            held,
+            [k for k, share in enumerate(fed.client_eval) if share.numel()],
+            model,
+            cfg2,
+            comm,
+            stop=stop,
+        )
     train = open_feature_store(run_dir / "features.zarr", expect=meta)
     test = open_feature_store(run_dir / "features_test.zarr", expect=meta)
     raw = {k: train.read_client(k) for k in fed.clients}
@@ -129,6 +159,14 @@ def prepare_stage2(
         test_problems.append(
             LinearProblem(design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y)
         )
+    held_problems = {}
+    if held is not None:  # the held-out shares' features, standardised like the training ones
+        store = open_feature_store(run_dir / HELD_OUT_STORE, expect=meta)
+        for k in held:
+            z, y = store.read_client(k)
+            held_problems[k] = LinearProblem(
+                design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y
+            )
     # 4. local solvers and the stability check (before any round is spent)
     solvers: dict[int, LocalSolver] = {
         k: ClosedFormSolver(pr) if cfg2.solver == "closed_form" else PrimalSolver(pr, loss=cfg2.loss)
@@ -155,6 +193,7 @@ def prepare_stage2(
         evaluate=_evaluator(problems, test_problems, shape, comm),
         eval_every=1,
         lr_hint=f" (stage-2 η is {lr:g})",
+        observers=_client_evaluation(fed, problems, held_problems, solvers, shape, lr),
     )
     return Stage2Setup(
         plan=plan, shape=shape, dtype=dtype, lr=lr, lambda_max={k: v[0] for k, v in every.items()}
@@ -196,10 +235,62 @@ def enter_stage2(entry: StageInput) -> StagePlan:
     return StagePlan(plan=setup.plan, server=server, init_client=lambda k: algo.init_client(k, server))
 
 
+def _held_out_items(fed: FederationView) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+    """{client: (x, labels)} of the held-out shares (``client_eval``) of the clients this rank owns
+    (those whose training features it extracts), empty shares left out; None without client_eval."""
+    if fed.client_eval is None:
+        return None
+    train = fed.dataset.train
+    return {
+        k: (train.x[fed.client_eval[k]], train.y[fed.client_eval[k]])
+        for k in fed.clients
+        if fed.client_eval[k].numel()
+    }
+
+
+def linear_scores(pr: LinearProblem, w: torch.Tensor) -> tuple[float, float]:
+    """Accuracy of argmax(Z̃W) on one problem and its mean squared error ½‖Z̃W − Y‖² / n (stage 2's
+    test columns, for one client)."""
+    out = pr.z @ w.to(pr.z.dtype)
+    correct = float((out.argmax(1) == pr.labels).sum())
+    return correct / pr.n, float(0.5 * ((out - pr.y) ** 2).sum(1).sum()) / pr.n
+
+
+def _client_evaluation(
+    fed: FederationView,
+    problems: dict[int, LinearProblem],
+    held: dict[int, LinearProblem],
+    solvers: dict[int, LocalSolver],
+    shape: tuple[int, int],
+    lr: float,
+) -> tuple[Observer, ...]:
+    """Per-client evaluation of the linear model W on each client's held-out share (its eNTK features,
+    computed and standardised as the training and test features are), by the rank that owns the client.
+
+    Fine-tuning (``finetune_eval.steps`` S): S local steps of the client's own stage-2 solver from W
+    (h = 0: plain local gradient steps on its squared loss) at stage 2's η2, not at
+    ``finetune_eval.lr``: that rate is the network's, and the linear model's stable rates are bounded
+    by the clients' λ_max (:func:`hpcfl.tct.stage2.check_stability`), where stage 2's own η2 lies.
+    """
+
+    def score(x: torch.Tensor, k: int) -> tuple[float, float]:
+        return linear_scores(held[k], x.view(shape))
+
+    def finetune(x: torch.Tensor, k: int, steps: int) -> tuple[float, float]:
+        w0 = x.view(shape).to(problems[k].z.dtype)
+        w = solvers[k].local_steps(w0, torch.zeros_like(w0), lr, steps)
+        if not torch.isfinite(w).all():
+            return math.nan, math.nan
+        return score(w, k)
+
+    obs = fed.client_evaluation(score, lambda ids: [k for k in ids if k in problems], finetune)
+    return () if obs is None else (obs,)
+
+
 def _evaluator(problems, test_problems, shape, comm):
     """Train/test accuracy of argmax(Z̃W) and the mean squared error, one allreduce."""
 
-    def evaluate_linear(server: ServerState) -> dict[str, float]:
+    def evaluate_linear(server: ServerState, joint: JointCounts) -> dict[str, float]:
         stats = torch.zeros(6, dtype=torch.float64)
         for offset, group in ((0, test_problems), (3, list(problems.values()))):
             for pr in group:
@@ -208,7 +299,7 @@ def _evaluator(problems, test_problems, shape, comm):
                 stats[offset] += (out.argmax(1) == pr.labels).sum()
                 stats[offset + 1] += 0.5 * ((out - pr.y) ** 2).sum(1).sum()
                 stats[offset + 2] += pr.n
-        comm.allreduce(stats)
+        (stats,) = joint.reduce(comm, [stats])
         return {
             "test_accuracy": float(stats[0] / stats[2]),
             "test_loss": float(stats[1] / stats[2]),
