@@ -35,9 +35,14 @@ def _client_cfg(tmp_path: Path, **over):
 # -- sample level -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,options", [("mlp", {}), ("simplecnn", {}), ("resnet8", {"norm": "gn"})])
+@pytest.mark.parametrize(
+    "name,options",
+    [("mlp", {}), ("simplecnn", {}), ("resnet8", {"norm": "gn"}), ("cnn-proj", {})],
+)
 def test_clipped_sum_equals_opacus(name: str, options: dict) -> None:
-    """Σ clip(g_i) from hpcfl's per-sample path equals Opacus's GradSampleModule with its clipping."""
+    """Σ clip(g_i) from hpcfl's per-sample paths equals Opacus's GradSampleModule with its clipping:
+    the book-keeping path with each Conv2d's norm chosen by cost, forced ghost and forced
+    materialised (the zoo's 3×3 stride 1/2 padded, 1×1 shortcut and 5×5 unpadded convolutions)."""
     from opacus import GradSampleModule
 
     from hpcfl.models import build_model
@@ -64,6 +69,12 @@ def test_clipped_sum_equals_opacus(name: str, options: dict) -> None:
     paths = {
         "auto": lambda out: clipped_grad_sum(model, cross_entropy_loss, x, y, clip, out),
         "book-keeping": lambda out: ghost.hooked_clipped_grad_sum(model, x, y, clip, out, OPACUS_EPS),
+        "book-keeping, conv ghost": lambda out: ghost.hooked_clipped_grad_sum(
+            model, x, y, clip, out, OPACUS_EPS, conv_ghost=True
+        ),
+        "book-keeping, conv materialised": lambda out: ghost.hooked_clipped_grad_sum(
+            model, x, y, clip, out, OPACUS_EPS, conv_ghost=False
+        ),
         "vmap": lambda out: vmap_clipped_grad_sum(model, cross_entropy_loss, x, y, clip, out),
     }
     for path, run in paths.items():
@@ -73,6 +84,87 @@ def test_clipped_sum_equals_opacus(name: str, options: dict) -> None:
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-10, msg=path)
         mean = torch.nn.functional.cross_entropy(model(x), y)
         torch.testing.assert_close(losses.mean(), mean, rtol=0, atol=1e-12, msg=path)
+
+
+class _ConvVariants(torch.nn.Module):
+    """Conv2d variants beyond the zoo's: groups, dilation, non-square kernel and stride, 'same'
+    padding, reflect and circular padding modes, bias on and off; a frozen conv weight; GroupNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.c1 = nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2))
+        self.c2 = nn.Conv2d(4, 6, 3, padding="same", groups=2, bias=False)
+        self.c3 = nn.Conv2d(6, 6, 3, stride=2, padding=1, padding_mode="reflect", groups=3)
+        self.n3 = nn.GroupNorm(2, 6)
+        self.c4 = nn.Conv2d(6, 4, 2, padding=1, padding_mode="circular")
+        self.c4.weight.requires_grad_(False)  # its bias alone is trained (and clipped)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.c2(torch.tanh(self.c1(x))))
+        x = self.c4(torch.relu(self.n3(self.c3(x))))
+        return self.fc(torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1))
+
+
+def test_book_keeping_conv_variants_equal_vmap() -> None:
+    """Grouped, dilated, strided, 'same'/reflect/circular-padded convolutions, with and without bias
+    and with a frozen weight: both Conv2d norm forms equal vmap per-sample gradients (float64, 1e-10)."""
+    from hpcfl.privacy import ghost
+    from hpcfl.privacy.sgd import OPACUS_EPS, vmap_clipped_grad_sum
+    from hpcfl.training.sgd import cross_entropy_loss
+
+    torch.manual_seed(1)
+    model = _ConvVariants().double()
+    x = torch.randn(5, 2, 11, 9, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,))
+    clip = 5.1
+    P = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    expected = torch.empty(P, dtype=torch.float64)
+    _, norms = vmap_clipped_grad_sum(model, cross_entropy_loss, x, y, clip, expected)
+    assert bool((norms > clip).any()) and bool((norms < clip).any()), "clip some samples, not all"
+    assert ghost.supported(model)
+    for conv_ghost in (None, True, False):
+        out = torch.empty(P, dtype=torch.float64)
+        _, ours = ghost.hooked_clipped_grad_sum(model, x, y, clip, out, OPACUS_EPS, conv_ghost=conv_ghost)
+        torch.testing.assert_close(ours, norms, rtol=0, atol=1e-10, msg=str(conv_ghost))
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-10, msg=str(conv_ghost))
+
+
+def test_conv_norm_form_is_chosen_by_cost() -> None:
+    """Bu et al.'s hybrid rule: small output maps (simplecnn's 7×7 and 4×4, resnet8's last stage)
+    take the ghost norm, wide maps and 1×1 shortcuts materialise."""
+    from hpcfl.privacy.ghost import conv_uses_ghost
+
+    nn = torch.nn
+    assert conv_uses_ghost(nn.Conv2d(64, 128, 3, stride=2, padding=1), 16)  # simplecnn conv3
+    assert conv_uses_ghost(nn.Conv2d(32, 64, 3, stride=2, padding=1), 49)  # simplecnn conv2
+    assert conv_uses_ghost(nn.Conv2d(64, 64, 3, padding=1), 49)  # resnet8 layer3
+    assert not conv_uses_ghost(nn.Conv2d(32, 64, 1, stride=2), 49)  # resnet8 layer3 shortcut
+    assert not conv_uses_ghost(nn.Conv2d(16, 16, 3, padding=1), 784)  # resnet8 layer1
+    assert not conv_uses_ghost(nn.Conv2d(1, 32, 3, stride=2, padding=1), 196)  # simplecnn conv1
+
+
+def test_book_keeping_refuses_an_output_modified_in_place_and_sgd_falls_back() -> None:
+    """A layer output changed in place (ReLU(inplace=True)) would give the wrong output gradient:
+    the book-keeping path refuses before its backward and clipped_grad_sum takes vmap instead."""
+    from hpcfl.privacy import ghost
+    from hpcfl.privacy.sgd import OPACUS_EPS, clipped_grad_sum, vmap_clipped_grad_sum
+    from hpcfl.training.sgd import cross_entropy_loss
+
+    torch.manual_seed(2)
+    nn = torch.nn
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)
+    ).double()
+    x, y = torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 2, (4,))
+    P = sum(p.numel() for p in model.parameters())
+    out, expected = torch.empty(P, dtype=torch.float64), torch.empty(P, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="in place"):
+        ghost.hooked_clipped_grad_sum(model, x, y, 0.5, out, OPACUS_EPS)
+    clipped_grad_sum(model, cross_entropy_loss, x, y, 0.5, out)
+    vmap_clipped_grad_sum(model, cross_entropy_loss, x, y, 0.5, expected)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_dp_sgd_noise_has_the_configured_scale() -> None:

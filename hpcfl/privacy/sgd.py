@@ -9,9 +9,10 @@ sums, adds N(0, (σC)²·I) from the client's generator, and divides by the EXPE
 proximal term) and momentum do not read the data, so they act on the privatised gradient as in
 :func:`hpcfl.training.sgd.sgd_step`.
 
-Per-sample norms and the clipped sum come from :mod:`hpcfl.privacy.ghost` (layer activations and
-output gradients of one backward, Linear layers by their ghost norm) where the model allows, else
-from ``vmap`` per-sample gradients, chunk by chunk.
+Per-sample norms and the clipped sum come from :mod:`hpcfl.privacy.ghost` (book-keeping: layer
+inputs and output gradients of ONE backward; Linear layers by their ghost norm, each Conv2d by the
+ghost or the materialised norm, whichever costs less; the clipped sum one weighted product per
+layer) where the model allows, else from ``vmap`` per-sample gradients, chunk by chunk.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def clipped_grad_sum(
     (``model.parameters()`` order); returns (per-sample losses (B,), per-sample norms (B,)).
 
     The fastest correct path: the book-keeping one (:mod:`hpcfl.privacy.ghost`: one forward and one
-    backward, Linear layers never form per-sample gradients) for Linear/Conv2d/GroupNorm models with
-    the default loss, ``vmap`` per-sample gradients otherwise (the losses then come back as the
-    batch mean repeated: the same sum).
+    backward, no per-sample gradient formed for Linear layers nor for Conv2d layers on small output
+    maps) for Linear/Conv2d/GroupNorm models with the default loss (its losses come back as the batch
+    mean repeated: the same sum), ``vmap`` per-sample gradients otherwise.
     """
     if loss_fn is cross_entropy_loss and x.shape[0] and ghost.supported(model):
         try:
