@@ -147,12 +147,16 @@ def measure_client_eval(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _client_eval_at(args: argparse.Namespace, K: int) -> dict[str, Any]:
+    import torch
+
     from hpcfl.algorithms.participation import Population
+    from hpcfl.algorithms.stage_types import EVAL_SLOT
     from hpcfl.comm import LocalComm
     from hpcfl.config import config_from_dict
     from hpcfl.runner.client_eval import ClientEval
     from hpcfl.runner.federation import build_federation, model_evaluator
     from hpcfl.runner.observers import LocalWork, RoundEnd, RoundStart
+    from hpcfl.training.evaluate import JointCounts
 
     sampled = K > args.sample
     cfg = config_from_dict(
@@ -176,15 +180,19 @@ def _client_eval_at(args: argparse.Namespace, K: int) -> dict[str, Any]:
     evaluate = model_evaluator(fed)
 
     def client_round(rnd: int) -> float:
+        """The per-client table's own work: its counts, their (one-rank) reduce, its row."""
         start = RoundStart(rnd, (), Population((1,) * K), server, 0.0, True, final=False)
         end = RoundEnd(LocalWork(start, 0.0, 0.0), server, {}, None, {}, 0, 0, 0.0)  # type: ignore[arg-type]
         t = time.perf_counter()
-        observer.row(end, {})
+        counts = observer.eval_counts(end)
+        joint = JointCounts([counts.reshape(-1).to(torch.float64)])
+        joint.settle(fed.comm)
+        observer.row(end, {EVAL_SLOT: joint.parts[0]})
         return time.perf_counter() - t
 
     def test_eval() -> float:
         t = time.perf_counter()
-        evaluate(server)
+        evaluate(server, JointCounts())
         return time.perf_counter() - t
 
     client_round(0), test_eval()  # warm-up
