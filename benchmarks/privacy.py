@@ -232,9 +232,14 @@ def accuracy(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]
         keys.update(eval_every=rounds, checkpoint_every=rounds)  # only the last round is read
         if level == "client":
             return _run(args, keys, tag)[-1]
-        rows = {
-            lr: _run(args, {**keys, "lr": lr, "validation": 0.05}, f"{tag}_lr{lr:g}")[-1] for lr in args.sample_lrs
-        }
+        from hpcfl.errors import DivergenceError
+
+        rows = {}
+        for lr in args.sample_lrs:
+            try:
+                rows[lr] = _run(args, {**keys, "lr": lr, "validation": 0.05}, f"{tag}_lr{lr:g}")[-1]
+            except DivergenceError:  # a candidate lr that diverges loses the choice
+                continue
         best = max(rows, key=lambda lr: rows[lr]["val_accuracy"])
         return {**rows[best], "lr": best}
 
