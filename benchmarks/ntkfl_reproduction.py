@@ -102,6 +102,8 @@ def settings(args: argparse.Namespace) -> list[Setting]:
             # explicit Euler steps of K on the flow = gradient descent steps with η·K, the grid / K
             k = args.euler_step
             grid = [int(t) // k for t in params.get("grid", NTKFLParams().grid)]
+            if any(int(t) % k for t in params.get("grid", NTKFLParams().grid)):
+                raise SystemExit(f"ntkfl_reproduction: --euler-step {k} must divide every grid point")
             params = {**params, "eta": params.get("eta", NTKFLParams().eta) * k, "grid": grid}
             name = f"{method}-euler{k}"
         cfg = {**paper, **_common(args, 0), "rounds": args.rounds, "params": params}
@@ -140,6 +142,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (worker processes)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0: all cores)")
     args = ap.parse_args()
+    if args.euler_step < 1:
+        ap.error(f"--euler-step must be >= 1, got {args.euler_step}")
     if not args.threads:
         args.threads = os.cpu_count() or 1
     protocol = Protocol(last_k=args.last, window=args.window)

@@ -765,3 +765,28 @@ def test_paper_configs_are_the_authors_run(name: str, cls):
     assert params.grid == (100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1500, 2000)
     if cls is CPNTKFLParams:
         assert (params.beta, params.projection_dim, params.keep) == (0.3, 200, 0.1)
+
+
+@pytest.mark.parametrize(("step", "message"), [("3", "must divide every grid point"), ("0", "must be >= 1")])
+def test_reproduction_refuses_an_euler_step_it_cannot_run_exactly(tmp_path: Path, step: str, message: str):
+    """``--euler-step K`` runs the old Euler evolution exactly only where K divides the grid: any
+    other K is refused in one line, before a run starts."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "ntkfl_reproduction.py"),
+            "--euler-step",
+            step,
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()
