@@ -12,8 +12,11 @@ client-level round overhead, and accuracy against ε (issue 29).
      ``use_ghost_clipping=True`` + ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping``),
      its fastest documented mode (two backward passes, no per-sample gradients held);
    and the ratios hpcfl/Opacus (each mode, and the faster of the two: the target's figure) and
-   hpcfl/non-private, all in ONE process with the modes' steps interleaved (median of 10 rounds), so
-   the ratios compare like with like. Targets (issue 29): ≥ 2× Opacus, ≥ 0.5× non-private.
+   hpcfl/non-private, in ONE run: one worker process per mode (its own heap), the modes' steps
+   interleaved across them (10 rounds), ``--sessions`` such sets of fresh workers, the median over
+   all rounds, so the ratios compare like with like; under glibc's default malloc and, in every
+   mode alike, a steady one that keeps freed memory (``--allocators``: the default's page faults
+   take 20-50 % of a step on this machine, more of Opacus's than of hpcfl's). Targets (issue 29): ≥ 2× Opacus, ≥ 0.5× non-private.
 2. ``overhead`` — client-level DP-FedAvg's round time against plain FedAvg on the same federation
    (K = 1000 synthetic-split clients of Fashion-MNIST, M = 100 per round; median of the rounds'
    ``seconds``); target ≤ 5 %.
@@ -30,9 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, default=30, help="timed steps per mode (after 3 warm-up steps), in 10 interleaved rounds"
     )
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="throughput's models")
+    p.add_argument(
+        "--allocators", nargs="+", choices=ALLOCATORS, default=list(ALLOCATORS), help="throughput's malloc settings"
+    )
+    p.add_argument("--sessions", type=int, default=3, help="throughput: sets of fresh worker processes")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=30, help="rounds of every client-level accuracy run")
     p.add_argument(
@@ -70,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a one-minute end-to-end check (meaningless numbers)")
     args = p.parse_args(argv)
     if args.tiny:
-        args.batch, args.steps, args.rounds, args.overhead_rounds = 32, 4, 2, 3
+        args.batch, args.steps, args.rounds, args.overhead_rounds, args.sessions = 32, 4, 2, 3, 1
         args.sample_rounds = 2
     if args.sample_rounds is None:
         args.sample_rounds = args.rounds
@@ -87,67 +97,61 @@ def _model(name: str) -> nn.Module:
     return build_model(name.split("-")[0], (1, 28, 28), 10, **MODELS[name])
 
 
-def _interleaved(modes: dict[str, Any], steps: int, repeats: int = 10) -> dict[str, float]:
-    """Median seconds per step of each mode, timed INTERLEAVED: after 3 warm-up steps each, ``repeats``
-    rounds in which every mode runs ``max(1, steps // repeats)`` timed steps in turn. Sequential blocks
-    (all of one mode, then the next) were swayed ~2× by this shared VM's drift between blocks;
-    interleaving exposes every mode to the same drift and the median drops the outlying rounds."""
-    for step in modes.values():
-        for _ in range(3):
-            step()
-    per = max(1, steps // repeats)
-    times: dict[str, list[float]] = {name: [] for name in modes}
-    for _ in range(repeats):
-        for name, step in modes.items():
-            t = time.perf_counter()
-            for _ in range(per):
-                step()
-            times[name].append((time.perf_counter() - t) / per)
-    return {name: statistics.median(v) for name, v in times.items()}
+MODES = ("nonprivate", "hpcfl", "opacus_hooks", "opacus_ghost")
 
 
-def throughput(name: str, batch: int, steps: int) -> dict[str, float]:
-    """Samples/s of each mode on one batch (see the module docstring)."""
+def _step(mode: str, name: str, batch: int) -> Callable[[], None]:
+    """One full training step of ``mode`` on one fixed batch of Fashion-MNIST's shape (see the module
+    docstring), its model, optimiser and data built here."""
     import torch.nn.functional as F
-    from opacus import GradSampleModule
-    from opacus.grad_sample import GradSampleModuleFastGradientClipping
-    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
-    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     from hpcfl.privacy.sgd import clipped_grad_sum
     from hpcfl.training.flat import FlatModel
     from hpcfl.training.sgd import LocalSchedule, cross_entropy_loss, sgd_step
 
+    torch.manual_seed(1)
     x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
     clip, sigma, lr = 1.0, 1.0, 0.05
     schedule = LocalSchedule(lr=lr, batch_size=batch, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(0)
+    if mode == "nonprivate":
+        flat = FlatModel(_model(name))
 
-    plain_flat = FlatModel(_model(name))
+        def plain() -> None:
+            flat.grad.zero_()
+            cross_entropy_loss(flat.model, x, y).backward()
+            sgd_step(flat.params, flat.grad, schedule, None, None)
 
-    def plain() -> None:
-        plain_flat.grad.zero_()
-        cross_entropy_loss(plain_flat.model, x, y).backward()
-        sgd_step(plain_flat.params, plain_flat.grad, schedule, None, None)
+        return plain
+    if mode == "hpcfl":
+        flat = FlatModel(_model(name))
+        total = torch.empty_like(flat.grad)
+        gen = torch.Generator().manual_seed(0)
 
-    flat = FlatModel(_model(name))
-    total = torch.empty_like(flat.grad)
+        def hpcfl_dp() -> None:
+            clipped_grad_sum(flat.model, cross_entropy_loss, x, y, clip, total)
+            noise = torch.randn(total.shape, generator=gen) * (sigma * clip)
+            sgd_step(flat.params, (total + noise) / batch, schedule, None, None)
 
-    def hpcfl_dp() -> None:
-        clipped_grad_sum(flat.model, cross_entropy_loss, x, y, clip, total)
-        noise = torch.randn(total.shape, generator=gen) * (sigma * clip)
-        sgd_step(flat.params, (total + noise) / batch, schedule, None, None)
+        return hpcfl_dp
+    if mode == "opacus_hooks":
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
 
-    hooked = GradSampleModule(_model(name))
-    opt = DPOptimizer(
-        torch.optim.SGD(hooked.parameters(), lr=lr), noise_multiplier=sigma, max_grad_norm=clip,
-        expected_batch_size=batch,
-    )  # fmt: skip
+        hooked = GradSampleModule(_model(name))
+        opt = DPOptimizer(
+            torch.optim.SGD(hooked.parameters(), lr=lr), noise_multiplier=sigma, max_grad_norm=clip,
+            expected_batch_size=batch,
+        )  # fmt: skip
 
-    def opacus_hooks() -> None:
-        opt.zero_grad()
-        F.cross_entropy(hooked(x), y).backward()
-        opt.step()
+        def opacus_hooks() -> None:
+            opt.zero_grad()
+            F.cross_entropy(hooked(x), y).backward()
+            opt.step()
+
+        return opacus_hooks
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     ghost = GradSampleModuleFastGradientClipping(_model(name), max_grad_norm=clip, use_ghost_clipping=True)
     gopt = DPOptimizerFastGradientClipping(
@@ -161,9 +165,100 @@ def throughput(name: str, batch: int, steps: int) -> dict[str, float]:
         criterion(ghost(x), y).backward()
         gopt.step()
 
-    modes = {"nonprivate": plain, "hpcfl": hpcfl_dp, "opacus_hooks": opacus_hooks, "opacus_ghost": opacus_ghost}
-    seconds = _interleaved(modes, steps)
+    return opacus_ghost
+
+
+ALLOCATORS = ("default", "steady")
+"""``default``: glibc's malloc as every process gets it. ``steady``: in EVERY mode's worker alike,
+malloc told to keep freed memory (``mallopt``: mmap threshold at its 32 MB maximum, trim threshold
+2 GB), so that the figure times the computation rather than the page faults of buffers handed back
+to the kernel and taken again each step (what jemalloc/tcmalloc do, as PyTorch's CPU tuning guide
+recommends)."""
+
+
+def _steady_malloc() -> bool:
+    """Keep glibc's malloc from returning freed memory to the kernel (see :data:`ALLOCATORS`);
+    False where the C library is not glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, 32 << 20)) and bool(libc.mallopt(-1, (1 << 31) - 1))  # MMAP, TRIM
+    except (OSError, AttributeError):
+        return False
+
+
+def _serve(mode: str, name: str, batch: int, threads: int, allocator: str, conn: Connection) -> None:
+    """A worker process for one mode: build its step, warm up 3 steps, then on each request of k
+    steps run them and answer (seconds, minor page faults, system seconds) per step (None ends it)."""
+    import resource
+    import warnings
+
+    if allocator == "steady" and not _steady_malloc():
+        raise SystemExit("--allocators steady needs glibc's mallopt")
+    warnings.filterwarnings("ignore", message="Full backward hook")
+    torch.set_num_threads(threads)
+    step = _step(mode, name, batch)
+    for _ in range(3):
+        step()
+    conn.send("ready")
+    while (k := conn.recv()) is not None:
+        r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        for _ in range(k):
+            step()
+        seconds, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+        conn.send((seconds / k, (r1.ru_minflt - r0.ru_minflt) / k, (r1.ru_stime - r0.ru_stime) / k))
+
+
+def _session(name: str, batch: int, per: int, threads: int, allocator: str, repeats: int) -> dict[str, list]:
+    """One set of fresh worker processes, one per mode, driven round-robin for ``repeats`` rounds of
+    ``per`` steps each: every mode's (seconds, faults, system seconds) per step, per round."""
+    ctx = mp.get_context("spawn")
+    conns, procs = {}, []
+    for mode in MODES:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(mode, name, batch, threads, allocator, child), daemon=True)
+        proc.start()
+        conns[mode] = parent
+        procs.append(proc)
+    rounds: dict[str, list] = {mode: [] for mode in MODES}
+    try:
+        for conn in conns.values():
+            conn.recv()  # ready
+        for _ in range(repeats):
+            for mode, conn in conns.items():
+                conn.send(per)
+                rounds[mode].append(conn.recv())
+    finally:
+        for conn in conns.values():
+            conn.send(None)
+        for proc in procs:
+            proc.join(timeout=30)
+    return rounds
+
+
+def throughput(
+    name: str, batch: int, steps: int, threads: int, *, sessions: int, allocator: str, repeats: int = 10
+) -> dict[str, float]:
+    """Samples/s of each mode (see the module docstring) and the ratios: ``sessions`` sets of fresh
+    worker processes, one per mode, each set driven INTERLEAVED (``repeats`` rounds in which each
+    mode in turn runs ``max(1, steps // repeats)`` steps while the others wait); per mode the median
+    over all rounds of all sessions, with its page faults and system time per step.
+
+    Why workers: under glibc's default malloc a step's time swung with its process's heap history
+    (the same code in two fresh processes side by side: 22k against 43k page faults and 28 against
+    69 ms of system time a step), so modes sharing one process timed each other's heap, and one
+    process per mode times its luck: hence several sessions. Why interleaved: the host's drift
+    between blocks of one mode then the next was up to 2× as well."""
+    per = max(1, steps // repeats)
+    rounds: dict[str, list] = {mode: [] for mode in MODES}
+    for _ in range(sessions):
+        for mode, values in _session(name, batch, per, threads, allocator, repeats).items():
+            rounds[mode] += values
+    seconds = {mode: statistics.median(r[0] for r in v) for mode, v in rounds.items()}
     row = {f"{mode}_samples_per_s": batch / s for mode, s in seconds.items()}
+    row.update({f"{mode}_faults_per_step": statistics.median(r[1] for r in v) for mode, v in rounds.items()})
+    row.update({f"{mode}_system_s_per_step": statistics.median(r[2] for r in v) for mode, v in rounds.items()})
     row["hpcfl_vs_opacus_hooks"] = seconds["opacus_hooks"] / seconds["hpcfl"]
     row["hpcfl_vs_opacus_ghost"] = seconds["opacus_ghost"] / seconds["hpcfl"]
     row["hpcfl_vs_opacus_fastest"] = min(seconds["opacus_hooks"], seconds["opacus_ghost"]) / seconds["hpcfl"]
@@ -301,20 +396,26 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     lines = ["# Differential privacy benchmark", ""]
     if "throughput" in args.parts:
-        lines += [f"## DP-SGD samples/s (batch {args.batch}, {args.threads} threads)", "",
-                  "| model | non-private | hpcfl DP-SGD | Opacus hooks | Opacus ghost | hpcfl/hooks | hpcfl/ghost "
-                  "| hpcfl/fastest Opacus | hpcfl/non-private |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"## DP-SGD samples/s (batch {args.batch}, {args.threads} threads, {args.sessions} sessions)", "",
+                  "| model | malloc | non-private | hpcfl DP-SGD | Opacus hooks | Opacus ghost | hpcfl/hooks "
+                  "| hpcfl/ghost | hpcfl/fastest Opacus | hpcfl/non-private | page faults per step: non-private, "
+                  "hpcfl, hooks, ghost |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
         results["throughput"] = {}
-        for name in args.models:
-            r = throughput(name, args.batch, args.steps)
-            results["throughput"][name] = r
-            lines.append(
-                f"| {name} | {r['nonprivate_samples_per_s']:.0f} | {r['hpcfl_samples_per_s']:.0f} "
-                f"| {r['opacus_hooks_samples_per_s']:.0f} | {r['opacus_ghost_samples_per_s']:.0f} "
-                f"| {r['hpcfl_vs_opacus_hooks']:.2f}× | {r['hpcfl_vs_opacus_ghost']:.2f}× "
-                f"| **{r['hpcfl_vs_opacus_fastest']:.2f}×** "
-                f"| {r['hpcfl_vs_nonprivate']:.2f}× |"
-            )
+        for allocator in args.allocators:
+            results["throughput"][allocator] = {}
+            for name in args.models:
+                r = throughput(
+                    name, args.batch, args.steps, args.threads, sessions=args.sessions, allocator=allocator
+                )
+                results["throughput"][allocator][name] = r
+                faults = ", ".join(f"{r[f'{mode}_faults_per_step'] / 1000:.0f}k" for mode in MODES)
+                lines.append(
+                    f"| {name} | {allocator} | {r['nonprivate_samples_per_s']:.0f} | {r['hpcfl_samples_per_s']:.0f} "
+                    f"| {r['opacus_hooks_samples_per_s']:.0f} | {r['opacus_ghost_samples_per_s']:.0f} "
+                    f"| {r['hpcfl_vs_opacus_hooks']:.2f}× | {r['hpcfl_vs_opacus_ghost']:.2f}× "
+                    f"| **{r['hpcfl_vs_opacus_fastest']:.2f}×** | {r['hpcfl_vs_nonprivate']:.2f}× | {faults} |"
+                )
+                print(lines[-1], flush=True)
         lines.append("")
     if "overhead" in args.parts:
         o = results["overhead"] = overhead(args)

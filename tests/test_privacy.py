@@ -69,12 +69,12 @@ def test_clipped_sum_equals_opacus(name: str, options: dict) -> None:
     paths = {
         "auto": lambda out: clipped_grad_sum(model, cross_entropy_loss, x, y, clip, out),
         "book-keeping": lambda out: ghost.hooked_clipped_grad_sum(model, x, y, clip, out, OPACUS_EPS),
-        "book-keeping, conv ghost": lambda out: ghost.hooked_clipped_grad_sum(
-            model, x, y, clip, out, OPACUS_EPS, conv_ghost=True
-        ),
-        "book-keeping, conv materialised": lambda out: ghost.hooked_clipped_grad_sum(
-            model, x, y, clip, out, OPACUS_EPS, conv_ghost=False
-        ),
+        **{
+            f"book-keeping, conv {form}": lambda out, form=form: ghost.hooked_clipped_grad_sum(
+                model, x, y, clip, out, OPACUS_EPS, conv_form=form
+            )
+            for form in ("ghost-unfold", "ghost-shift", "materialise")
+        },
         "vmap": lambda out: vmap_clipped_grad_sum(model, cross_entropy_loss, x, y, clip, out),
     }
     for path, run in paths.items():
@@ -124,25 +124,47 @@ def test_book_keeping_conv_variants_equal_vmap() -> None:
     _, norms = vmap_clipped_grad_sum(model, cross_entropy_loss, x, y, clip, expected)
     assert bool((norms > clip).any()) and bool((norms < clip).any()), "clip some samples, not all"
     assert ghost.supported(model)
-    for conv_ghost in (None, True, False):
+    for form in (None, "ghost-unfold", "ghost-shift", "materialise"):
         out = torch.empty(P, dtype=torch.float64)
-        _, ours = ghost.hooked_clipped_grad_sum(model, x, y, clip, out, OPACUS_EPS, conv_ghost=conv_ghost)
-        torch.testing.assert_close(ours, norms, rtol=0, atol=1e-10, msg=str(conv_ghost))
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-10, msg=str(conv_ghost))
+        _, ours = ghost.hooked_clipped_grad_sum(model, x, y, clip, out, OPACUS_EPS, conv_form=form)
+        torch.testing.assert_close(ours, norms, rtol=0, atol=1e-10, msg=str(form))
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-10, msg=str(form))
 
 
 def test_conv_norm_form_is_chosen_by_cost() -> None:
-    """Bu et al.'s hybrid rule: small output maps (simplecnn's 7×7 and 4×4, resnet8's last stage)
-    take the ghost norm, wide maps and 1×1 shortcuts materialise."""
-    from hpcfl.privacy.ghost import conv_uses_ghost
+    """Bu et al.'s hybrid rule with the shifted ghost norm as a third form: wide maps and 1×1
+    shortcuts materialise, strided convolutions of many channels onto very small maps take the
+    unfolded ghost norm, stride-1 convolutions of many channels on small maps the shifted one."""
+    from hpcfl.privacy.ghost import choose_conv_form
 
     nn = torch.nn
-    assert conv_uses_ghost(nn.Conv2d(64, 128, 3, stride=2, padding=1), 16)  # simplecnn conv3
-    assert conv_uses_ghost(nn.Conv2d(32, 64, 3, stride=2, padding=1), 49)  # simplecnn conv2
-    assert conv_uses_ghost(nn.Conv2d(64, 64, 3, padding=1), 49)  # resnet8 layer3
-    assert not conv_uses_ghost(nn.Conv2d(32, 64, 1, stride=2), 49)  # resnet8 layer3 shortcut
-    assert not conv_uses_ghost(nn.Conv2d(16, 16, 3, padding=1), 784)  # resnet8 layer1
-    assert not conv_uses_ghost(nn.Conv2d(1, 32, 3, stride=2, padding=1), 196)  # simplecnn conv1
+
+    def form(conv: torch.nn.Conv2d, side: int) -> str:
+        return choose_conv_form(conv, side * side, (side, side))
+
+    assert form(nn.Conv2d(64, 128, 3, stride=2, padding=1), 4) == "ghost-unfold"  # simplecnn conv3
+    assert form(nn.Conv2d(32, 64, 3, stride=2, padding=1), 7) == "materialise"  # simplecnn conv2, resnet8
+    assert form(nn.Conv2d(64, 64, 3, padding=1), 7) == "ghost-shift"  # resnet8 layer3
+    assert form(nn.Conv2d(512, 512, 3, padding=1), 4) == "ghost-shift"  # resnet18 layer4 on 32×32
+    assert form(nn.Conv2d(32, 64, 1, stride=2), 7) == "materialise"  # resnet8 layer3 shortcut
+    assert form(nn.Conv2d(16, 16, 3, padding=1), 28) == "materialise"  # resnet8 layer1
+    assert form(nn.Conv2d(1, 32, 3, stride=2, padding=1), 14) == "materialise"  # simplecnn conv1
+
+
+def test_group_norm_statistics_fallback_equals_the_saved_ones() -> None:
+    """The GroupNorm weight's per-sample gradient uses the mean and 1/std its forward saved; where the
+    output's node is another one, they are computed from the input, and are the same."""
+    from hpcfl.privacy.ghost import _group_stats
+
+    torch.manual_seed(3)
+    m = torch.nn.GroupNorm(2, 6).double()
+    a = torch.randn(4, 6, 5, 5, dtype=torch.float64) * 3 + 1
+    out = m(a)
+    assert type(out.grad_fn).__name__ == "NativeGroupNormBackward0"
+    saved = _group_stats(m, a, out)
+    computed = _group_stats(m, a, out * 1.0)  # a MulBackward0 node: nothing saved to read
+    for s, c in zip(saved, computed, strict=True):
+        torch.testing.assert_close(s, c, rtol=0, atol=1e-12)
 
 
 def test_book_keeping_refuses_an_output_modified_in_place_and_sgd_falls_back() -> None:

@@ -9,15 +9,18 @@ of its parameters as one weighted product:
 
 - ``Linear`` (2-D input): the per-sample weight gradient is g_i a_iᵀ, so ‖·‖² = ‖g_i‖²‖a_i‖² (Li et
   al. 2022's ghost norm) and the clipped sum is (c∘G)ᵀA; the bias's is g_i.
-- ``Conv2d`` (any stride, padding, dilation, groups and padding mode): with U_i (T×d) the unfolded
-  input of sample i and G_i (T×p) its output gradient (per group), the weight gradient is G_iᵀU_i.
-  Its squared norm is either the ghost one ⟨U_iU_iᵀ, G_iG_iᵀ⟩ (O(T²(d+p)); the clipped sum is then
-  the conv's ordinary weight gradient of the rescaled output gradient c∘G, one convolution
-  backward) or that of the materialised G_iᵀU_i (formed without unfolding, by ONE convolution
-  backward with the batch folded into the groups; the clipped sum is then Σ_i c_i·(G_iᵀU_i)),
-  chosen per layer by cost (:func:`conv_uses_ghost`: Bu et al. 2023's hybrid rule, its constant
-  timed here). The bias's is Σ_t G_i.
-- ``GroupNorm`` (affine): per-channel sums Σ_hw x̂·g (weight) and Σ_hw g (bias), x̂ recomputed.
+- ``Conv2d`` (any stride, padding, dilation, groups and padding mode): with U_i (d×T) the unfolded
+  input of sample i and G_i (p×T) its output gradient (per group), the weight gradient is G_iU_iᵀ.
+  Its squared norm takes one of three forms (:data:`ConvForm`), chosen per layer by cost
+  (:func:`choose_conv_form`, Bu et al. 2023's hybrid rule with a third form): the ghost norm
+  ⟨U_iᵀU_i, G_iᵀG_i⟩ from the unfolded input (``ghost-unfold``, O(T²(d+p))) or, for a stride-1
+  convolution, from the Gram of the padded input's positions without unfolding (``ghost-shift``,
+  :func:`_ghost_shift_sq`) — the clipped sum is then the conv's ordinary weight gradient of the
+  rescaled output gradient c∘G, one convolution backward — or the norm of the materialised G_iU_iᵀ
+  (``materialise``: formed without unfolding by ONE convolution backward with the batch folded into
+  the groups; the clipped sum is then Σ_i c_i·(G_iU_iᵀ)). The bias's is Σ_t G_i.
+- ``GroupNorm`` (affine): per-channel sums Σ_hw x̂·g (weight) and Σ_hw g (bias), the first as
+  rstd·(Σ_hw a·g − mean·Σ_hw g) from the statistics the forward saved, x̂ never formed.
 
 Supported: models whose trainable parameters all belong to such modules, each called once per
 forward and its output not modified in place, with the default cross-entropy loss. :func:`supported`
@@ -30,6 +33,7 @@ tells; anything else raises ``NotImplementedError`` before the backward and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +41,16 @@ from torch import nn
 
 _LAYERS = (nn.Linear, nn.Conv2d, nn.GroupNorm)
 
-MATERIALISE_COST = 64.0
+MATERIALISE_COST = 40.0
 """Cost of one element of a materialised per-sample weight gradient (the batch folded into the groups
 of one convolution backward, then read for the norm and the weighted sum) in multiply-adds of the
-ghost norm's Gram products, as timed on a CPU (1 thread, batch 256, Fashion-MNIST-sized maps: ~8 ns
-per element against ~0.1 ns per Gram multiply-add). A Conv2d takes the ghost norm when
-T²(d+p) < MATERIALISE_COST·d·p: simplecnn's 7×7 and 4×4 output maps and resnet8's last stage's 3×3
-convolutions; the 28×28 and 14×14 maps, and 1×1 shortcuts, materialise."""
+ghost norms' Gram products. Fitted to the forms' times on this project's 2-core CPU (2 threads,
+batch 256 on 28×28 inputs, batch 64 on 32×32, glibc's malloc kept from returning memory so that
+page faults do not time the allocator): the strided 32→64 convolution onto 7×7 maps of resnet8 and
+simplecnn materialises in 7.1 ms against 9.3 ms for ghost-unfold, which 64 had wrongly chosen."""
+
+ConvForm = Literal["ghost-unfold", "ghost-shift", "materialise"]
+"""How a Conv2d's weight norms are computed (:func:`_conv`)."""
 
 Finish = Callable[[torch.Tensor], dict[int, torch.Tensor]]
 """Given the clip factors (B,), a layer's clipped sums by ``id`` of its trainable parameters."""
@@ -77,13 +84,28 @@ def _trainable(m: nn.Module, name: str) -> torch.Tensor | None:
     return p if isinstance(p, nn.Parameter) and p.requires_grad else None
 
 
-def conv_uses_ghost(m: nn.Conv2d, positions: int) -> bool:
-    """Bu et al.'s hybrid choice for one Conv2d with ``positions`` = T output positions: whether the
-    ghost norm's Gram products, T²(d+p) per group, cost less than the materialised gradient's d·p
-    entries at :data:`MATERIALISE_COST` each (d = in/groups·kh·kw, p = out/groups)."""
-    d = m.weight[0].numel()  # (in/groups)·kh·kw
+def choose_conv_form(m: nn.Conv2d, positions: int, out_hw: tuple[int, ...]) -> ConvForm:
+    """The cheapest weight-norm form of one Conv2d whose output map is ``out_hw`` (``positions`` =
+    T = its area), by per-sample cost in Gram multiply-adds (d = in/groups·kh·kw, p = out/groups):
+    ``materialise`` :data:`MATERIALISE_COST`·d·p; ``ghost-unfold`` T²(d+p); ``ghost-shift`` (stride
+    1 only) L_p²·in/groups + L²·(p + kh·kw) over L_p ≈ (Ho + dh(kh−1) + 1)·Wp padded input and
+    L = Ho·Wp output positions, Wp the padded width. Timed on this rule's choices (resnet8,
+    simplecnn, cnn-proj on 28×28; ResNet-18 widths on 32×32): the 28×28 and 14×14 maps and 1×1
+    shortcuts materialise and so do the strided 3×3 convolutions onto 7×7 maps; simplecnn's strided
+    64→128 onto 4×4 takes ghost-unfold (5.7 ms against 78 ms materialised); the stride-1 3×3
+    convolutions of 64 to 512 channels on 7×7, 8×8 and 4×4 maps take ghost-shift (1.1-2.0× faster
+    there than ghost-unfold, which unfolds 9× the input). The one near-tie mis-chosen among 18 layers:
+    128 channels on 16×16 materialise (55 ms) where ghost-shift takes 49 ms."""
+    d = m.weight[0].numel()
     p = m.out_channels // m.groups
-    return positions * positions * (d + p) < MATERIALISE_COST * d * p
+    T = positions
+    cost = {"materialise": MATERIALISE_COST * d * p, "ghost-unfold": float(T * T * (d + p))}
+    if tuple(m.stride) == (1, 1):
+        (kh, kw), (dh, dw) = m.kernel_size, m.dilation
+        Wp = out_hw[1] + dw * (kw - 1)
+        Lp, L = (out_hw[0] + dh * (kh - 1) + 1) * Wp, out_hw[0] * Wp
+        cost["ghost-shift"] = float(Lp * Lp * (m.in_channels // m.groups) + L * L * (p + kh * kw))
+    return min(cost, key=cost.__getitem__)  # type: ignore[return-value]
 
 
 def _padded(m: nn.Conv2d, a: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -140,23 +162,61 @@ def _linear(m: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tenso
     return sq, finish
 
 
-def _conv(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, ghost: bool | None) -> tuple[torch.Tensor, Finish]:
-    """A Conv2d's squared per-sample norms (B,) and clipped sums (module docstring); ``ghost`` forces
-    the weight's norm form, None takes :func:`conv_uses_ghost`'s choice."""
-    w, b = _trainable(m, "weight"), _trainable(m, "bias")
+def _ghost_unfold_sq(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, padding: tuple[int, ...]) -> torch.Tensor:
+    """The weight's squared per-sample norms ⟨U_iᵀU_i, G_iᵀG_i⟩ (B,) with U_i the unfolded input
+    (d × T per group) and G_i the output gradient (p × T): O(T²(d+p)), any convolution."""
     B, groups = a.shape[0], m.groups
+    T = g.shape[2] * g.shape[3]
+    U = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)
+    Ug = U.view(B * groups, -1, T)  # (B·groups, d, T): unfold is channel-major
+    Gg = g.reshape(B * groups, -1, T)  # (B·groups, out/groups, T)
+    UU = torch.bmm(Ug.transpose(1, 2), Ug)  # (B·groups, T, T)
+    GG = torch.bmm(Gg.transpose(1, 2), Gg)
+    return _rowdot(UU.view(B, -1), GG.view(B, -1))
+
+
+def _ghost_shift_sq(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, padding: tuple[int, ...]) -> torch.Tensor:
+    """The same ghost norm for a stride-1 convolution without unfolding: UᵀU's entry (t, t') is
+    Σ_k Q[t + o_k, t' + o_k], with Q = A_iᵀA_i the Gram of the zero-padded input's positions
+    (flattened, Wp wide) and o_k the flat offset of kernel tap k. With the output gradient laid out
+    on the same Wp-wide rows (zeros beyond its Wo columns), every tap's block of Q is one strided
+    window, so the norm is ⟨Σ_k Q_k, G_iᵀG_i⟩: O(L_p²·c_in + L²·p) for L_p ≈ (H+2p)·Wp padded input
+    positions and L = Ho·Wp output ones — against T²(d+p), d = c_in·k_h·k_w, of the unfolded form."""
+    B, groups = a.shape[0], m.groups
+    (ph, pw), (dh, dw) = padding, m.dilation
+    kh, kw = m.kernel_size
+    Wp = a.shape[3] + 2 * pw
+    Ho, Wo = g.shape[2], g.shape[3]
+    spill = -(-dw * (kw - 1) // Wp)  # rows of zeros so the last tap's window stays inside
+    ap = F.pad(a, (pw, pw, ph, ph + spill))
+    A = ap.reshape(B * groups, -1, ap.shape[2] * Wp)  # (B·groups, in/groups, L_p)
+    L = Ho * Wp
+    Gp = F.pad(g, (0, Wp - Wo)).reshape(B * groups, -1, L)  # (B·groups, out/groups, L)
+    Q = torch.bmm(A.transpose(1, 2), A)  # (B·groups, L_p, L_p)
+    GG = torch.bmm(Gp.transpose(1, 2), Gp)  # (B·groups, L, L)
+    offsets = [i * dh * Wp + j * dw for i in range(kh) for j in range(kw)]
+    S = Q[:, offsets[0] : offsets[0] + L, offsets[0] : offsets[0] + L].clone()
+    for o in offsets[1:]:
+        S += Q[:, o : o + L, o : o + L]
+    return _rowdot(S.view(B, -1), GG.view(B, -1))
+
+
+def _conv(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, form: ConvForm | None) -> tuple[torch.Tensor, Finish]:
+    """A Conv2d's squared per-sample norms (B,) and clipped sums (module docstring); ``form`` forces
+    the weight's norm form (``ghost-shift`` on a strided convolution takes ``ghost-unfold``), None
+    takes :func:`choose_conv_form`'s choice."""
+    w, b = _trainable(m, "weight"), _trainable(m, "bias")
+    B = a.shape[0]
     T = g.shape[2] * g.shape[3]
     a, padding = _padded(m, a)
     sq = g.new_zeros(B)
     W: torch.Tensor | None = None  # materialised per-sample weight gradients (B, out·in/groups·kh·kw)
     if w is not None:
-        if ghost if ghost is not None else conv_uses_ghost(m, T):
-            U = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)
-            Ug = U.view(B * groups, -1, T)  # (B·groups, d, T): unfold is channel-major
-            Gg = g.reshape(B * groups, -1, T)  # (B·groups, out/groups, T)
-            UU = torch.bmm(Ug.transpose(1, 2), Ug)  # (B·groups, T, T)
-            GG = torch.bmm(Gg.transpose(1, 2), Gg)
-            sq = sq + _rowdot(UU.view(B, -1), GG.view(B, -1))
+        chosen = form or choose_conv_form(m, T, tuple(g.shape[2:]))
+        if chosen == "ghost-shift" and tuple(m.stride) == (1, 1):
+            sq = sq + _ghost_shift_sq(m, a, g, padding)
+        elif chosen != "materialise":
+            sq = sq + _ghost_unfold_sq(m, a, g, padding)
         else:
             W = _weight_grad(m, a, g, padding, per_sample=True).view(B, -1)  # the weight's layout per sample
             sq = sq + _rowdot(W, W)
@@ -177,19 +237,33 @@ def _conv(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, ghost: bool | None) ->
     return sq, finish
 
 
-def _group_norm(m: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, Finish]:
-    """An affine GroupNorm's per-sample gradients (B, C) are cheap per-channel sums: formed, then
-    their squared norms and clipped sums."""
+def _group_stats(m: nn.GroupNorm, a: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GroupNorm's per-(sample, group) mean and 1/std (B, groups): those its forward saved for its
+    backward when the output came from ``native_group_norm``, else computed from its input ``a``."""
+    node = output.grad_fn
+    if type(node).__name__ == "NativeGroupNormBackward0":
+        return node._saved_result1.detach(), node._saved_result2.detach()  # type: ignore[union-attr]
+    var, mean = torch.var_mean(a.reshape(a.shape[0], m.num_groups, -1), dim=2, unbiased=False)
+    return mean, (var + m.eps).rsqrt()
+
+
+def _group_norm(
+    m: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, Finish]:
+    """An affine GroupNorm's per-sample gradients (B, C) are per-channel sums, formed, then their
+    squared norms and clipped sums: the bias's Σ_hw g, the weight's Σ_hw x̂·g =
+    rstd·(Σ_hw a·g − mean·Σ_hw g) with the group's ``stats`` (mean, rstd), so x̂ is never formed."""
     w, b = _trainable(m, "weight"), _trainable(m, "bias")
-    dims = tuple(range(2, g.dim()))
+    B, C = g.shape[:2]
     per = {}
+    gsum = g.sum(tuple(range(2, g.dim())))  # (B, C)
     if w is not None:
-        xhat = F.group_norm(a, m.num_groups, None, None, m.eps)  # (B, C, H, W)
-        B, C = g.shape[:2]
-        per[id(w)] = torch.bmm(xhat.reshape(B * C, 1, -1), g.reshape(B * C, -1, 1)).view(B, C)  # Σ_hw x̂·g
+        ag = torch.bmm(a.reshape(B * C, 1, -1), g.reshape(B * C, -1, 1)).view(B, C)  # Σ_hw a·g
+        mean, rstd = (t.reshape(B, m.num_groups, 1).expand(B, m.num_groups, C // m.num_groups) for t in stats)
+        per[id(w)] = (ag - mean.reshape(B, C) * gsum) * rstd.reshape(B, C)
     if b is not None:
-        per[id(b)] = g.sum(dims)
-    sq = sum((_rowdot(v, v) for v in per.values()), g.new_zeros(g.shape[0]))
+        per[id(b)] = gsum
+    sq = sum((_rowdot(v, v) for v in per.values()), g.new_zeros(B))
 
     def finish(c: torch.Tensor) -> dict[int, torch.Tensor]:
         return {k: c @ v for k, v in per.items()}
@@ -205,19 +279,26 @@ def hooked_clipped_grad_sum(
     out: torch.Tensor,
     eps: float,
     *,
-    conv_ghost: bool | None = None,
+    conv_form: ConvForm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_i g_i·min(1, C/(‖g_i‖ + eps)) into ``out`` (flat layout) for the cross-entropy loss;
-    returns (the batch's mean loss repeated per sample, per-sample norms (B,)). ``conv_ghost``
-    forces every Conv2d's norm to the ghost (True) or materialised (False) form; None chooses per
-    layer (:func:`conv_uses_ghost`)."""
+    returns (the batch's mean loss repeated per sample, per-sample norms (B,)). ``conv_form``
+    forces every Conv2d's norm form; None chooses per layer (:func:`choose_conv_form`).
+
+    The layers' parts are computed after the backward, from all output gradients at once. Computing
+    each in a hook on its output as the backward reached it (less memory held) measured ~10-25 %
+    slower per step on a 2-core CPU (resnet8-GN, batch 256): glibc's malloc then handed the freed
+    buffers back to the kernel and faulted them in again within the step."""
     layers = [m for m in model.modules() if isinstance(m, _LAYERS) and _trainable_params(m)]
     seen: dict[nn.Module, tuple[torch.Tensor, torch.Tensor, int]] = {}
+    stats: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def capture(m: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         if m in seen:
             raise NotImplementedError(f"{type(m).__name__} called twice in one forward")
         seen[m] = (inputs[0].detach(), output, output._version)
+        if isinstance(m, nn.GroupNorm):
+            stats[m] = _group_stats(m, inputs[0].detach(), output)
 
     handles = [m.register_forward_hook(capture) for m in layers]
     try:
@@ -240,10 +321,10 @@ def hooked_clipped_grad_sum(
         if isinstance(m, nn.Linear):
             part, finish = _linear(m, a, g)
         elif isinstance(m, nn.Conv2d):
-            part, finish = _conv(m, a, g, conv_ghost)
+            part, finish = _conv(m, a, g, conv_form)
         else:
             assert isinstance(m, nn.GroupNorm)
-            part, finish = _group_norm(m, a, g)
+            part, finish = _group_norm(m, a, g, stats[m])
         sq += part
         finishes.append(finish)
     norms = sq.sqrt()
