@@ -44,10 +44,11 @@ _LAYERS = (nn.Linear, nn.Conv2d, nn.GroupNorm)
 MATERIALISE_COST = 40.0
 """Cost of one element of a materialised per-sample weight gradient (the batch folded into the groups
 of one convolution backward, then read for the norm and the weighted sum) in multiply-adds of the
-ghost norms' Gram products. Fitted to the forms' times on this project's 2-core CPU (2 threads,
-batch 256 on 28×28 inputs, batch 64 on 32×32, glibc's malloc kept from returning memory so that
-page faults do not time the allocator): the strided 32→64 convolution onto 7×7 maps of resnet8 and
-simplecnn materialises in 7.1 ms against 9.3 ms for ghost-unfold, which 64 had wrongly chosen."""
+ghost norms' Gram products, as timed on this project's 2-core CPU (2 threads, batch 256 on 28×28,
+malloc kept from returning memory so that page faults do not time the allocator). The one close
+call is resnet8's and simplecnn's strided 32→64 convolution onto 7×7 maps, which 40 materialises
+and the earlier 64 unfolded: alone 7.1 against 9.3 ms, and whole resnet8-GN DP steps, interleaved
+in separate processes, 122.7 and 126.6 ms against 127.6 and 133.2 ms."""
 
 ConvForm = Literal["ghost-unfold", "ghost-shift", "materialise"]
 """How a Conv2d's weight norms are computed (:func:`_conv`)."""
@@ -91,10 +92,11 @@ def choose_conv_form(m: nn.Conv2d, positions: int, out_hw: tuple[int, ...]) -> C
     1 only) L_p²·in/groups + L²·(p + kh·kw) over L_p ≈ (Ho + dh(kh−1) + 1)·Wp padded input and
     L = Ho·Wp output positions, Wp the padded width. Timed on this rule's choices (resnet8,
     simplecnn, cnn-proj on 28×28; ResNet-18 widths on 32×32): the 28×28 and 14×14 maps and 1×1
-    shortcuts materialise and so do the strided 3×3 convolutions onto 7×7 maps; simplecnn's strided
-    64→128 onto 4×4 takes ghost-unfold (5.7 ms against 78 ms materialised); the stride-1 3×3
-    convolutions of 64 to 512 channels on 7×7, 8×8 and 4×4 maps take ghost-shift (1.1-2.0× faster
-    there than ghost-unfold, which unfolds 9× the input). The one near-tie mis-chosen among 18 layers:
+    shortcuts materialise and so do the strided 3×3 convolutions onto 7×7 maps (see
+    :data:`MATERIALISE_COST`); simplecnn's strided 64→128 onto 4×4 takes ghost-unfold (5.7 ms
+    against 78 ms materialised); the stride-1 3×3 convolutions of 64 to 512 channels on 7×7, 8×8
+    and 4×4 maps take ghost-shift (1.1-2.0× faster there than ghost-unfold, which unfolds 9× the
+    input). The one near-tie mis-chosen among 18 layers:
     128 channels on 16×16 materialise (55 ms) where ghost-shift takes 49 ms."""
     d = m.weight[0].numel()
     p = m.out_channels // m.groups
