@@ -18,8 +18,8 @@ client-level round overhead, and accuracy against ε (issue 29).
    mode alike, a steady one that keeps freed memory (``--allocators``: the default's page faults
    take 20-50 % of a step on this machine, more of Opacus's than of hpcfl's). Targets (issue 29): ≥ 2× Opacus, ≥ 0.5× non-private.
 2. ``overhead`` — client-level DP-FedAvg's round time against plain FedAvg on the same federation
-   (K = 1000 synthetic-split clients of Fashion-MNIST, M = 100 per round; median of the rounds'
-   ``seconds``); target ≤ 5 %.
+   (K = 1000 synthetic-split clients of Fashion-MNIST, M = 100 per round; round seconds at M
+   participants, ABBA-ordered pairs of runs); target ≤ 5 %.
 3. ``accuracy`` — test accuracy after ``--rounds`` rounds at ε ∈ {1, 3, 8, ∞} (δ = 1e-5), client
    level (K = 1000, M = 100, σ calibrated by Opacus for the run) and sample level (10 clients),
    one plot ``accuracy_vs_epsilon.png``.
@@ -75,12 +75,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sample level: each point's lr is chosen from these on a 5 %% validation hold-out "
         "(clipping at C = 1 shrinks DP-SGD's steps, so its lr differs from non-private training's)",
     )
-    p.add_argument("--overhead-rounds", type=int, default=10)
+    p.add_argument("--overhead-rounds", type=int, default=5, help="rounds of each overhead run")
+    p.add_argument("--overhead-repeats", type=int, default=4, help="alternating FedAvg/DP-FedAvg run pairs")
     p.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0, 8.0, float("inf")])
     p.add_argument("--tiny", action="store_true", help="a one-minute end-to-end check (meaningless numbers)")
     args = p.parse_args(argv)
     if args.tiny:
         args.batch, args.steps, args.rounds, args.overhead_rounds, args.sessions = 32, 4, 2, 3, 1
+        args.overhead_repeats = 2
         args.sample_rounds = 2
     if args.sample_rounds is None:
         args.sample_rounds = args.rounds
@@ -314,13 +316,40 @@ def _run(args: argparse.Namespace, keys: dict[str, Any], tag: str) -> list[dict[
     return result.metrics
 
 
-def overhead(args: argparse.Namespace) -> dict[str, float]:
-    """Median round seconds of FedAvg and client-level DP-FedAvg (adaptive clipping) alike."""
-    plain = _run(args, _config(args, "client", None, args.overhead_rounds), "overhead_fedavg")
-    private = _run(args, _config(args, "client", 3.0, args.overhead_rounds), "overhead_dp")
-    a = statistics.median(r["seconds"] for r in plain[1:] or plain)
-    b = statistics.median(r["seconds"] for r in private[1:] or private)
-    return {"fedavg_round_s": a, "dp_fedavg_round_s": b, "overhead": b / a - 1.0}
+def _round_at(rows: list[dict[str, Any]], m: int) -> float:
+    """A run's round seconds at ``m`` participants: the median of its rounds' part outside local
+    training (``seconds - compute_s``: evaluation, aggregation, the server step) plus ``m`` times the
+    median local-training seconds per participant (the first round dropped as warm-up)."""
+    rows = rows[1:] or rows
+    fixed = statistics.median(r["seconds"] - r["compute_s"] for r in rows)
+    return fixed + m * statistics.median(r["compute_s"] / max(1, len(r["participants"])) for r in rows)
+
+
+def overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """Round seconds of FedAvg and client-level DP-FedAvg (adaptive clipping) alike, in
+    ``--overhead-repeats`` pairs of short runs in ABBA order (FedAvg, DP, DP, FedAvg, ...; each run's
+    first round dropped as warm-up): the overhead is the median over pairs of the pair's ratio of
+    round times at M participants (:func:`_round_at`: DP-FedAvg samples its participants by Poisson,
+    so a round's count varies, 83 to 109 where FedAvg takes 100, and with the same seed in every
+    pair the raw medians had read that draw as a steady +4-5 %). One FedAvg run then one DP run had measured the host's drift instead: the
+    FedAvg rounds of one run grew from 2.05 to 2.85 s while nothing else ran."""
+    M = _config(args, "client", None, 1)["clients_per_round"]
+    ratios, plain_s, private_s = [], [], []
+    for rep in range(args.overhead_repeats):
+        order = (None, 3.0) if rep % 2 == 0 else (3.0, None)  # ABBA: order effects and linear drift cancel
+        runs = {eps: _run(args, _config(args, "client", eps, args.overhead_rounds), f"overhead_{rep}_{eps}")
+                for eps in order}  # fmt: skip
+        plain, private = runs[None], runs[3.0]
+        a, b = _round_at(plain, M), _round_at(private, M)
+        plain_s.append(a)
+        private_s.append(b)
+        ratios.append(b / a)
+    return {
+        "fedavg_round_s": statistics.median(plain_s),
+        "dp_fedavg_round_s": statistics.median(private_s),
+        "overhead": statistics.median(ratios) - 1.0,
+        "pair_overheads": [r - 1.0 for r in ratios],
+    }
 
 
 def accuracy(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
@@ -420,8 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     if "overhead" in args.parts:
         o = results["overhead"] = overhead(args)
         lines += ["## Client-level round overhead", "",
-                  f"FedAvg {o['fedavg_round_s']:.3f} s/round, DP-FedAvg {o['dp_fedavg_round_s']:.3f} s/round: "
-                  f"{100 * o['overhead']:+.1f} %", ""]  # fmt: skip
+                  f"FedAvg {o['fedavg_round_s']:.3f} s, DP-FedAvg {o['dp_fedavg_round_s']:.3f} s per round at "
+                  "M participants "
+                  f"(medians over {args.overhead_repeats} ABBA-ordered pairs of {args.overhead_rounds}-round runs): "
+                  f"{100 * o['overhead']:+.1f} % (median of the pairs' "
+                  + ", ".join(f"{100 * x:+.1f}" for x in o["pair_overheads"]) + ")", ""]  # fmt: skip
     if "accuracy" in args.parts:
         acc = results["accuracy"] = accuracy(args)
         plot(acc, args.out / "accuracy_vs_epsilon.png")
