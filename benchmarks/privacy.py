@@ -15,8 +15,8 @@ client-level round overhead, and accuracy against ε (issue 29).
    hpcfl/non-private, in ONE run: one worker process per mode (its own heap), the modes' steps
    interleaved across them (10 rounds), ``--sessions`` such sets of fresh workers, the median over
    all rounds, so the ratios compare like with like; under glibc's default malloc and, in every
-   mode alike, a steady one that keeps freed memory (``--allocators``: the default's page faults
-   take 20-50 % of a step on this machine, more of Opacus's than of hpcfl's). Targets (issue 29): ≥ 2× Opacus, ≥ 0.5× non-private.
+   mode alike, one that keeps freed memory (``--allocators``; the default's page faults take
+   20-50 % of a step on this machine). Targets (issue 29): ≥ 2× Opacus, ≥ 0.5× non-private.
 2. ``overhead`` — client-level DP-FedAvg's round time against plain FedAvg on the same federation
    (K = 1000 synthetic-split clients of Fashion-MNIST, M = 100 per round; round seconds at M
    participants, ABBA-ordered pairs of runs); target ≤ 5 %.
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -170,34 +171,20 @@ def _step(mode: str, name: str, batch: int) -> Callable[[], None]:
     return opacus_ghost
 
 
-ALLOCATORS = ("default", "steady")
-"""``default``: glibc's malloc as every process gets it. ``steady``: in EVERY mode's worker alike,
-malloc told to keep freed memory (``mallopt``: mmap threshold at its 32 MB maximum, trim threshold
-2 GB), so that the figure times the computation rather than the page faults of buffers handed back
-to the kernel and taken again each step (what jemalloc/tcmalloc do, as PyTorch's CPU tuning guide
-recommends)."""
+ALLOCATORS = ("default", "keep-freed")
+"""``default``: glibc's malloc as every process gets it. ``keep-freed``: in EVERY mode's worker alike,
+the environment of ``hpcfl bench entk --keep-freed-memory`` (:data:`hpcfl.bench.entk.KEEP_FREED_MEMORY`:
+glibc's mmap and trim thresholds raised), so that freed buffers stay in the heap and the figure
+times the computation rather than page faults (what jemalloc/tcmalloc do, as PyTorch's CPU tuning
+guide recommends)."""
 
 
-def _steady_malloc() -> bool:
-    """Keep glibc's malloc from returning freed memory to the kernel (see :data:`ALLOCATORS`);
-    False where the C library is not glibc."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, 32 << 20)) and bool(libc.mallopt(-1, (1 << 31) - 1))  # MMAP, TRIM
-    except (OSError, AttributeError):
-        return False
-
-
-def _serve(mode: str, name: str, batch: int, threads: int, allocator: str, conn: Connection) -> None:
+def _serve(mode: str, name: str, batch: int, threads: int, conn: Connection) -> None:
     """A worker process for one mode: build its step, warm up 3 steps, then on each request of k
     steps run them and answer (seconds, minor page faults, system seconds) per step (None ends it)."""
     import resource
     import warnings
 
-    if allocator == "steady" and not _steady_malloc():
-        raise SystemExit("--allocators steady needs glibc's mallopt")
     warnings.filterwarnings("ignore", message="Full backward hook")
     torch.set_num_threads(threads)
     step = _step(mode, name, batch)
@@ -215,14 +202,23 @@ def _serve(mode: str, name: str, batch: int, threads: int, allocator: str, conn:
 def _session(name: str, batch: int, per: int, threads: int, allocator: str, repeats: int) -> dict[str, list]:
     """One set of fresh worker processes, one per mode, driven round-robin for ``repeats`` rounds of
     ``per`` steps each: every mode's (seconds, faults, system seconds) per step, per round."""
+    from hpcfl.bench.entk import KEEP_FREED_MEMORY
+
     ctx = mp.get_context("spawn")
     conns, procs = {}, []
-    for mode in MODES:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(mode, name, batch, threads, allocator, child), daemon=True)
-        proc.start()
-        conns[mode] = parent
-        procs.append(proc)
+    saved = dict(os.environ)
+    if allocator == "keep-freed":
+        os.environ.update(KEEP_FREED_MEMORY)  # read by glibc when the worker starts
+    try:
+        for mode in MODES:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(mode, name, batch, threads, child), daemon=True)
+            proc.start()
+            conns[mode] = parent
+            procs.append(proc)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     rounds: dict[str, list] = {mode: [] for mode in MODES}
     try:
         for conn in conns.values():
@@ -331,8 +327,9 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     first round dropped as warm-up): the overhead is the median over pairs of the pair's ratio of
     round times at M participants (:func:`_round_at`: DP-FedAvg samples its participants by Poisson,
     so a round's count varies, 83 to 109 where FedAvg takes 100, and with the same seed in every
-    pair the raw medians had read that draw as a steady +4-5 %). One FedAvg run then one DP run had measured the host's drift instead: the
-    FedAvg rounds of one run grew from 2.05 to 2.85 s while nothing else ran."""
+    pair the raw medians had read that draw as a steady +4-5 %). One FedAvg run then one DP run, as
+    before, had measured the host's drift instead: the FedAvg rounds of one run grew from 2.05 to
+    2.85 s while nothing else ran."""
     M = _config(args, "client", None, 1)["clients_per_round"]
     ratios, plain_s, private_s = [], [], []
     for rep in range(args.overhead_repeats):
