@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0, 8.0, float("inf")])
     p.add_argument("--tiny", action="store_true", help="a one-minute end-to-end check (meaningless numbers)")
     args = p.parse_args(argv)
+    for name in ("batch", "steps", "threads", "sessions", "overhead_rounds", "overhead_repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.tiny:
         args.batch, args.steps, args.rounds, args.overhead_rounds, args.sessions = 32, 4, 2, 3, 1
         args.overhead_repeats = 2

@@ -478,3 +478,20 @@ def test_prv_accountant_is_opacus_prv() -> None:
     acc.history = [(1.1, 0.05, 200)]
     assert accountant.epsilon(1.1, 0.05, 200, 1e-5, "prv") == acc.get_epsilon(delta=1e-5)
     assert accountant.epsilon(1.1, 0.05, 300, 1e-5, "prv") > accountant.epsilon(1.1, 0.05, 200, 1e-5, "prv")
+
+
+@pytest.mark.parametrize("option", ["--sessions", "--overhead-repeats", "--steps"])
+def test_privacy_benchmark_refuses_a_zero_count(tmp_path: Path, option: str) -> None:
+    """A count of 0 (sessions, overhead pairs, timed steps) would leave nothing to take a median
+    of: refused in one line before any worker or run starts."""
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "privacy.py"), option, "0", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert f"{option} must be >= 1, got 0" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
