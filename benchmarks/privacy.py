@@ -17,6 +17,11 @@ client-level round overhead, and accuracy against ε (issue 29).
    all rounds, so the ratios compare like with like; under glibc's default malloc and, in every
    mode alike, one that keeps freed memory (``--allocators``; the default's page faults take
    20-50 % of a step on this machine). Targets (issue 29): ≥ 2× Opacus, ≥ 0.5× non-private.
+   ``floor`` — why a ratio stops where it does: per trained layer (each alone, data hot in cache,
+   malloc keeping freed memory) the cheapest norm form's DP work less what a plain backward spends
+   on the same parameters, summed: a private step is at least a plain step plus this floor. Beside
+   ``throughput`` it gives the best ratio against the faster Opacus mode these forms allow,
+   Opacus's step / (plain step × (1 + floor share)), and the share of a plain step 2× would leave.
 2. ``overhead`` — client-level DP-FedAvg's round time against plain FedAvg on the same federation
    (K = 1000 synthetic-split clients of Fashion-MNIST, M = 100 per round; round seconds at M
    participants, ABBA-ordered pairs of runs), and the work DP adds to a round timed directly (the
@@ -48,13 +53,16 @@ import torch
 from torch import nn
 
 MODELS = {"simplecnn": {}, "resnet8-gn": {"norm": "gn"}}
+PARTS = ("throughput", "floor", "overhead", "accuracy")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--data-root", help="datasets directory (default: $HPCFL_DATA)")
-    p.add_argument("--parts", nargs="+", default=["throughput", "overhead", "accuracy"])
+    p.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run (module docstring)"
+    )
     p.add_argument("--batch", type=int, default=256)
     p.add_argument(
         "--steps", type=int, default=30, help="timed steps per mode (after 3 warm-up steps), in 10 interleaved rounds"
@@ -183,6 +191,25 @@ times the computation rather than page faults (what jemalloc/tcmalloc do, as PyT
 guide recommends)."""
 
 
+def _spawn(target: Callable[..., None], args: tuple, allocator: str) -> tuple[mp.process.BaseProcess, Connection]:
+    """A fresh ``spawn`` worker running ``target(*args, conn)`` under ``allocator``'s malloc setting
+    (glibc reads it when the process starts), and the parent's end of its pipe."""
+    from hpcfl.bench.entk import KEEP_FREED_MEMORY
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    saved = dict(os.environ)
+    if allocator == "keep-freed":
+        os.environ.update(KEEP_FREED_MEMORY)
+    try:
+        proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+        proc.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return proc, parent
+
+
 def _serve(mode: str, name: str, batch: int, threads: int, conn: Connection) -> None:
     """A worker process for one mode: build its step, warm up 3 steps, then on each request of k
     steps run them and answer (seconds, minor page faults, system seconds) per step (None ends it)."""
@@ -206,23 +233,10 @@ def _serve(mode: str, name: str, batch: int, threads: int, conn: Connection) -> 
 def _session(name: str, batch: int, per: int, threads: int, allocator: str, repeats: int) -> dict[str, list]:
     """One set of fresh worker processes, one per mode, driven round-robin for ``repeats`` rounds of
     ``per`` steps each: every mode's (seconds, faults, system seconds) per step, per round."""
-    from hpcfl.bench.entk import KEEP_FREED_MEMORY
-
-    ctx = mp.get_context("spawn")
     conns, procs = {}, []
-    saved = dict(os.environ)
-    if allocator == "keep-freed":
-        os.environ.update(KEEP_FREED_MEMORY)  # read by glibc when the worker starts
-    try:
-        for mode in MODES:
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(mode, name, batch, threads, child), daemon=True)
-            proc.start()
-            conns[mode] = parent
-            procs.append(proc)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    for mode in MODES:
+        proc, conns[mode] = _spawn(_serve, (mode, name, batch, threads), allocator)
+        procs.append(proc)
     rounds: dict[str, list] = {mode: [] for mode in MODES}
     try:
         for conn in conns.values():
@@ -266,6 +280,93 @@ def throughput(
     row["hpcfl_vs_opacus_fastest"] = min(seconds["opacus_hooks"], seconds["opacus_ghost"]) / seconds["hpcfl"]
     row["hpcfl_vs_nonprivate"] = seconds["nonprivate"] / seconds["hpcfl"]
     return row
+
+
+def _median_ms(fn: Callable[[], object], n: int = 10) -> float:
+    """Median milliseconds of ``fn`` over ``n`` calls after 2 warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def _plain_layer_ms(layer: Any) -> float:
+    """What a NON-private backward spends on this layer's parameters: its weight and bias gradients
+    (a GroupNorm's: its native backward with them less without them, at least 0)."""
+    from hpcfl.privacy import ghost
+
+    m, a, g = layer.module, layer.input, layer.grad
+    if isinstance(m, nn.Conv2d):
+        ap, pad = ghost._padded(m, a)
+        bias = m.bias is not None and m.bias.requires_grad
+        return _median_ms(lambda: (ghost._weight_grad(m, ap, g, pad, per_sample=False), bias and g.sum((0, 2, 3))))
+    if isinstance(m, nn.Linear):
+        return _median_ms(lambda: (g.T @ a, g.sum(0)))
+    mean, rstd = layer.stats
+    B, C = g.shape[:2]
+    HW, weight = g[0, 0].numel(), m.weight.detach()
+
+    def native(mask: list[bool]) -> Callable[[], object]:
+        return lambda: torch.ops.aten.native_group_norm_backward(
+            g, a, mean, rstd, weight, B, C, HW, m.num_groups, mask
+        )
+
+    return max(0.0, _median_ms(native([True, True, True])) - _median_ms(native([True, False, False])))
+
+
+def _layer_work(layer: Any, form: Any, c: torch.Tensor) -> dict[int, torch.Tensor]:
+    """One layer's whole DP work in ``form``: its norms, then its clipped sums for factors ``c``."""
+    from hpcfl.privacy import ghost
+
+    return ghost.layer_part(layer, form)[1](c)
+
+
+def _floor(name: str, batch: int, threads: int, conn: Connection) -> None:
+    """Worker: per trained layer of ``name`` on the benchmark's batch, the DP work of every norm form
+    whose modelled cost is within 8× the cheapest (:func:`hpcfl.privacy.ghost.conv_form_costs`;
+    norms and clipped sums, :func:`~hpcfl.privacy.ghost.layer_part`), the plain backward's work for
+    the same parameters, and the whole plain and private steps; sends the result."""
+    from hpcfl.privacy import ghost
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(1)
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    model = _model(name)
+    names = {m: n for n, m in model.named_modules()}
+    _, layers = ghost.output_grads(model, x, y)
+    c = torch.rand(batch)  # clip factors
+    rows = []
+    for layer in layers:
+        m = layer.module
+        forms: list[Any] = [None]
+        if isinstance(m, nn.Conv2d):
+            cost = ghost.conv_form_costs(m, layer.grad[0, 0].numel(), tuple(layer.grad.shape[2:]))
+            forms = [f for f, v in cost.items() if v <= 8 * min(cost.values())]
+        dp = {f or type(m).__name__: _median_ms(lambda f=f, layer=layer: _layer_work(layer, f, c)) for f in forms}
+        plain = _plain_layer_ms(layer)
+        rows.append({"layer": names[m], "input": list(layer.input.shape[1:]), "output": list(layer.grad.shape[1:]),
+                     "dp_ms": dp, "plain_ms": plain, "extra_ms": max(0.0, min(dp.values()) - plain)})  # fmt: skip
+    steps = {mode: _median_ms(_step(mode, name, batch)) for mode in ("nonprivate", "hpcfl")}
+    conn.send({"layers": rows, "floor_ms": sum(r["extra_ms"] for r in rows), "step_ms": steps})
+
+
+def floor(name: str, batch: int, threads: int) -> dict[str, Any]:
+    """The least a private step must add to a plain one, measured: per trained layer the cheapest
+    form's DP work (norms and clipped sums, each layer alone, its data hot in cache) less what a
+    plain backward spends on the same parameters, summed (``floor_ms``), beside the whole plain and
+    private steps — in one fresh worker whose malloc keeps freed memory, so that it times the
+    computation. A private step is at least a plain step plus this floor: if 2× the faster Opacus
+    mode would need less, 2× is out of reach by these forms (Opacus and the book-keeping literature
+    have no cheaper per-sample norm)."""
+    proc, conn = _spawn(_floor, (name, batch, threads), "keep-freed")
+    try:
+        return conn.recv()
+    finally:
+        proc.join(timeout=30)
 
 
 # -- 2./3. runs --------------------------------------------------------------------------------
@@ -485,6 +586,37 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(lines[-1], flush=True)
         lines.append("")
+    if "floor" in args.parts:
+        lines += ["## The floor: what a private step adds at least (malloc keeping freed memory)", "",
+                  "| model | layer | input → output | DP work by form, ms | plain backward's, ms | extra, ms |",
+                  "|---|---|---|---|---:|---:|"]  # fmt: skip
+        results["floor"] = {}
+        bounds = []
+        for name in args.models:
+            f = results["floor"][name] = floor(name, args.batch, args.threads)
+            for r in f["layers"]:
+                forms = ", ".join(f"{k} {v:.2f}" for k, v in r["dp_ms"].items())
+                lines.append(f"| {name} | {r['layer']} | {r['input']} → {r['output']} | {forms} "
+                             f"| {r['plain_ms']:.2f} | {r['extra_ms']:.2f} |")  # fmt: skip
+            plain, private = f["step_ms"]["nonprivate"], f["step_ms"]["hpcfl"]
+            f["floor_share"] = f["floor_ms"] / plain
+            bounds.append(f"- **{name}**: floor {f['floor_ms']:.1f} ms = **{100 * f['floor_share']:.0f} %** of its "
+                          f"plain step ({plain:.1f} ms; the private step {private:.1f} ms, "
+                          f"+{100 * (private / plain - 1):.0f} %, same worker).")  # fmt: skip
+            for allocator, rows in results.get("throughput", {}).items():
+                if name not in rows:
+                    continue
+                t = rows[name]
+                opacus_over_plain = t["nonprivate_samples_per_s"] / min(
+                    t["opacus_hooks_samples_per_s"], t["opacus_ghost_samples_per_s"]
+                )
+                f[f"best_vs_opacus_fastest_{allocator}"] = opacus_over_plain / (1 + f["floor_share"])
+                bounds.append(f"  {allocator} malloc: the faster Opacus step is {opacus_over_plain:.2f}× a plain "
+                              f"step, so 2× leaves {100 * (opacus_over_plain / 2 - 1):+.0f} % of a plain step; "
+                              f"plain + floor reaches at most **{opacus_over_plain / (1 + f['floor_share']):.2f}×** "
+                              f"(measured {t['hpcfl_vs_opacus_fastest']:.2f}×).")  # fmt: skip
+        lines += ["", *bounds, ""]
+        print("\n".join(lines[-len(bounds) - 2 :]), flush=True)
     if "overhead" in args.parts:
         o = results["overhead"] = overhead(args)
         lines += ["## Client-level round overhead", "",

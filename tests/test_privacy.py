@@ -495,3 +495,22 @@ def test_privacy_benchmark_refuses_a_zero_count(tmp_path: Path, option: str) -> 
     assert proc.returncode != 0
     assert f"{option} must be >= 1, got 0" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_privacy_benchmark_floor_covers_every_trained_layer(tmp_path: Path) -> None:
+    """The floor part times every trained layer once, in the cheapest forms the cost model leaves,
+    and sums the non-negative extras (the figure that bounds the Opacus ratio)."""
+    import sys
+
+    out = tmp_path / "out"
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "privacy.py"), "--parts", "floor", "--models", "simplecnn",
+         "--batch", "16", "--threads", "1", "--out", str(out)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    f = json.loads((out / "privacy.json").read_text())["floor"]["simplecnn"]
+    assert [r["layer"] for r in f["layers"]] == ["conv1", "conv2", "conv3", "fc1", "classifier"]
+    assert all(r["extra_ms"] >= 0 and r["dp_ms"] for r in f["layers"])
+    assert f["floor_ms"] == pytest.approx(sum(r["extra_ms"] for r in f["layers"]))
+    assert set(f["layers"][2]["dp_ms"]) <= {"materialise", "ghost-unfold"}  # strided: no ghost-shift
+    assert f["step_ms"]["nonprivate"] > 0 and f["step_ms"]["hpcfl"] > 0
