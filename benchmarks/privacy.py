@@ -607,9 +607,9 @@ def main(argv: list[str] | None = None) -> int:
                 if name not in rows:
                     continue
                 t = rows[name]
-                opacus_over_plain = t["nonprivate_samples_per_s"] / min(
+                opacus_over_plain = t["nonprivate_samples_per_s"] / max(
                     t["opacus_hooks_samples_per_s"], t["opacus_ghost_samples_per_s"]
-                )
+                )  # the FASTER Opacus mode's step, in plain steps
                 f[f"best_vs_opacus_fastest_{allocator}"] = opacus_over_plain / (1 + f["floor_share"])
                 bounds.append(f"  {allocator} malloc: the faster Opacus step is {opacus_over_plain:.2f}× a plain "
                               f"step, so 2× leaves {100 * (opacus_over_plain / 2 - 1):+.0f} % of a plain step; "

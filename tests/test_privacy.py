@@ -107,15 +107,21 @@ class _ConvVariants(torch.nn.Module):
         return self.fc(torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1))
 
 
-def test_book_keeping_conv_variants_equal_vmap() -> None:
+@pytest.mark.parametrize("held", [True, False], ids=["held", "chunked"])
+def test_book_keeping_conv_variants_equal_vmap(held: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Grouped, dilated, strided, 'same'/reflect/circular-padded convolutions, with and without bias
-    and with a frozen weight: both Conv2d norm forms equal vmap per-sample gradients (float64, 1e-10)."""
+    and with a frozen weight: every Conv2d norm form equals vmap per-sample gradients (float64, 1e-10),
+    with materialised per-sample gradients held, or formed a few samples at a time and dropped."""
     from hpcfl.privacy import ghost
     from hpcfl.privacy.sgd import OPACUS_EPS, vmap_clipped_grad_sum
     from hpcfl.training.sgd import cross_entropy_loss
 
     torch.manual_seed(1)
     model = _ConvVariants().double()
+    if not held:  # chunks of 2 samples or more (the largest weight's 2), the last one short
+        largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+        monkeypatch.setattr(ghost, "HOLD_BYTES", 0)
+        monkeypatch.setattr(ghost, "CHUNK_BYTES", 2 * 8 * largest)
     x = torch.randn(5, 2, 11, 9, dtype=torch.float64)
     y = torch.randint(0, 3, (5,))
     clip = 5.1
