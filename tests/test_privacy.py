@@ -107,12 +107,19 @@ class _ConvVariants(torch.nn.Module):
         return self.fc(torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1))
 
 
-@pytest.mark.parametrize("held", [True, False], ids=["held", "chunked"])
-def test_book_keeping_conv_variants_equal_vmap(held: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "held,unfold_max_d", [(True, 64), (True, 0), (False, 64)], ids=["held", "held-grouped-only", "chunked"]
+)
+def test_book_keeping_conv_variants_equal_vmap(
+    held: bool, unfold_max_d: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Grouped, dilated, strided, 'same'/reflect/circular-padded convolutions, with and without bias
     and with a frozen weight: every Conv2d norm form equals vmap per-sample gradients (float64, 1e-10),
-    with materialised per-sample gradients held, or formed a few samples at a time and dropped."""
+    with materialised per-sample gradients held (narrow ungrouped convs by the unfolded product, or
+    every conv by the batch-grouped backward), or formed a few samples at a time and dropped."""
     from hpcfl.privacy import ghost
+
+    monkeypatch.setattr(ghost, "UNFOLD_MAX_D", unfold_max_d)
     from hpcfl.privacy.sgd import OPACUS_EPS, vmap_clipped_grad_sum
     from hpcfl.training.sgd import cross_entropy_loss
 
