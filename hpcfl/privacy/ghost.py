@@ -175,14 +175,22 @@ def _weight_grad(
     )[1]
 
 
-def _unfold(m: nn.Conv2d, a: torch.Tensor, padding: tuple[int, ...]) -> torch.Tensor:
+def _unfold(m: nn.Conv2d, a: torch.Tensor, padding: tuple[int, ...], *, by_position: bool = False) -> torch.Tensor:
     """``F.unfold``'s (B, in·kh·kw, T) of the conv's input (zero ``padding`` still to apply), as ONE
-    strided copy of the padded input (``F.unfold`` loops over the batch: 1.2-2× slower here)."""
+    strided copy of the padded input (``F.unfold`` loops over the batch: 1.2-2× slower here); or,
+    ``by_position``, (B, T, kh·kw·in) from a channels-last copy — each row's entries in (tap, channel)
+    order, not the weight's, which a Gram over positions does not see; its copies run along whole
+    channel vectors (1.3-2.7× faster than the channel-major gather on 7×7 and 14×14 maps)."""
     ph, pw = padding
     ap = F.pad(a, (pw, pw, ph, ph)) if ph or pw else a
     B, C, H, W = ap.shape
     (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
     Ho, Wo = (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+    if by_position:
+        ap = ap.permute(0, 2, 3, 1).contiguous()  # (B, H, W, C)
+        sB, sH, sW, sC = ap.stride()
+        windows = ap.as_strided((B, Ho, Wo, kh, kw, C), (sB, sh * sH, sw * sW, dh * sH, dw * sW, sC))
+        return windows.reshape(B, Ho * Wo, kh * kw * C)
     sB, sC, sH, sW = ap.stride()
     windows = ap.as_strided((B, C, kh, kw, Ho, Wo), (sB, sC, dh * sH, dw * sW, sh * sH, sw * sW))
     return windows.reshape(B, C * kh * kw, Ho * Wo)
@@ -229,10 +237,13 @@ def _ghost_unfold_sq(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, padding: tu
     (d × T per group) and G_i the output gradient (p × T): O(T²(d+p)), any convolution."""
     B, groups = a.shape[0], m.groups
     T = g.shape[2] * g.shape[3]
-    U = _unfold(m, a, padding)
-    Ug = U.view(B * groups, -1, T)  # (B·groups, d, T): unfold is channel-major
+    if groups == 1:
+        Ut = _unfold(m, a, padding, by_position=True)  # (B, T, d)
+        UU = torch.bmm(Ut, Ut.transpose(1, 2))  # (B, T, T)
+    else:
+        Ug = _unfold(m, a, padding).view(B * groups, -1, T)  # (B·groups, d, T): channel-major
+        UU = torch.bmm(Ug.transpose(1, 2), Ug)  # (B·groups, T, T)
     Gg = g.reshape(B * groups, -1, T)  # (B·groups, out/groups, T)
-    UU = torch.bmm(Ug.transpose(1, 2), Ug)  # (B·groups, T, T)
     GG = torch.bmm(Gg.transpose(1, 2), Gg)
     return _rowdot(UU.view(B, -1), GG.view(B, -1))
 
