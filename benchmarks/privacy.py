@@ -318,13 +318,6 @@ def _plain_layer_ms(layer: Any) -> float:
     return max(0.0, _median_ms(native([True, True, True])) - _median_ms(native([True, False, False])))
 
 
-def _layer_work(layer: Any, form: Any, c: torch.Tensor) -> dict[int, torch.Tensor]:
-    """One layer's whole DP work in ``form``: its norms, then its clipped sums for factors ``c``."""
-    from hpcfl.privacy import ghost
-
-    return ghost.layer_part(layer, form)[1](c)
-
-
 def _floor(name: str, batch: int, threads: int, conn: Connection) -> None:
     """Worker: per trained layer of ``name`` on the benchmark's batch, the DP work of every norm form
     whose modelled cost is within 8× the cheapest (:func:`hpcfl.privacy.ghost.conv_form_costs`;
@@ -346,7 +339,7 @@ def _floor(name: str, batch: int, threads: int, conn: Connection) -> None:
         if isinstance(m, nn.Conv2d):
             cost = ghost.conv_form_costs(m, layer.grad[0, 0].numel(), tuple(layer.grad.shape[2:]))
             forms = [f for f, v in cost.items() if v <= 8 * min(cost.values())]
-        dp = {f or type(m).__name__: _median_ms(lambda f=f, layer=layer: _layer_work(layer, f, c)) for f in forms}
+        dp = {f or type(m).__name__: _median_ms(lambda f=f, layer=layer: ghost.layer_part(layer, f)[1](c)) for f in forms}
         plain = _plain_layer_ms(layer)
         rows.append({"layer": names[m], "input": list(layer.input.shape[1:]), "output": list(layer.grad.shape[1:]),
                      "dp_ms": dp, "plain_ms": plain, "extra_ms": max(0.0, min(dp.values()) - plain)})  # fmt: skip
