@@ -54,6 +54,7 @@ def _default_data_root() -> Path | None:
 def data_root() -> Path:
     """The directory holding the real datasets (MNIST, Fashion-MNIST, FEMNIST sample)."""
     root = _default_data_root()
-    if root is None or not (root / "fashion-mnist").is_dir():
+    # the files, not the folder: a download that failed offline leaves its (empty) folder behind
+    if root is None or not (root / "fashion-mnist" / "train-images-idx3-ubyte.gz").is_file():
         pytest.skip("real datasets not found: set HPCFL_DATA to the shared datasets directory")
     return root
