@@ -231,9 +231,10 @@ def test_params_are_validated_against_the_algorithm(tmp_path: Path) -> None:
 # kill -9 with client states on disk, then resume: every algorithm, in tests/test_contract.py
 
 
-def test_partition_and_report_show_who_participated(tmp_path: Path) -> None:
+def test_partition_and_report_show_who_participated(tmp_path: Path, data_root: Path) -> None:
     """`hpcfl partition --clients-per-round` prints the very draw `hpcfl run` makes; the report
-    says how many of how many clients trained per round."""
+    says how many of how many clients trained per round. (``hpcfl partition`` reads the real
+    Fashion-MNIST labels: ``data_root`` skips it where they are absent.)"""
     from hpcfl.config import load_config
     from tests.helpers import run_cli
 
