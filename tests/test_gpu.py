@@ -173,3 +173,135 @@ def test_mpicomm_allreduce_of_cuda_tensors_equals_localcomm() -> None:
     from tests.helpers import run_mpi_program
 
     run_mpi_program("cuda_allreduce.py", ranks=2, timeout=300)
+
+
+# == TCT on the run's device (issue 39; branch tctdevice) =========================================
+# Stage 2 (standardisation, closed form, primal solver, evaluation) runs where the run does: these
+# check that it does, and that the CUDA results equal the CPU's to float tolerance.
+
+
+def _tct_keys(**overrides) -> dict:
+    keys = dict(
+        algorithm="tct",
+        partition="classes:2",
+        num_clients=5,
+        stage1={"rounds": 2},
+        stage2={"p": 300, "rounds": 3, "local_steps": 20, "auto_lr": True},
+    )
+    keys.update(overrides)
+    return keys
+
+
+def test_tct_run_on_cuda_equals_the_cpu_run(tmp_path: Path) -> None:
+    """Both stages with ``device: cuda`` vs ``cpu``: stage 2's state lives on the GPU, θ_T1 is kept as
+    a host copy, and the final W and every logged accuracy agree to float32 rounding (stage 1 and
+    the eNTK features are float32, stage 2's closed form float64). ``hpcfl tct-stage2 --set
+    device=cpu`` then re-solves the GPU run's stage 2 on the CPU from its GPU-made features."""
+    import json
+
+    from hpcfl.cli.main import main
+    from hpcfl.config import load_config
+    from hpcfl.runner import run_experiment
+    from tests.helpers import synthetic_config
+
+    finals, rows = {}, {}
+    for device in ("cpu", "cuda"):
+        (tmp_path / device).mkdir()
+        cfg = load_config(synthetic_config(tmp_path / device, device=device, **_tct_keys()))
+        server = run_experiment(cfg, tmp_path / device / "run").server
+        assert server.x.device.type == device, f"stage 2's state is on {server.x.device}, not {device}"
+        finals[device] = server.x.cpu()
+        lines = (tmp_path / device / "run" / "metrics.jsonl").read_text().splitlines()
+        rows[device] = [json.loads(line) for line in lines if line.strip()]
+    theta = torch.load(tmp_path / "cuda" / "run" / "stage1_model.pt", weights_only=True)
+    assert theta.device.type == "cpu", "θ_T1 must be saved as a host copy (device-free file)"
+    rel = float((finals["cuda"] - finals["cpu"]).abs().max() / finals["cpu"].abs().max())
+    assert rel < 1e-3, f"final W: CUDA vs CPU max relative difference {rel:.3e}"
+    for key in ("test_accuracy", "train_accuracy"):
+        acc = {d: [r[key] for r in rows[d] if key in r] for d in rows}
+        assert acc["cuda"] and len(acc["cuda"]) == len(acc["cpu"]), key
+        assert max(abs(a - b) for a, b in zip(acc["cuda"], acc["cpu"], strict=True)) <= 0.01, (key, acc)
+    # the GPU run's stage 2 re-solved on the CPU, from the features the GPU made
+    gpu_run = tmp_path / "cuda" / "run"
+    assert main(["tct-stage2", str(gpu_run), "--set", "device=cpu"]) == 0
+    redo = [
+        json.loads(x) for x in (gpu_run / "stage2" / "device=cpu" / "metrics.jsonl").read_text().splitlines()
+    ]
+    first = [r["test_accuracy"] for r in rows["cuda"] if r.get("stage") == "stage2"]
+    assert len(redo) == len(first)
+    assert max(abs(r["test_accuracy"] - a) for r, a in zip(redo, first, strict=True)) <= 0.01, (redo, first)
+
+
+def _stage2_clients(device: torch.device, K: int = 3, p: int = 40, C: int = 4):
+    """Heterogeneous raw features (float64, drawn on the host) and labels, on ``device``."""
+    g = torch.Generator().manual_seed(11)
+    proj = torch.randn(p, C, generator=g, dtype=torch.float64)
+    raw, labels = {}, {}
+    for k in range(K):
+        n = 20 + 15 * k  # 20 ≤ p + 1 (kernel form) ... 50 > p + 1 (covariance form)
+        z = torch.randn(n, p, generator=g, dtype=torch.float64) * (1 + k) + 2 * torch.randn(
+            p, generator=g, dtype=torch.float64
+        )
+        raw[k] = z.to(device)
+        labels[k] = torch.argmax(z @ proj, dim=1).to(device)
+    return raw, labels
+
+
+@pytest.mark.parametrize("solver", ["closed_form", "primal"])
+def test_tct_stage2_solvers_on_cuda_equal_the_cpu(solver: str) -> None:
+    """Stage 2 alone, float64: federated moments, design matrices, λ_max, 4 SCAFFOLD rounds of the
+    closed form (both its forms occur: n_k ≤ p + 1 and n_k > p + 1) or the primal solver, and the
+    evaluation, on CUDA tensors vs CPU tensors: equal to float64 rounding, and on the GPU throughout."""
+    from hpcfl.algorithms import ClientData
+    from hpcfl.comm import LocalComm
+    from hpcfl.tct.pipeline import _evaluator, linear_scores
+    from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
+    from hpcfl.tct.solvers import ClosedFormSolver, PrimalSolver
+    from hpcfl.tct.stage2 import Stage2, Stage2Params, auto_lr, spectrum
+    from hpcfl.training.evaluate import JointCounts
+    from tests.helpers import client_ctx, server_step
+
+    C, out = 4, {}
+    for name, device in (("cpu", torch.device("cpu")), ("cuda", CUDA)):
+        raw, labels = _stage2_clients(device, C=C)
+        p = next(iter(raw.values())).shape[1]
+        moments = federated_moments(raw, LocalComm(), p=p, clients=len(raw), device=device)
+        assert moments.mean.device.type == device.type
+        problems = {
+            k: LinearProblem(design_matrix(z, moments), centred_one_hot(labels[k], C), labels[k])
+            for k, z in raw.items()
+        }
+        solvers = {
+            k: ClosedFormSolver(pr) if solver == "closed_form" else PrimalSolver(pr)
+            for k, pr in problems.items()
+        }
+        if solver == "closed_form":
+            assert {s.form for s in solvers.values()} == {"kernel", "covariance"}
+        every = spectrum(solvers, LocalComm())
+        lr = auto_lr(every)
+        shape = (p + 1, C)
+        algo = Stage2(Stage2Params(lr=lr, local_steps=30), solvers, shape)
+        server = algo.init_server(torch.zeros(shape[0] * shape[1], dtype=torch.float64, device=device))
+        states = {k: algo.init_client(k, server) for k in solvers}
+        for _ in range(4):
+            total, weight = torch.zeros_like(server.x), 0.0
+            for k, pr in problems.items():
+                up, states[k] = algo.client_update(
+                    server, states[k], ClientData(k, pr.z, pr.y), client_ctx(None)
+                )
+                assert up.sums["x"].device.type == device.type
+                total += up.weight * up.sums["x"]
+                weight += up.weight
+            server = server_step(algo, server, total, weight)
+        evaluate = _evaluator(problems, list(problems.values()), shape, LocalComm(), device)
+        out[name] = dict(
+            x=server.x.cpu(),
+            lam=[every[k][0] for k in sorted(every)],
+            scores=[v for pr in problems.values() for v in linear_scores(pr, server.x.view(shape))],
+            metrics=evaluate(server, JointCounts()),
+        )
+    cpu, gpu = out["cpu"], out["cuda"]
+    torch.testing.assert_close(gpu["x"], cpu["x"], rtol=1e-9, atol=1e-12, msg=f"{solver}: W, CUDA vs CPU")
+    assert gpu["lam"] == pytest.approx(cpu["lam"], rel=1e-8), "λ_max, CUDA vs CPU"
+    assert gpu["scores"] == pytest.approx(cpu["scores"], rel=1e-9), "per-client scores"
+    assert gpu["metrics"] == pytest.approx(cpu["metrics"], rel=1e-9), "evaluation"

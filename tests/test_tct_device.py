@@ -1,0 +1,54 @@
+"""TCT's stage 2 and the run's device, as far as a CPU can check it: ``hpcfl tct-stage2`` re-solves
+the stage 2 of a run made with ``device: cuda`` on a machine without a GPU when asked to
+(``--set device=cpu``), and says how when not asked. (The CUDA-vs-CPU equality of both stages and
+of the stage-2 solvers is in ``tests/test_gpu.py``.)"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hpcfl.cli.main import main
+from hpcfl.config import load_config
+from hpcfl.runner import run_experiment
+from tests.helpers import synthetic_config
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_tct_stage2_re_solves_a_cuda_run_on_the_cpu(tmp_path, capsys):
+    cfg = load_config(
+        synthetic_config(
+            tmp_path,
+            algorithm="tct",
+            partition="classes:2",
+            num_clients=5,
+            stage1={"rounds": 1},
+            stage2={"p": 200, "rounds": 2, "local_steps": 10, "auto_lr": True},
+        )
+    )
+    run = tmp_path / "run"
+    run_experiment(cfg, run)
+    saved = run / "config.yaml"
+    saved.write_text(saved.read_text().replace("device: cpu", "device: cuda"))  # as a GPU run saves it
+    assert "device: cuda" in saved.read_text()
+    if not torch.cuda.is_available():
+        assert main(["tct-stage2", str(run)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "no CUDA GPU is visible" in err[0] and "--set device=cpu" in err[0], err
+    assert main(["tct-stage2", str(run), "--set", "device=cpu", "stage2.local_steps=10"]) == 0
+    redo = _rows(run / "stage2" / "device=cpu,local_steps=10" / "metrics.jsonl")
+    first = [r for r in _rows(run / "metrics.jsonl") if r["stage"] == "stage2"]
+    assert [r["test_accuracy"] for r in redo] == [r["test_accuracy"] for r in first]  # same device: same bits
+    assert [r["train_loss"] for r in redo] == [r["train_loss"] for r in first]
+
+
+def test_tct_stage2_still_refuses_keys_outside_stage2_and_device(tmp_path, capsys):
+    saved = tmp_path / "config.yaml"
+    saved.write_text("algorithm: tct\n")
+    assert main(["tct-stage2", str(tmp_path), "--set", "lr=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "changes only stage2.* keys and device, not lr" in err
