@@ -26,16 +26,20 @@ if TYPE_CHECKING:  # `hpcfl report` reads records: no torch, no config (which im
 RECORD = "determinism.json"
 
 
-def collect(cfg: Config, comm: Communicator) -> dict[str, Any]:
-    """This run's record (collective: every rank reports its thread count)."""
+def collect(cfg: Config, comm: Communicator, *, client_batch_used: int | None = None) -> dict[str, Any]:
+    """This run's record (collective: every rank reports its thread count). ``client_batch_used``:
+    the group size the setting resolved to (``auto`` chooses by device and memory)."""
     import torch
 
-    return {
+    record: dict[str, Any] = {
         "threads_per_rank": [int(t) for t in comm.allgather(torch.get_num_threads())],
         "reduction": cfg.reduction,
         "client_batch": str(cfg.client_batch),
         "device": cfg.device,
     }
+    if client_batch_used is not None:
+        record["client_batch_used"] = int(client_batch_used)
+    return record
 
 
 def read_record(run_dir: Path) -> dict[str, Any] | None:
@@ -71,6 +75,9 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     for key in ("reduction", "client_batch", "device"):
         if a.get(key) != b.get(key):
             out.append(f"{key} {a.get(key)} vs {b.get(key)}")
+    used_a, used_b = a.get("client_batch_used"), b.get("client_batch_used")
+    if a.get("client_batch") == b.get("client_batch") and None not in (used_a, used_b) and used_a != used_b:
+        out.append(f"client_batch_used {used_a} vs {used_b}")  # e.g. auto on GPUs of another size
     return out
 
 
