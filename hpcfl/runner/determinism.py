@@ -73,12 +73,18 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     if set(ta) != set(tb) or (float32 and len(ta) != len(tb)):
         out.append(f"threads {_threads(a)} vs {_threads(b)}")
     for key in ("reduction", "client_batch", "device"):
-        if a.get(key) != b.get(key):
+        if key == "client_batch" and {"client_batch_used"} <= a.keys() & b.keys():
+            if a["client_batch_used"] != b["client_batch_used"]:  # auto and 1 on a CPU are the same
+                out.append(f"client_batch {_client_batch(a)} vs {_client_batch(b)}")
+        elif a.get(key) != b.get(key):
             out.append(f"{key} {a.get(key)} vs {b.get(key)}")
-    used_a, used_b = a.get("client_batch_used"), b.get("client_batch_used")
-    if a.get("client_batch") == b.get("client_batch") and None not in (used_a, used_b) and used_a != used_b:
-        out.append(f"client_batch_used {used_a} vs {used_b}")  # e.g. auto on GPUs of another size
     return out
+
+
+def _client_batch(record: dict[str, Any]) -> str:
+    """``client_batch`` as set, with the group size it chose where that is not the setting itself."""
+    setting, used = str(record.get("client_batch")), record.get("client_batch_used")
+    return setting if used is None or setting == str(used) else f"{setting} ({used})"
 
 
 def resume_note(run_dir: Path, now: dict[str, Any]) -> str | None:
