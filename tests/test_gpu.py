@@ -248,18 +248,6 @@ def test_mpicomm_allreduce_of_cuda_tensors_equals_localcomm() -> None:
 # check that it does, and that the CUDA results equal the CPU's to float tolerance.
 
 
-def _tct_keys(**overrides) -> dict:
-    keys = dict(
-        algorithm="tct",
-        partition="classes:2",
-        num_clients=5,
-        stage1={"rounds": 2},
-        stage2={"p": 300, "rounds": 3, "local_steps": 20, "auto_lr": True},
-    )
-    keys.update(overrides)
-    return keys
-
-
 def test_tct_run_on_cuda_equals_the_cpu_run(tmp_path: Path) -> None:
     """Both stages with ``device: cuda`` vs ``cpu``: stage 2's state lives on the GPU, θ_T1 is kept as
     a host copy, and the final W and every logged accuracy agree to float32 rounding (stage 1 and
@@ -268,14 +256,13 @@ def test_tct_run_on_cuda_equals_the_cpu_run(tmp_path: Path) -> None:
     import json
 
     from hpcfl.cli.main import main
-    from hpcfl.config import load_config
     from hpcfl.runner import run_experiment
-    from tests.helpers import synthetic_config
+    from tests.test_tct import _tct_config
 
     finals, rows = {}, {}
     for device in ("cpu", "cuda"):
         (tmp_path / device).mkdir()
-        cfg = load_config(synthetic_config(tmp_path / device, device=device, **_tct_keys()))
+        cfg = _tct_config(tmp_path / device, device=device)
         server = run_experiment(cfg, tmp_path / device / "run").server
         assert server.x.device.type == device, f"stage 2's state is on {server.x.device}, not {device}"
         finals[device] = server.x.cpu()

@@ -10,9 +10,8 @@ import json
 import torch
 
 from hpcfl.cli.main import main
-from hpcfl.config import load_config
 from hpcfl.runner import run_experiment
-from tests.helpers import synthetic_config
+from tests.test_tct import _tct_config
 
 
 def _rows(path):
@@ -20,15 +19,8 @@ def _rows(path):
 
 
 def test_tct_stage2_re_solves_a_cuda_run_on_the_cpu(tmp_path, capsys):
-    cfg = load_config(
-        synthetic_config(
-            tmp_path,
-            algorithm="tct",
-            partition="classes:2",
-            num_clients=5,
-            stage1={"rounds": 1},
-            stage2={"p": 200, "rounds": 2, "local_steps": 10, "auto_lr": True},
-        )
+    cfg = _tct_config(
+        tmp_path, stage1={"rounds": 1}, stage2={"p": 200, "rounds": 2, "local_steps": 10, "auto_lr": True}
     )
     run = tmp_path / "run"
     run_experiment(cfg, run)
