@@ -57,7 +57,7 @@ class Stage2Setup:
     dtype: torch.dtype
     lr: float  # η2 actually used (differs from the config with auto_lr)
     lambda_max: dict[int, float]
-    device: torch.device = torch.device("cpu")  # the run's device, where the problems live
+    device: torch.device  # the run's device (fed.device), where the problems live
 
     def initial_server(self) -> ServerState:
         """ψ₀ = 0 (Algorithm 2), on the run's device."""
