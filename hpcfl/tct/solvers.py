@@ -58,10 +58,10 @@ def power_lambda_max(z: torch.Tensor, *, iters: int = 1000, tol: float = 1e-10, 
     """λ_max(Z̃ᵀZ̃) by power iteration with matrix-vector products only (no n×n or p×p matrix), on
     z's device; one host read per iteration (the Rayleigh quotient and the norm together), set-up
     work once per client."""
-    # host: the start vector is drawn from a seeded CPU generator, so λ_max (and the iteration count)
-    # do not depend on where z lives; moved to z's device once
+    # the start vector is drawn from a seeded CPU generator, so λ_max (and the iteration count) do
+    # not depend on where z lives, and moved to z's device once
     g = torch.Generator().manual_seed(seed)
-    v = torch.randn(z.shape[1], generator=g, dtype=z.dtype).to(z.device)  # (d,)
+    v = torch.randn(z.shape[1], generator=g, dtype=z.dtype).to(z.device)  # host: seeded draw; (d,)
     v /= v.norm()
     lam = 0.0
     for _ in range(iters):
