@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from hpcfl.cli.main import main
@@ -44,3 +45,19 @@ def test_tct_stage2_still_refuses_keys_outside_stage2_and_device(tmp_path, capsy
     assert main(["tct-stage2", str(tmp_path), "--set", "lr=0.1"]) == 2
     err = capsys.readouterr().err
     assert "changes only stage2.* keys and device, not lr" in err
+
+
+def test_tct_stage2_runs_on_the_runs_device_under_a_fake_cuda(tmp_path):
+    """``device: cuda`` on a CPU through the fake accelerator (hpcfl.testing.fake_accelerator): no
+    device mix anywhere in either stage, stage 2's state (and so its problems and solvers) is on the
+    run's device rather than silently on the host, and the result is the CPU run's, bit for bit."""
+    fake = pytest.importorskip("hpcfl.testing.fake_accelerator")
+    keys = dict(stage1={"rounds": 1}, stage2={"p": 200, "rounds": 2, "local_steps": 10, "auto_lr": True})
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cuda").mkdir()
+    ref = run_experiment(_tct_config(tmp_path / "cpu", device="cpu", **keys), tmp_path / "cpu" / "run")
+    with fake.fake_cuda() as dev:
+        got = run_experiment(_tct_config(tmp_path / "cuda", device="cuda", **keys), tmp_path / "cuda" / "run")
+        assert dev.is_accel(got.server.x), "stage 2 ran on the host in a device: cuda run"
+    assert torch.equal(got.server.x, ref.server.x)
+    assert [r["test_accuracy"] for r in got.metrics] == [r["test_accuracy"] for r in ref.metrics]
