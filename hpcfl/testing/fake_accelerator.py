@@ -278,9 +278,8 @@ class FakeCuda(TorchFunctionMode):
             self._sync(name)
         out_target = kwargs.get("out")
         inplace = (
-            (name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES)
-            or name in _INPLACE_DUNDERS
-        )
+            name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES
+        ) or name in _INPLACE_DUNDERS
         targets = _tensors(out_target) if out_target is not None else (tensors[:1] if inplace else [])
         if targets:
             self._check_write(name, targets, [t for t in tensors if all(t is not x for x in targets)])
@@ -315,7 +314,9 @@ class FakeCuda(TorchFunctionMode):
 
     def _check_generator(self, generator: torch.Generator) -> None:
         if generator.device.type == "cpu":
-            raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu' (fake accelerator)")
+            raise RuntimeError(
+                "Expected a 'cuda' device type for generator but found 'cpu' (fake accelerator)"
+            )
 
     def _get(self, func, name: str, args, kwargs):
         t = args[0]
