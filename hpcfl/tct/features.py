@@ -191,7 +191,7 @@ def ensure_store(
         if stopped:
             break
         writer.finish(labels.cpu())
-    flag = comm.allreduce(torch.tensor([float(stopped)], dtype=torch.float64))
+    flag = comm.allreduce(torch.tensor([float(stopped)], dtype=torch.float64))  # host: a stop flag
     if bool(flag.item()):
         raise ExtractionStopped(
             f"stopped by a signal during the feature extraction into {path} (finished clients are kept)"
@@ -227,7 +227,7 @@ def check_features_fit(
             )
     rows = sum(int(part.numel()) for part in fed.parts) + int(fed.dataset.test.y.numel())
     rows += sum(int(share.numel()) for share in fed.client_eval or ())
-    itemsize = torch.empty((), dtype=getattr(torch, cfg2.dtype)).element_size()
+    itemsize = torch.empty((), dtype=getattr(torch, cfg2.dtype)).element_size()  # host: a dtype's size
     need = rows * p * itemsize
     for name in ("features.zarr", "features_test.zarr", HELD_OUT_STORE):
         store = run_dir / name
