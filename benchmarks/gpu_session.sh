@@ -29,6 +29,8 @@
 #               loop, K = 10, 100, 1000
 #   batched     benchmarks/batched_clients.py: groups vs one by one, simplecnn and resnet8
 #   entk        hpcfl bench entk on simplecnn, resnet8, vgg11
+#   profile     the fused eNTK batch's kernels (torch.profiler) beside plain training's: what a
+#               per-layer GPU cost model is fitted from
 #   dp          DP-SGD vs Opacus (hooks and ghost clipping) and non-private, simplecnn and resnet8-GN
 #   stage2      TCT stage 2's closed form on the GPU vs the CPU at n_k = 6,000, p = 100,000, M = 500
 #   frameworks  BlazeFL's/Flower's published setup (100 clients x 500, 5 epochs, batch 50; CNN, ResNet-18)
@@ -36,12 +38,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUTDIR=benchmarks/out/gpu_session
-STEPS_ALL=(tests checkpoint entk18 main round batched entk dp stage2 frameworks)
+STEPS_ALL=(tests checkpoint entk18 main round batched entk profile dp stage2 frameworks)
 
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
     [tests]="170 60" [checkpoint]="60 20" [entk18]="90 40" [main]="120 60" [round]="120 50"
-    [batched]="80 40" [entk]="120 40" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60"
+    [batched]="80 40" [entk]="120 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60"
 )
 declare -A CMD=(
     [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_cka.py tests/test_triton_kernels.py --junitxml $OUTDIR/pytest_gpu.xml"
@@ -51,6 +53,7 @@ declare -A CMD=(
     [round]="python3 benchmarks/round_throughput.py --device cuda --clients 10 100 1000 --rounds 3 --out $OUTDIR/round_throughput_cuda"
     [batched]="python3 benchmarks/batched_clients.py --device cuda --models simplecnn resnet8 --clients 100 1000 --batches all auto --repeats 3 --no-yardstick --out $OUTDIR/batched_clients_cuda"
     [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods vmap,fused,opacus --rounds 2 --out $OUTDIR/entk_simplecnn_cuda && python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods vmap,fused,opacus --rounds 2 --out $OUTDIR/entk_vgg11_cuda && python3 -m hpcfl bench entk --device cuda --model resnet8 --batch 256 --p 100000 --methods vmap,fused,opacus --rounds 2 --out $OUTDIR/entk_resnet8_cuda"
+    [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
     [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda"
     [frameworks]="python3 benchmarks/fl_frameworks_setup.py --device cuda --models simplecnn resnet18 --out $OUTDIR/fl_frameworks_setup_cuda"

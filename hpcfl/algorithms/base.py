@@ -118,7 +118,7 @@ class SumSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.length * torch.empty((), dtype=self.dtype).element_size()
+        return self.length * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ def _storage(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype a torch dtype is stored as (bfloat16: its raw bits, zarr has no bf16)."""
     if dtype == torch.bfloat16:
         return np.dtype(np.uint16)
-    return torch.empty((), dtype=dtype).numpy().dtype
+    return torch.empty((), dtype=dtype).numpy().dtype  # host: a dtype query
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -153,8 +153,8 @@ def _encode(t: Tensor) -> np.ndarray:
 def _decode(a: np.ndarray, dtype: torch.dtype) -> Tensor:
     a = np.array(a, copy=True, order="C")
     if dtype == torch.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # host: read from Zarr
+    return torch.from_numpy(a)  # host: read from Zarr
 
 
 def _syncfs(path: Path) -> bool:

@@ -217,7 +217,7 @@ class _Bookkeeper:
                 self.rows.append(row)
             self.progress.update(done, row)
             # a signal may reach any rank: agree on it so every rank checkpoints the same round
-            flag = torch.tensor([float(self.stop.requested)], dtype=torch.float64)
+            flag = torch.tensor([float(self.stop.requested)], dtype=torch.float64)  # host: a stop flag
             halt = bool(self.comm.allreduce(flag).item())
             # the privacy budget: the server state (identical on every rank) says the next round
             # would exceed it

@@ -276,7 +276,7 @@ def hold_out(
     the clients never train on it, and it is drawn from the training split, never the test set.
     """
     kept, held = split_clients(parts, fraction, seed, salt=0x76616C)  # "val"
-    return kept, torch.cat(held) if held else torch.empty(0, dtype=torch.long)
+    return kept, torch.cat(held) if held else torch.empty(0, dtype=torch.long)  # host: index bookkeeping
 
 
 #: The seed salt of ``client_eval``'s held-out shares ("cev"), apart from validation's.
@@ -296,7 +296,7 @@ def split_clients(
         m = min(n - 1, max(1, round(fraction * n)))
         chosen = np.zeros(n, dtype=bool)
         chosen[rng.permutation(n)[:m]] = True
-        mask = torch.from_numpy(chosen)
+        mask = torch.from_numpy(chosen)  # host: index bookkeeping
         kept.append(part[~mask])
         held.append(part[mask])
     return kept, held

@@ -91,6 +91,7 @@ def shard_counts(
         stats[2] += yb.numel()
         if probs:
             if out is None:
+                # host: probabilities come back
                 out = torch.zeros(3 + n * logits.shape[1], dtype=torch.float64)
             width = logits.shape[1]
             out[3 + s * width : 3 + (s + yb.numel()) * width] = logits.softmax(1).reshape(-1).double().cpu()
@@ -99,7 +100,7 @@ def shard_counts(
         return stats
     if out is None:  # this rank's shard is empty: learn the width from one input
         width = model(x[:1].to(device)).shape[1]
-        out = torch.zeros(3 + n * width, dtype=torch.float64)
+        out = torch.zeros(3 + n * width, dtype=torch.float64)  # host: probabilities come back
     out[:3] = stats
     return out
 
