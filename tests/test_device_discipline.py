@@ -12,20 +12,7 @@ from tests.device_discipline import REPO, offenders, package_offenders
 
 #: offenders in code being moved to the run's device (issue 39 item 1: TCT stage 2 on the run's
 #: device), by ``path: code`` so that edits above them do not move the key; empty once that lands
-PENDING: frozenset[str] = frozenset(
-    {
-        "hpcfl/tct/pipeline.py: torch.zeros(self.shape[0] * self.shape[1], dtype=self.dtype)",
-        "hpcfl/tct/pipeline.py: torch.zeros(6, dtype=torch.float64)",
-        "hpcfl/tct/problem.py: torch.full((labels.numel(), num_classes), -1.0 / num_classes, dtype=dtype)",
-        "hpcfl/tct/problem.py: torch.arange(labels.numel())",
-        "hpcfl/tct/problem.py: torch.tensor([float(z.shape[0])], dtype=torch.float64)",
-        "hpcfl/tct/problem.py: torch.zeros(width, dtype=torch.float64)",
-        "hpcfl/tct/problem.py: torch.zeros(clients, hi - lo, dtype=torch.float64)",
-        "hpcfl/tct/problem.py: torch.empty(z.shape[0], z.shape[1] + 1, dtype=dtype)",
-        "hpcfl/tct/solvers.py: torch.arange(problem.n)",
-        "hpcfl/tct/solvers.py: torch.randn(z.shape[1], generator=g, dtype=z.dtype)",
-    }
-)
+PENDING: frozenset[str] = frozenset()  # TCT stage 2 is on the run's device (branch tctdevice)
 
 
 def _keys(found: list[str]) -> set[str]:
@@ -41,7 +28,6 @@ def test_no_factory_without_device_outside_marked_host_work() -> None:
     )
 
 
-@pytest.mark.xfail(strict=False, reason="issue 39 item 1: TCT stage 2 moves to the run's device (lead)")
 def test_nothing_is_pending() -> None:
     assert _keys(package_offenders()) == set()
 
