@@ -82,7 +82,9 @@ class Config:
     participation_weighting: str = "uniform"  # uniform | size (probability proportional to n_k)
     reduction: str = "float64"  # float64: the round's sum is placement-independent | float32: half the bytes
     client_state_memory: str = "auto"  # auto | memory | disk | a byte budget, e.g. 2GB
-    client_batch: str = "1"  # participants trained as one vectorised step: 1 (one by one) | N | auto
+    client_batch: str = (
+        "auto"  # participants as one vectorised step: auto (1 on a CPU, sized on a GPU) | 1 | N
+    )
     client_eval: float = 0.0  # share of each client's data held out (seeded) for per-client accuracy
     client_eval_clients: int | None = None  # evaluate a seeded sample of M clients per row (None: all)
     finetune_eval: FinetuneEval = field(default_factory=lambda: FinetuneEval())  # personalised accuracy

@@ -6,7 +6,8 @@
   the GPU by ``tests/test_cka.py``, which runs on CUDA tensors wherever a GPU exists);
 - the fused eNTK on CUDA equals the CPU ``vmap`` reference, float64, p < P and p = P, on simplecnn,
   resnet8, resnet18 (GroupNorm and BatchNorm) and vgg11;
-- a FedAvg run with ``device: cuda`` equals the CPU run to float32 tolerance;
+- runs with ``device: cuda`` (FedAvg, SCAFFOLD, FedPVR, clipped FedDyn, NTK-FL, sample-level DP)
+  equal the CPU run to float32 tolerance;
 - ``MPIComm`` on CUDA tensors (2 ranks sharing one GPU), host-staged and CUDA-aware, equals the sum
   ``LocalComm`` would hold.
 """
@@ -140,30 +141,97 @@ def test_fused_entk_on_cuda_equals_cpu_reference(name, shape, options, full) -> 
     _assert_close(got.cpu(), ref, f"{name} fused on CUDA vs vmap on CPU (p={p})", rtol=1e-7)
 
 
-def test_fedavg_run_on_cuda_equals_the_cpu_run(tmp_path: Path) -> None:
+#: algorithms whose ``device: cuda`` run is compared with the CPU run: (id, config keys, tolerance on
+#: the final state relative to its largest entry). The runs are short (3 rounds of a few local steps):
+#: float32 rounding of other kernels (and vectorised clients, ``client_batch: auto``) stays small.
+CUDA_RUNS = [
+    pytest.param("fedavg", {"model": "simplecnn"}, 1e-4, id="fedavg"),
+    pytest.param("scaffold", {}, 1e-4, id="scaffold"),
+    pytest.param("fedpvr", {}, 1e-4, id="fedpvr"),
+    pytest.param("feddyn", {"params": {"max_grad_norm": 10.0}}, 1e-4, id="feddyn-clipped"),
+    pytest.param(
+        "ntkfl",
+        {
+            "dataset_options": {"n_train": 300, "n_test": 100, "seed": 3},
+            "num_clients": 6,
+            "clients_per_round": 3,
+            "params": {"grid": [20, 100, 400], "eta": 0.1},
+        },
+        1e-4,
+        id="ntkfl",
+    ),
+]
+
+
+@pytest.mark.parametrize(("algorithm", "keys", "tol"), CUDA_RUNS)
+def test_run_on_cuda_equals_the_cpu_run(tmp_path: Path, algorithm: str, keys: dict, tol: float) -> None:
     """The same config, ``device: cuda`` vs ``cpu``: the final parameters agree to float32 rounding
-    amplified over 3 rounds of 10 local steps (1e-4 relative), and so do the logged accuracies."""
+    amplified over 3 rounds (``tol`` relative to the largest entry), and so do the logged test
+    accuracies (within 1 point). The CUDA run uses the default ``client_batch: auto`` (vectorised
+    groups where the algorithm allows), so this also checks that path on the GPU."""
+    finals, acc = {}, {}
+    for device in ("cpu", "cuda"):
+        finals[device], acc[device] = _run(
+            tmp_path / device, algorithm=algorithm, rounds=3, device=device, **keys
+        )
+    rel = float((finals["cuda"] - finals["cpu"]).abs().max() / finals["cpu"].abs().max())
+    assert rel < tol, f"{algorithm}: cuda vs cpu final state differs by {rel:.2e} relative"
+    assert acc["cuda"] and len(acc["cuda"]) == len(acc["cpu"])
+    assert max(abs(a - b) for a, b in zip(acc["cuda"], acc["cpu"], strict=True)) <= 0.01, acc
+
+
+def test_sample_level_dp_on_cuda_matches_the_cpu_step_and_trains(tmp_path: Path) -> None:
+    """DP-SGD on CUDA: without noise one client's private local training equals the CPU's (the
+    clipped per-sample sums and the step are the same maths; the noise on a GPU is drawn there, from
+    one seed taken from the client's generator, so only its distribution matches the CPU's); with
+    noise, a short run on CUDA learns as the CPU run does (test accuracy within 5 points)."""
+    from hpcfl.models import build_model
+    from hpcfl.privacy.sgd import dp_local_sgd
+    from hpcfl.training.flat import FlatModel
+    from hpcfl.training.sgd import LocalSchedule
+
+    torch.manual_seed(0)
+    x = torch.randn(96, 1, 28, 28)
+    y = torch.randint(0, 10, (96,))
+    schedule = LocalSchedule(lr=0.1, batch_size=16, epochs=2, momentum=0.5)
+    out = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(1)
+        flat = FlatModel(build_model("simplecnn", (1, 28, 28), 10).to(device))
+        result = dp_local_sgd(
+            flat,
+            x.to(device),
+            y.to(device),
+            schedule,
+            torch.Generator().manual_seed(5),
+            clip=1.0,
+            noise_multiplier=0.0,
+        )
+        assert result.finite
+        out[device] = flat.vector.cpu()
+    rel = float((out["cuda"] - out["cpu"]).abs().max() / out["cpu"].abs().max())
+    assert rel < 1e-4, rel
+    privacy = {"level": "sample", "noise_multiplier": 0.5, "clip": 1.0}
+    acc = {
+        d: _run(tmp_path / d, algorithm="fedavg", rounds=3, device=d, privacy=privacy)[1][-1]
+        for d in ("cpu", "cuda")
+    }
+    assert abs(acc["cuda"] - acc["cpu"]) <= 0.05, acc
+
+
+def _run(where: Path, **keys) -> tuple[torch.Tensor, list[float]]:
+    """A synthetic run's final server state (on the host) and its test accuracies, round by round."""
     import json
 
     from hpcfl.config import load_config
     from hpcfl.runner import run_experiment
     from tests.helpers import synthetic_config
 
-    finals, rows = {}, {}
-    for device in ("cpu", "cuda"):
-        cfg = load_config(
-            synthetic_config(
-                tmp_path / device, algorithm="fedavg", model="simplecnn", rounds=3, device=device
-            )
-        )
-        finals[device] = run_experiment(cfg, tmp_path / device / "run").server.x.cpu()
-        lines = (tmp_path / device / "run" / "metrics.jsonl").read_text().splitlines()
-        rows[device] = [json.loads(line) for line in lines if line.strip()]
-    rel = float((finals["cuda"] - finals["cpu"]).abs().max() / finals["cpu"].abs().max())
-    assert rel < 1e-4, rel
-    acc = {d: [r["accuracy"] for r in rows[d] if r.get("split") == "test"] for d in rows}
-    assert acc["cuda"] and len(acc["cuda"]) == len(acc["cpu"])
-    assert max(abs(a - b) for a, b in zip(acc["cuda"], acc["cpu"], strict=True)) <= 0.01, acc
+    where.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(synthetic_config(where, **keys))
+    final = run_experiment(cfg, where / "run").server.x.cpu()
+    rows = [json.loads(line) for line in (where / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    return final, [r["test_accuracy"] for r in rows if "test_accuracy" in r]
 
 
 @pytest.mark.mpi

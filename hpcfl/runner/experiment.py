@@ -314,7 +314,9 @@ def _run_locked(
             _collective_check(comm, lambda stage=stage: resolve_hook(stage.check)(fed, run_dir))
     held = fed.owned if comm.size > 1 else list(range(len(fed.parts)))  # states this rank may train
     every = list(range(len(fed.parts)))  # every rank checks all client files, so all pick one round
-    record = determinism.collect(cfg, comm)  # collective: the threads every rank uses
+    record = determinism.collect(
+        cfg, comm, client_batch_used=fed.client_batch
+    )  # collective: the threads every rank uses
     if comm.rank == 0 and has_state and (note := determinism.resume_note(run_dir, record)) is not None:
         print(note, file=sys.stderr)
     ckpt = (  # onto this rank's device, whichever device wrote it
