@@ -21,8 +21,10 @@
 #   tests       pytest -m gpu (compiled Triton gathers, CKA kernel, fused eNTK vs CPU reference,
 #               CUDA-vs-CPU runs of FedAvg, SCAFFOLD, FedPVR, FedDyn, NTK-FL, DP-SGD, TCT) + the
 #               CKA/Triton test files on CUDA
-#   checkpoint  a tiny device: cuda run (tests/fixtures/cuda_checkpoint.yaml); its checkpoints/ are
-#               the CPU suite's fixture tests/fixtures/checkpoint_cuda/
+#   checkpoint  a tiny device: cuda run (tests/fixtures/cuda_checkpoint.yaml) whose checkpoint files
+#               are written again from CUDA tensors (hpcfl itself now writes host copies) by
+#               tests/fixtures/make_checkpoint_cuda.py; the run directory is the CPU suite's fixture
+#               tests/fixtures/checkpoint_cuda/
 #   entk18      hpcfl bench entk, resnet18-GN CIFAR shape, p = 1e5, B = 256: fused, vmap, Opacus
 #   main        the README's main job (TCT vs FedAvg on Fashion-MNIST) with device=cuda, timed
 #   round       FedAvg round throughput at the default client_batch (auto) vs one by one vs a plain
@@ -47,7 +49,7 @@ declare -A LIMIT=(
 )
 declare -A CMD=(
     [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_cka.py tests/test_triton_kernels.py --junitxml $OUTDIR/pytest_gpu.xml"
-    [checkpoint]="python3 -m hpcfl run tests/fixtures/cuda_checkpoint.yaml --run-dir $OUTDIR/checkpoint_cuda --overwrite"
+    [checkpoint]="python3 tests/fixtures/make_checkpoint_cuda.py $OUTDIR/checkpoint_cuda"
     [entk18]="python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods vmap,fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
     [main]="python3 -m hpcfl compare --set device=cuda --out $OUTDIR/compare_cuda"
     [round]="python3 benchmarks/round_throughput.py --device cuda --clients 10 100 1000 --rounds 3 --out $OUTDIR/round_throughput_cuda"

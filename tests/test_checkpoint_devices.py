@@ -27,6 +27,7 @@ from hpcfl.runner.client_states import ClientStates
 from tests.helpers import REPO, synthetic_config
 
 FIXTURE = REPO / "tests" / "fixtures" / "checkpoint_cuda"
+FIXTURE_CONFIG = REPO / "tests" / "fixtures" / "cuda_checkpoint.yaml"
 
 
 def locations(path: Path) -> set[str]:
@@ -211,19 +212,38 @@ def test_a_run_checkpointed_on_a_gpu_resumes_on_the_cpu_bit_identically(
     assert torch.equal(_resume(cfg, run, 4), reference.server.x)
 
 
-@pytest.mark.skipif(not (FIXTURE / "checkpoints" / "LATEST").exists(), reason="no GPU-made fixture yet")
+def _fixture_runs(dest: Path) -> list[Path]:
+    """Two resumable copies of the fixture under ``dest``: as made (files on ``cuda``) and with every
+    file written again from host tensors. The fixture is a whole run directory, or only its
+    ``checkpoints/`` (the run's config is then ``tests/fixtures/cuda_checkpoint.yaml``)."""
+    from hpcfl.config import dump_config
+
+    runs = []
+    for name in ("gpu", "host"):
+        run = dest / name
+        if (FIXTURE / "checkpoints").is_dir():
+            shutil.copytree(FIXTURE, run)
+        else:
+            shutil.copytree(FIXTURE, run / "checkpoints")
+            dump_config(load_config(FIXTURE_CONFIG), run / "config.yaml")
+        runs.append(run)
+    for path in runs[1].rglob("*.pt"):
+        torch.save(torch.load(path, map_location="cpu", weights_only=True), path)
+    return runs
+
+
+@pytest.mark.skipif(
+    not any((d / "LATEST").exists() for d in (FIXTURE, FIXTURE / "checkpoints")),
+    reason="no GPU-made fixture yet",
+)
 def test_the_checkpoint_saved_on_a_gpu_resumes_on_the_cpu(tmp_path: Path) -> None:
     """The fixture made on a GPU (its files record ``cuda``) resumes on this CPU for one more round,
     bit-identical to the same checkpoint rewritten from host tensors: where the file says its
     tensors were changes nothing."""
     tags = set().union(*(locations(p) for p in FIXTURE.rglob("*.pt")))
     assert tags and all(t.startswith("cuda") for t in tags), tags
-    gpu, host = tmp_path / "gpu", tmp_path / "host"
-    shutil.copytree(FIXTURE, gpu)
-    shutil.copytree(FIXTURE, host)
-    for path in host.rglob("*.pt"):
-        torch.save(torch.load(path, map_location="cpu", weights_only=True), path)
-    done = int((FIXTURE / "checkpoints" / "LATEST").read_text().strip().split("_")[1])
+    gpu, host = _fixture_runs(tmp_path)
+    done = int((gpu / "checkpoints" / "LATEST").read_text().strip().split("_")[1])
     cfg = gpu / "config.yaml"
     assert torch.equal(_resume(cfg, gpu, done + 1), _resume(cfg, host, done + 1))
 
