@@ -213,9 +213,11 @@ def _count(path: str, steps: int) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("path", ["sequential", "batched", "dp-sgd"])
 def test_host_syncs_do_not_grow_with_local_steps(path: str) -> None:
-    """Before issue 39's fix (syncs, copies at 1 and 4 steps): sequential (3, 1) → (6, 4); batched
-    (4, 1) → (7, 4) for 3 clients; DP-SGD (4, 2) → (10, 8). After: one read per client (group) per
-    round, one copy of its indices, whatever the number of steps."""
+    """Measured before issue 39's fix (with sgd.py:154's loss sum put on the device so that the
+    sequential path runs at all), (syncs, copies) at 1 and 4 local steps: sequential (3, 2) → (6, 8),
+    batched with 3 clients (3, 1) → (6, 4), DP-SGD (3, 3) → (9, 12): a read of a flag every step, the
+    mini-batch indices (and DP's noise) copied every step. After: (1, 1) on each path, one read
+    per client (per group) per round and one copy of the round's indices, whatever the steps."""
     clients, syncs_1, copies_1 = _count(path, 1)
     _, syncs_4, copies_4 = _count(path, 4)
     assert (syncs_4, copies_4) == (syncs_1, copies_1)
