@@ -21,8 +21,10 @@
 #   tests       pytest -m gpu (compiled Triton gathers, CKA kernel, fused eNTK vs CPU reference,
 #               CUDA-vs-CPU runs of FedAvg, SCAFFOLD, FedPVR, FedDyn, NTK-FL, DP-SGD, TCT) + the
 #               CKA/Triton test files on CUDA
-#   checkpoint  a tiny device: cuda run (tests/fixtures/cuda_checkpoint.yaml); its checkpoints/ are
-#               the CPU suite's fixture tests/fixtures/checkpoint_cuda/
+#   checkpoint  a tiny device: cuda run (tests/fixtures/cuda_checkpoint.yaml) whose checkpoint files
+#               are written again from CUDA tensors (hpcfl itself now writes host copies) by
+#               tests/fixtures/make_checkpoint_cuda.py; the run directory is the CPU suite's fixture
+#               tests/fixtures/checkpoint_cuda/
 #   entk18      hpcfl bench entk, resnet18-GN CIFAR shape, p = 1e5, B = 256: fused, vmap, Opacus
 #   main        the README's main job (TCT vs FedAvg on Fashion-MNIST) with device=cuda, timed
 #   round       FedAvg round throughput at the default client_batch (auto) vs one by one vs a plain
@@ -46,13 +48,13 @@ declare -A LIMIT=(
     [batched]="80 40" [entk]="120 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60"
 )
 declare -A CMD=(
-    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_cka.py tests/test_triton_kernels.py --junitxml $OUTDIR/pytest_gpu.xml"
-    [checkpoint]="python3 -m hpcfl run tests/fixtures/cuda_checkpoint.yaml --run-dir $OUTDIR/checkpoint_cuda --overwrite"
-    [entk18]="python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods vmap,fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
+    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py --junitxml $OUTDIR/pytest_gpu.xml"
+    [checkpoint]="python3 tests/fixtures/make_checkpoint_cuda.py $OUTDIR/checkpoint_cuda"
+    [entk18]="python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
     [main]="python3 -m hpcfl compare --set device=cuda --out $OUTDIR/compare_cuda"
     [round]="python3 benchmarks/round_throughput.py --device cuda --clients 10 100 1000 --rounds 3 --out $OUTDIR/round_throughput_cuda"
     [batched]="python3 benchmarks/batched_clients.py --device cuda --models simplecnn resnet8 --clients 100 1000 --batches all auto --repeats 3 --no-yardstick --out $OUTDIR/batched_clients_cuda"
-    [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods vmap,fused,opacus --rounds 2 --out $OUTDIR/entk_simplecnn_cuda && python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods vmap,fused,opacus --rounds 2 --out $OUTDIR/entk_vgg11_cuda && python3 -m hpcfl bench entk --device cuda --model resnet8 --batch 256 --p 100000 --methods vmap,fused,opacus --rounds 2 --out $OUTDIR/entk_resnet8_cuda"
+    [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --out $OUTDIR/entk_simplecnn_cuda && python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --out $OUTDIR/entk_vgg11_cuda && python3 -m hpcfl bench entk --device cuda --model resnet8 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --out $OUTDIR/entk_resnet8_cuda"
     [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
     [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda"

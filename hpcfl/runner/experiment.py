@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hpcfl.algorithms import ServerState
-from hpcfl.algorithms.base import Stage, resolve_hook, state_from_dict, state_to_dict
+from hpcfl.algorithms.base import Stage, resolve_hook, state_to_dict
 from hpcfl.algorithms.stage_types import StageInput, StagePlan
 from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config
@@ -30,7 +30,7 @@ from hpcfl.errors import ConfigError, HpcflError, RunDirError
 from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.privacy.build import budget_line
 from hpcfl.runner import determinism
-from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, placed_state, save_checkpoint
 from hpcfl.runner.client_eval import CLIENT_ROWS
 from hpcfl.runner.client_states import ClientStates
 from hpcfl.runner.federation import Federation, build_federation, model_plan
@@ -319,8 +319,10 @@ def _run_locked(
     )  # collective: the threads every rank uses
     if comm.rank == 0 and has_state and (note := determinism.resume_note(run_dir, record)) is not None:
         print(note, file=sys.stderr)
-    ckpt = (
-        load_checkpoint(run_dir / "checkpoints", held, all_clients=every, reset=reset) if has_state else None
+    ckpt = (  # onto this rank's device, whichever device wrote it
+        load_checkpoint(run_dir / "checkpoints", held, device=fed.device, all_clients=every, reset=reset)
+        if has_state
+        else None
     )
     start = ckpt.round if ckpt is not None else 0
     if comm.rank == 0:
@@ -399,7 +401,7 @@ def drive_stages(
         srv, states = entry.server, client_states(fed, entry, book.run_dir, stage.name, resumed_form=form)
         if resumed_here:
             assert ckpt is not None
-            srv = state_from_dict(type(srv), ckpt.server)
+            srv = placed_state(srv, ckpt.server)  # each field where a fresh state keeps it
             states.restore(ckpt, reset)
         if done < hi and (line := budget_line(srv)) is not None:
             server, book.budget_stop = srv, line  # spent before this stage's next round
@@ -482,6 +484,7 @@ def client_states(
         num_clients=entry.plan.population.size,
         budget_bytes=0,
         path=run_dir / f"client_states_{stage}.zarr",
+        device=fed.device,  # stored states come back on this rank's device, not the writer's
     )
 
 

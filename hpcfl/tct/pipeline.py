@@ -223,7 +223,7 @@ def enter_stage2(entry: StageInput) -> StagePlan:
             if entry.sweep
             else "stage 2 cannot resume; rerun with --overwrite"
         )
-        theta = load_torch_file(run_dir / STAGE1_MODEL, fix)
+        theta = load_torch_file(run_dir / STAGE1_MODEL, fix, device=fed.device)
     # a sweep reads the run's features as they are (a damaged store is named, not recomputed), except
     # after stage2.rounds: 0, where the run stopped before computing them
     extract = not entry.sweep or not (run_dir / "features.zarr").exists()
