@@ -37,8 +37,10 @@ looked through to the tensor they wrap, or adopted when they first meet a classe
 
 What it cannot see: ops inside C++ and inside Python functions that torch dispatches as one call
 (the body of ``F.cross_entropy``, ``backward`` and the hooks it runs) are checked only at that
-call's inputs and outputs; a CUDA-only ``torch.Generator(device="cuda")`` cannot be made on the
-CPU (it fails as it would on a CPU-only install); timings, memory and the ordering of CUDA streams
+call's inputs and outputs; tensors made before the mode is entered are unknown (neutral), so make
+the data inside it; ``torch.Generator(device="cuda")`` is a CPU generator that says
+``cuda`` (its draws are the CPU stream's, not CUDA's Philox: a path drawing on the device matches a
+real GPU run in where tensors live, not in values); timings, memory and the ordering of CUDA streams
 are not modelled, and ``torch.save`` writes accel tensors as the CPU tensors they are (``torch.load``
 with a ``cuda`` ``map_location`` loads them as accel tensors).
 """
@@ -450,6 +452,23 @@ def _patched_cuda(mode: FakeCuda) -> dict[str, Any]:
     }
 
 
+class _FakeGenerator(torch.Generator):
+    """Stands for ``torch.Generator`` under :func:`fake_cuda`: a ``cuda`` generator is a CPU one
+    whose ``device`` says ``cuda`` (draws from it into accel tensors pass the generator check)."""
+
+    def __new__(cls, device: Any = "cpu") -> _FakeGenerator:
+        self = super().__new__(cls, device="cpu")
+        self._fake_device = torch.device("cuda", 0) if _is_accel_device(device) else torch.device("cpu")
+        return self
+
+    def __init__(self, device: Any = "cpu") -> None:
+        pass
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._fake_device
+
+
 @contextlib.contextmanager
 def fake_cuda(index: int = 0, total_memory: int = 16 * 2**30) -> Iterator[FakeCuda]:
     """Play ``cuda:INDEX`` on the CPU for the block (module docstring); yields the mode, whose
@@ -475,6 +494,7 @@ def fake_cuda(index: int = 0, total_memory: int = 16 * 2**30) -> Iterator[FakeCu
         return real_load(*args, map_location=map_location, **kwargs)
 
     patch(torch, "load", load)
+    patch(torch, "Generator", _FakeGenerator)
     real_vmap_impl = torch._functorch.apis.vmap_impl
 
     def vmap_impl(func: Callable, in_dims: Any, out_dims: Any, randomness: Any, chunk_size: Any, *args, **kw):
