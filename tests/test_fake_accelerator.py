@@ -226,7 +226,7 @@ def test_host_syncs_do_not_grow_with_local_steps(path: str) -> None:
 
 # -- every algorithm end to end ---------------------------------------------------------------------
 #: algorithms whose final state does not yet stay on the run's device (issue 39 item 1, lead)
-STAGE2_ON_HOST = {"tct": "TCT stage 2 runs on the host (issue 39 item 1: features decoded to CPU tensors)"}
+STAGE2_ON_HOST: dict[str, str] = {}  # TCT stage 2 is on the run's device (branch tctdevice)
 #: algorithms that choose another computation on CUDA: equal to float32 rounding, not bit for bit
 DEVICE_BRANCHES = {
     "fedcka": "hpcfl/algorithms/fedcka.py: the biased CKA loss skips the shared Gram form on CUDA"
