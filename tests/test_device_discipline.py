@@ -28,7 +28,7 @@ PENDING: frozenset[str] = frozenset(
 )
 
 
-def _keys(found: list[str]) -> set[str]:
+def _keys(found: tuple[str, ...]) -> set[str]:
     return {re.sub(r":\d+: ", ": ", line) for line in found}
 
 
