@@ -71,8 +71,8 @@ FACTORIES = frozenset(
     {
         "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange", "range",
         "linspace", "logspace", "eye", "tensor", "as_tensor", "asarray", "empty_strided",
-        "scalar_tensor", "from_numpy", "frombuffer", "tril_indices", "triu_indices", "zeros_like_",
-        "sparse_coo_tensor", "complex", "polar", "bartlett_window", "blackman_window",
+        "scalar_tensor", "from_numpy", "frombuffer", "tril_indices", "triu_indices",
+        "sparse_coo_tensor", "bartlett_window", "blackman_window",
         "hamming_window", "hann_window", "kaiser_window",
     }
 )  # fmt: skip
@@ -100,7 +100,7 @@ READS = frozenset(
 SHAPE_READS = frozenset(
     {
         "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount",
-        "repeat_interleave", "nonzero_static_",
+        "repeat_interleave",
     }
 )  # fmt: skip
 _NUMPY = frozenset({"numpy", "__array__"})
