@@ -229,3 +229,76 @@ def test_the_form_a_run_recorded_is_shown_over_its_configured_auto(tmp_path: Pat
         (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5, **extra}) + "\n")
         summary = summarise(run)
         assert summary.form == want and summary.label == f"scaffold ({want})"
+
+
+def _tiny_tct(**extra: object) -> dict:
+    """A TCT run of a few seconds: 2 FedAvg rounds, then 2 closed-form stage-2 rounds on p = 50."""
+    return dict(
+        name="tct",
+        dataset="synthetic",
+        dataset_options={"n_train": 240, "n_test": 60, "seed": 3, "input_shape": [1, 8, 8], "num_classes": 4},
+        partition="dir:0.5",
+        num_clients=4,
+        model="mlp",
+        algorithm="tct",
+        local_steps=2,
+        lr=0.05,
+        batch_size=16,
+        seed=0,
+        threads=1,
+        progress=False,
+        params={"stage1": {"rounds": 2}, "stage2": {"p": 50, "rounds": 2, "local_steps": 20}},
+        **extra,
+    )
+
+
+def _stop_after_rows(metrics: Path, rows: int):
+    """A stop request raised once ``rows`` metrics rows are written (a signal during that round)."""
+    from hpcfl.runner import StopRequest
+
+    class StopAfterRows(StopRequest):
+        @property  # type: ignore[override]
+        def requested(self) -> bool:
+            return metrics.exists() and len(metrics.read_text().splitlines()) >= rows
+
+        @requested.setter
+        def requested(self, value: bool) -> None:
+            pass
+
+    return StopAfterRows()
+
+
+def test_report_times_every_stage_with_tcts_extraction_and_the_runs_wall_time(tmp_path: Path) -> None:
+    """Issue 45 item 4: stage 2's first row carries its setup (the eNTK extraction), every row the
+    run's wall clock, continued across a resume; the report's stage times, setup included, add up
+    to the run's wall time."""
+    from hpcfl.config import config_from_dict
+    from hpcfl.report import write_report
+    from hpcfl.runner import run_experiment
+
+    cfg = config_from_dict(_tiny_tct())
+    run_dir = tmp_path / "tct"
+    stopped = run_experiment(cfg, run_dir, stop=_stop_after_rows(run_dir / "metrics.jsonl", 3))
+    assert (stopped.rounds_done, stopped.finished) == (3, False)  # checkpointed inside stage 2
+    before = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert run_experiment(cfg, run_dir, resume=True).finished
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[:3] == before  # the resume kept the checkpointed rows as they were
+
+    walls = [r["wall_s"] for r in rows]
+    assert all(a < b for a, b in zip(walls, walls[1:], strict=False)), walls  # one clock over both processes
+    assert [("stage_setup_s" in r) for r in rows] == [False, False, True, True]  # entered, re-entered
+    assert [r["stage"] for r in rows] == ["stage1", "stage1", "stage2", "stage2"]
+
+    runs = write_report([run_dir], tmp_path / "rep")
+    summary = runs[0]
+    assert summary.wall_seconds == walls[-1]
+    assert sum(summary.stage_seconds.values()) == pytest.approx(walls[-1], rel=1e-12)
+    assert summary.stage_seconds["stage2"] == pytest.approx(walls[3] - walls[1], rel=1e-12)
+    setup = rows[2]["stage_setup_s"] + rows[3]["stage_setup_s"]
+    assert summary.setup_seconds == {"stage2": pytest.approx(setup, rel=1e-12)}
+    assert summary.stage_seconds["stage2"] > setup > 0  # the extraction is counted inside stage 2
+    table = next(csv.DictReader((tmp_path / "rep" / "report.csv").open()))
+    assert float(table["wall_seconds"]) == walls[-1] and table["setup_seconds"].startswith("stage2:")
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "wall time of the run (s)" in md and f"{walls[-1]:.1f}" in md and "(setup " in md
