@@ -223,3 +223,23 @@ def test_register_in_a_script_reaches_run_experiment(tmp_path: Path, reference: 
     cfg = {**PLUGIN_RUN, "algorithm": "renamed_slr", "model": "renamed_linear", "dataset": "renamed_blobs"}
     hpcfl.run_experiment(config_from_dict(cfg), tmp_path / "run")
     assert _accuracies(tmp_path / "run") == reference
+
+
+def test_the_example_algorithm_imports_only_from_hpcfl_algorithms_config_error_included() -> None:
+    """Issue 45 item 7: a plugin's algorithm needs nothing but ``hpcfl.algorithms``: ConfigError,
+    its one-line error for a bad hyper-parameter, is re-exported there (the same class)."""
+    import ast
+
+    import hpcfl.algorithms
+    import hpcfl.errors
+    from tests.helpers import PLUGIN_DIR
+
+    tree = ast.parse((PLUGIN_DIR / "hpcfl_example" / "algorithm.py").read_text())
+    sources = {
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and "hpcfl" in (n.module or "")
+    }
+    assert sources == {"hpcfl.algorithms"}
+    assert hpcfl.algorithms.ConfigError is hpcfl.errors.ConfigError
+    assert "ConfigError" in hpcfl.algorithms.__all__
+    with pytest.raises(ConfigError, match="server_lr"):
+        ALGORITHMS["example_slr"].Params(server_lr=2.0)
