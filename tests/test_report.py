@@ -302,3 +302,45 @@ def test_report_times_every_stage_with_tcts_extraction_and_the_runs_wall_time(tm
     assert float(table["wall_seconds"]) == walls[-1] and table["setup_seconds"].startswith("stage2:")
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "wall time of the run (s)" in md and f"{walls[-1]:.1f}" in md and "(setup " in md
+
+
+def test_last_k_labels_say_the_k_really_averaged() -> None:
+    """Issue 45 item 7: at the default --last 5, 3-round runs are labelled last-3 (the mean is over
+    their 3 rounds), runs of 3 and 7 rounds last-3–5, and runs of 7 rounds last-5."""
+    from hpcfl.report.methods import group_methods, method_markdown
+    from hpcfl.report.protocol import Protocol, last_k_mean
+
+    three, seven = _run("a", "fedavg", [0.1, 0.2, 0.3]), _run("b", "fedavg", [0.1] * 6 + [0.5])
+    protocol = Protocol()
+    assert protocol.label([three.rows]) == "3" and last_k_mean(three.rows, 5) == pytest.approx(0.2)
+    assert protocol.label([three.rows, seven.rows]) == "3–5"
+    assert protocol.label([seven.rows]) == "5" and protocol.label([]) == "5"
+    assert protocol.describe([three.rows]).startswith(
+        "last-3: the mean test accuracy of a run's last 3 evaluated rounds (all of its evaluated rounds "
+        "where it has fewer than --last 5)"
+    )
+    table = method_markdown(group_methods([three]), protocol, target=0.2)
+    assert "| last-3 test acc. (%) |" in table and "last-5" not in table
+
+
+def test_tcts_stage_1_curve_leaves_fedavgs_visible_in_the_accuracy_plot() -> None:
+    """Issue 45 item 7: TCT's stage 1 retraces FedAvg's curve; the run drawn first (FedAvg in the
+    comparison) is wider, with larger hollow markers, under the later one, in another style."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hpcfl.report.plots import draw_accuracy
+
+    fedavg = _run("fedavg", "fedavg", [0.1, 0.2, 0.3, 0.32])
+    tct = _run("tct", "tct", [0.1, 0.2, 0.3, 0.6])
+    fig, ax = plt.subplots()
+    try:
+        under, over = draw_accuracy(ax, [fedavg, tct])
+    finally:
+        plt.close(fig)
+    assert list(under.get_ydata()[:3]) == list(over.get_ydata()[:3])  # the coinciding stretch
+    assert under.get_linewidth() > over.get_linewidth() and under.get_markersize() > over.get_markersize()
+    assert under.get_zorder() < over.get_zorder() and under.get_markerfacecolor() == "none"
+    assert under.get_marker() != over.get_marker() and under.get_linestyle() != over.get_linestyle()
