@@ -78,7 +78,7 @@ def host_copy(obj: Any) -> Any:
         key = (str(t.device), storage.data_ptr())
         if key not in copies:
             copies[key] = storage.cpu()
-        view = torch.empty((0,), dtype=t.dtype)  # deliberately on the host: the file's copy
+        view = torch.empty((0,), dtype=t.dtype)  # host: deliberately, the file's copy
         return view.set_(copies[key], t.storage_offset(), t.size(), t.stride())
 
     def walk(o: Any) -> Any:

@@ -13,6 +13,7 @@ lists the offenders.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from pathlib import Path
@@ -97,13 +98,14 @@ def offenders(path: Path, source: str | None = None) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def package_offenders(root: Path = REPO) -> list[str]:
+@functools.lru_cache(maxsize=4)
+def package_offenders(root: Path = REPO) -> tuple[str, ...]:
     """``path:line: code`` for every offender under ``root/hpcfl``."""
     out = []
     for path in sorted((root / "hpcfl").rglob("*.py")):
         for line, code in offenders(path):
             out.append(f"{path.relative_to(root)}:{line}: {code}")
-    return out
+    return tuple(out)
 
 
 if __name__ == "__main__":  # python tests/device_discipline.py [REPO_ROOT]

@@ -15,7 +15,7 @@ from tests.device_discipline import REPO, offenders, package_offenders
 PENDING: frozenset[str] = frozenset()  # TCT stage 2 is on the run's device (branch tctdevice)
 
 
-def _keys(found: list[str]) -> set[str]:
+def _keys(found: tuple[str, ...]) -> set[str]:
     return {re.sub(r":\d+: ", ": ", line) for line in found}
 
 

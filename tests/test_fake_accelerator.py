@@ -141,6 +141,64 @@ def test_cuda_queries_are_answered_inside_and_restored_after(tmp_path: Path) -> 
     assert (torch.cuda.is_available, torch.load, torch.Generator) == before
 
 
+# -- the rules against real CUDA ------------------------------------------------------------------
+def _setitem(t: torch.Tensor, index: Any, value: torch.Tensor) -> None:
+    t[index] = value
+
+
+def _grad(t: torch.Tensor, g: torch.Tensor) -> None:
+    t.grad = g
+
+
+#: (case, ops given the accel device name, what CUDA does: None = runs, else the exception type);
+#: the same table is checked under the fake device here and on a real GPU where one is present
+CASES: list[tuple[str, Any, type[Exception] | None]] = [
+    ("add host vector", lambda d: torch.ones(3, device=d) + torch.ones(3), RuntimeError),
+    ("cat with host", lambda d: torch.cat([torch.ones(3, device=d), torch.ones(3)]), RuntimeError),
+    ("linear of host input", lambda d: F.linear(torch.ones(2, 3), torch.ones(4, 3, device=d)), RuntimeError),
+    ("host scalar operand", lambda d: torch.ones(3, device=d) * torch.tensor(2.0), None),
+    ("in place host scalar operand", lambda d: torch.ones(3, device=d).add_(torch.tensor(2.0)), None),
+    ("host 0-dim += device 0-dim", lambda d: torch.zeros((), dtype=torch.float64).add_(torch.ones((), device=d, dtype=torch.float64)), RuntimeError),
+    ("host vector add_ device", lambda d: torch.zeros(3).add_(torch.ones(3, device=d)), RuntimeError),
+    ("out= on host", lambda d: torch.add(torch.ones(3, device=d), 1, out=torch.zeros(3)), RuntimeError),
+    ("copy_ device to host", lambda d: torch.zeros(3).copy_(torch.ones(3, device=d)), None),
+    ("copy_ host to device", lambda d: torch.zeros(3, device=d).copy_(torch.ones(3)), None),
+    ("device[host index]", lambda d: torch.arange(5.0, device=d)[torch.tensor([0, 2])], None),
+    ("host[device index]", lambda d: torch.arange(5.0)[torch.tensor([0, 2], device=d)], RuntimeError),
+    ("device[device mask]", lambda d: (lambda a: a[a > 2])(torch.arange(5.0, device=d)), None),
+    ("host[slice] = device", lambda d: _setitem(torch.zeros(4), slice(0, 2), torch.ones(2, device=d)), None),
+    ("device[slice] = host", lambda d: _setitem(torch.zeros(4, device=d), slice(0, 2), torch.ones(2)), None),
+    ("host[host index] = device", lambda d: _setitem(torch.zeros(4), torch.tensor([0, 1]), torch.ones(2, device=d)), RuntimeError),
+    ("device[host index] = host scalar", lambda d: _setitem(torch.zeros(4, device=d), torch.tensor([0, 1]), torch.tensor(1.0)), None),
+    ("numpy of device", lambda d: torch.ones(3, device=d).numpy(), TypeError),
+    ("cpu generator draws on device", lambda d: torch.randn(3, generator=torch.Generator(), device=d), RuntimeError),
+    ("device generator draws on device", lambda d: torch.randn(3, generator=torch.Generator(device=d), device=d), None),
+    ("host grad on device parameter", lambda d: _grad(torch.ones(3, device=d, requires_grad=True), torch.ones(3)), RuntimeError),
+    ("module on device, host input", lambda d: nn.Linear(3, 2).to(d)(torch.ones(4, 3)), RuntimeError),
+    ("module on device, device input", lambda d: nn.Linear(3, 2).to(d)(torch.ones(4, 3).to(d)), None),
+]  # fmt: skip
+
+
+def _outcome(ops: Any) -> type[Exception] | None:
+    try:
+        ops("cuda")
+    except Exception as err:  # noqa: BLE001 - the type is the outcome
+        return type(err)
+    return None
+
+
+@pytest.mark.parametrize(("case", "ops", "cuda"), CASES, ids=[c[0] for c in CASES])
+def test_the_fake_device_fails_where_cuda_does(case: str, ops: Any, cuda: type[Exception] | None) -> None:
+    with fake_cuda():
+        assert _outcome(ops) is cuda
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("case", "ops", "cuda"), CASES, ids=[c[0] for c in CASES])
+def test_the_table_is_what_real_cuda_does(case: str, ops: Any, cuda: type[Exception] | None) -> None:
+    assert _outcome(ops) is cuda
+
+
 # -- local SGD and the reverted line --------------------------------------------------------------
 def _tiny(seed: int = 0, n: int = 40) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)

@@ -43,6 +43,7 @@ _COMMANDS = (
     "report",
     "submit",
     "status",
+    "listing",
     "bench",
 )
 

@@ -171,11 +171,24 @@ CLIENT_METRICS = "client_metrics.jsonl"  # per-client evaluation, one line per e
 
 class _Bookkeeper:
     """Metrics rows (per-client values into ``client_metrics.jsonl``), checkpoints, the loggers'
-    views, progress and stop requests after each round (the loop's hook)."""
+    views, progress and stop requests after each round (the loop's hook).
+
+    Every row gets ``wall_s``: the run's wall seconds up to that row, from ``started`` (the process's
+    start of the run, data loading included) plus, on a resume, the ``wall_s`` of the last row the
+    checkpoint kept; so the last row's ``wall_s`` is the whole run's wall time (less the work a
+    killed process did after its last checkpoint, which the resume redid and counted)."""
 
     def __init__(
-        self, cfg: Config, comm: Communicator, run_dir: Path, stop: StopRequest, start: int, total: int
+        self,
+        cfg: Config,
+        comm: Communicator,
+        run_dir: Path,
+        stop: StopRequest,
+        start: int,
+        total: int,
+        started: float | None = None,
     ) -> None:
+        self.started = time.perf_counter() if started is None else started
         self.cfg, self.comm, self.run_dir, self.stop = cfg, comm, run_dir, stop
         self.metrics_path = run_dir / "metrics.jsonl"
         self.clients_path = run_dir / CLIENT_METRICS
@@ -191,6 +204,7 @@ class _Bookkeeper:
                 )
         self.total = total
         self.note: dict[str, Any] = {}  # columns for the next metrics row (a resume's resets)
+        self.wall_before = float(self.rows[-1].get("wall_s", 0.0)) if self.rows else 0.0
         self.progress = Progress(total=total, initial=start, enabled=cfg.progress and comm.rank == 0)
         self.budget_stop: str | None = None  # set when privacy.epsilon_budget ends the run
 
@@ -208,7 +222,8 @@ class _Bookkeeper:
         def after_round(done: int, srv: ServerState, states: Any, row: dict[str, Any] | None) -> bool:
             done += offset
             if row is not None and self.comm.rank == 0:
-                row, self.note = {**row, **self.note}, {}
+                wall = self.wall_before + time.perf_counter() - self.started
+                row, self.note = {**row, **self.note, "wall_s": wall}, {}
                 if (per_client := row.pop(CLIENT_ROWS, None)) is not None:
                     append_jsonl(
                         self.clients_path, {"round": row["round"], "stage": stage, "clients": per_client}
@@ -244,6 +259,7 @@ class RecordingBook:
     def __init__(self, run_dir: Path, comm: Communicator) -> None:
         self.run_dir, self.comm, self.stop = run_dir, comm, StopRequest()
         self.rows: list[dict[str, Any]] = []
+        self.note: dict[str, Any] = {}  # dropped: benchmarks time rounds, not stage entries
         self.budget_stop: str | None = None
 
     def hook(self, stage: str, offset: int, last: int) -> RoundHook:
@@ -300,6 +316,7 @@ def _run_locked(
     stop: StopRequest | None,
     reset: Sequence[int],
 ) -> RunResult:
+    started = time.perf_counter()  # the run's wall clock (metrics rows' wall_s) includes loading
     check_loggers(cfg.loggers)  # every rank alike: a missing extra is one line before any work
     set_threads(cfg, comm)
     has_state = _collective_check(
@@ -332,7 +349,7 @@ def _run_locked(
     total = sum(s.rounds for s in stages)
     if comm.rank == 0 and start < total:  # only now that the checkpoint loaded: unfinished again
         (run_dir / DONE).unlink(missing_ok=True)
-    book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total)
+    book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total, started)
     if reset and ckpt is not None:
         book.note["reset_client_states"] = reset
     if cfg.loggers:
@@ -393,7 +410,10 @@ def drive_stages(
         if si > resume_at and stage.rounds == 0:
             continue
         resumed_here = ckpt is not None and si == resume_at
+        entered = time.perf_counter()
         entry = enter_stage(fed, stage, first_index + si, run_dir, server, book.stop, sweep=sweep)
+        if stage.enter is not None:  # its own setup (TCT: eNTK extraction), on the stage's first row
+            book.note["stage_setup_s"] = time.perf_counter() - entered
         form = None
         if resumed_here:
             assert ckpt is not None

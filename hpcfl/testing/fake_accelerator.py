@@ -37,7 +37,8 @@ looked through to the tensor they wrap, or adopted when they first meet a classe
 
 What it cannot see: ops inside C++ and inside Python functions that torch dispatches as one call
 (the body of ``F.cross_entropy``, ``backward`` and the hooks it runs) are checked only at that
-call's inputs and outputs; tensors made before the mode is entered are unknown (neutral), so make
+call's inputs and outputs; work handed to a ``ThreadPoolExecutor`` inside the block runs under the
+mode (torch keeps its mode stack per thread), other threads do not; tensors made before the mode is entered are unknown (neutral), so make
 the data inside it; ``torch.Generator(device="cuda")`` is a CPU generator that says
 ``cuda`` (its draws are the CPU stream's, not CUDA's Philox: a path drawing on the device matches a
 real GPU run in where tensors live, not in values); timings, memory and the ordering of CUDA streams
@@ -47,6 +48,7 @@ with a ``cuda`` ``map_location`` loads them as accel tensors).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import sys
 import traceback
@@ -69,8 +71,8 @@ FACTORIES = frozenset(
     {
         "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange", "range",
         "linspace", "logspace", "eye", "tensor", "as_tensor", "asarray", "empty_strided",
-        "scalar_tensor", "from_numpy", "frombuffer", "tril_indices", "triu_indices", "zeros_like_",
-        "sparse_coo_tensor", "complex", "polar", "bartlett_window", "blackman_window",
+        "scalar_tensor", "from_numpy", "frombuffer", "tril_indices", "triu_indices",
+        "sparse_coo_tensor", "bartlett_window", "blackman_window",
         "hamming_window", "hann_window", "kaiser_window",
     }
 )  # fmt: skip
@@ -98,7 +100,7 @@ READS = frozenset(
 SHAPE_READS = frozenset(
     {
         "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount",
-        "repeat_interleave", "nonzero_static_",
+        "repeat_interleave",
     }
 )  # fmt: skip
 _NUMPY = frozenset({"numpy", "__array__"})
@@ -403,8 +405,12 @@ class FakeCuda(TorchFunctionMode):
         index = _tensors(args[1])
         value = _tensors(args[2:3]) if name == "__setitem__" else []
         if own == HOST:
-            if any(self._class(i) == ACCEL for i in index + value):
+            if any(self._class(i) == ACCEL for i in index):
                 raise _mix_error(name)
+            if any(self._class(v) == ACCEL for v in value):
+                if index:  # index_put_ wants its values where its target is
+                    raise _mix_error(name)
+                self._sync("setitem")  # a slice assignment is a copy to the host
         elif own == ACCEL:
             for i in index:
                 c = self._class(i)
@@ -503,6 +509,16 @@ def fake_cuda(index: int = 0, total_memory: int = 16 * 2**30) -> Iterator[FakeCu
         return mode._mark(out, ACCEL if ACCEL in classes else (HOST if HOST in classes else None))
 
     patch(torch._functorch.apis, "vmap_impl", vmap_impl)
+    real_submit = concurrent.futures.ThreadPoolExecutor.submit
+
+    def submit(pool: concurrent.futures.ThreadPoolExecutor, fn: Callable, /, *args: Any, **kw: Any) -> Any:
+        def in_mode(*a: Any, **k: Any) -> Any:  # torch's mode stack is per thread: push it in the worker
+            with mode:
+                return fn(*a, **k)
+
+        return real_submit(pool, in_mode, *args, **kw)
+
+    patch(concurrent.futures.ThreadPoolExecutor, "submit", submit)
     try:
         with mode:
             yield mode
