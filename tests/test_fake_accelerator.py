@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from hpcfl.runner import run_experiment
 from hpcfl.testing.fake_accelerator import fake_cuda
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import LocalSchedule, local_sgd
-from tests.test_contract import contract_config
+from tests.test_contract import BASE, contract_config
 
 MIX = "Expected all tensors to be on the same device"
 
@@ -283,6 +284,11 @@ def test_host_syncs_do_not_grow_with_local_steps(path: str) -> None:
 
 
 # -- every algorithm end to end ---------------------------------------------------------------------
+#: the code of a client's local SGD (issue 39 item 4: one read per client per round): the sequential,
+#: batched and DP-SGD paths and FedDyn's clipped correction (not its server step)
+LOCAL_TRAINING = re.compile(
+    r"hpcfl/(training/(sgd|batched)|privacy/sgd|algorithms/feddyn)\.py:\d+ in (?!server_update)"
+)
 #: algorithms whose final state does not yet stay on the run's device (issue 39 item 1, lead)
 STAGE2_ON_HOST: dict[str, str] = {}  # TCT stage 2 is on the run's device (branch tctdevice)
 #: algorithms that choose another computation on CUDA: equal to float32 rounding, not bit for bit
@@ -293,14 +299,16 @@ DEVICE_BRANCHES = {
 
 def _both(name: str, tmp_path: Path, **extra: Any) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Final server state of the CPU run and of the ``device: cuda`` run on the fake device, and
-    whether the latter is held on the device."""
+    whether the latter is held on the device; asserts that local training read the device at most
+    once per participant per round."""
     cfg = {"rounds": 2, **extra}
     cpu = run_experiment(config_from_dict(contract_config(name, **cfg)), tmp_path / "cpu").server.x
     with fake_cuda() as dev:
-        x = run_experiment(
-            config_from_dict(contract_config(name, device="cuda", **cfg)), tmp_path / "cuda"
-        ).server.x
-        return cpu, x, dev.is_accel(x)
+        run = run_experiment(config_from_dict(contract_config(name, device="cuda", **cfg)), tmp_path / "cuda")
+        local = {site: n for (_, site), n in dev.sync_sites.items() if LOCAL_TRAINING.search(site)}
+        participants = sum(len(row.get("participants", range(BASE["num_clients"]))) for row in run.metrics)
+        assert sum(local.values()) <= participants, f"{name}: local training read the device {local}"
+        return cpu, run.server.x, dev.is_accel(run.server.x)
 
 
 @pytest.mark.parametrize(
@@ -347,8 +355,9 @@ def test_every_algorithm_runs_on_the_fake_device_as_on_the_cpu(name: str, tmp_pa
             True,
         ),
         ("fedavg", {"privacy": {"level": "sample", "noise_multiplier": 1.1, "clip": 1.0}}, None),
+        ("feddyn", {"client_batch": "1", "params": {"alpha": 0.1, "max_grad_norm": 0.5}}, True),
     ],
-    ids=["batched", "disk-store", "dp-client", "dp-client-adaptive", "dp-sample"],
+    ids=["batched", "disk-store", "dp-client", "dp-client-adaptive", "dp-sample", "feddyn-clipped"],
 )
 def test_paths_beside_the_contract_run_on_the_fake_device(
     name: str, extra: dict, bitwise: bool | None, tmp_path: Path

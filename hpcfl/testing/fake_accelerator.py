@@ -21,7 +21,8 @@ found at least two devices, cuda:0 and cpu! (fake accelerator: OP)")``, as PyTor
   tensor (``TypeError``, as on CUDA); a CPU generator drawing an accel tensor.
 
 What it counts (``dev.syncs``: device-to-host reads that wait for the GPU; ``dev.copies``: host-to-
-device copies), by kind, and by ``file:line`` of the calling code in ``dev.sync_sites``:
+device copies), by kind, and by kind and ``file:line in function`` of the calling code in ``dev.sync_sites`` and
+``dev.copy_sites``:
 ``item``, ``__bool__``, ``__float__``, ``__int__``, ``__index__``, ``tolist``, ``.cpu()``/``.to(cpu)``,
 ``copy_`` into the host, ``equal``/``allclose``, data-dependent shapes (``nonzero``, boolean masks,
 ``unique``, ...); copies: ``.to(cuda)``/``.cuda()`` of a host tensor, a host index or value used on
@@ -169,10 +170,10 @@ def _op_name(func: Callable) -> tuple[str, str]:
 
 
 def _caller() -> str:
-    """``file:line`` of the innermost frame outside torch and this module."""
+    """``file:line in function`` of the innermost frame outside torch and this module."""
     for frame in reversed(traceback.extract_stack(limit=40)[:-2]):
         if frame.filename != _HERE and not frame.filename.startswith(_TORCH_DIR):
-            return f"{frame.filename}:{frame.lineno}"
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return "?"
 
 
@@ -188,8 +189,9 @@ class FakeDeviceProperties:
 
 
 class FakeCuda(TorchFunctionMode):
-    """The mode behind :func:`fake_cuda` (see the module docstring). Read ``syncs``, ``copies``,
-    ``sync_sites``; ``reset()`` clears them."""
+    """The mode behind :func:`fake_cuda` (see the module docstring). Read ``syncs``, ``copies`` (by
+    kind) and ``sync_sites``, ``copy_sites`` (by kind and calling ``file:line in function``); ``reset()`` clears
+    them."""
 
     def __init__(self, index: int = 0, total_memory: int = 16 * 2**30) -> None:
         super().__init__()
@@ -199,6 +201,7 @@ class FakeCuda(TorchFunctionMode):
         self.syncs: Counter[str] = Counter()
         self.copies: Counter[str] = Counter()
         self.sync_sites: Counter[tuple[str, str]] = Counter()
+        self.copy_sites: Counter[tuple[str, str]] = Counter()
 
     # -- public -----------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -206,6 +209,7 @@ class FakeCuda(TorchFunctionMode):
         self.syncs.clear()
         self.copies.clear()
         self.sync_sites.clear()
+        self.copy_sites.clear()
 
     def is_accel(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is held on the (fake) device."""
@@ -238,7 +242,7 @@ class FakeCuda(TorchFunctionMode):
 
     def _copy(self, kind: str) -> None:
         self.copies[kind] += 1
-        self.sync_sites[(kind, _caller())] += 1
+        self.copy_sites[(kind, _caller())] += 1
 
     # -- the mode ---------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: C901 - one rule per case
