@@ -108,7 +108,10 @@ dry() {
 
 archive() {
     [ -n "${OUT:-}" ] || return 0
-    tar czf "$OUT/gpu_session.tgz.part" -C "$OUTDIR" . && mv "$OUT/gpu_session.tgz.part" "$OUT/gpu_session.tgz"
+    # the figures and records only (a run's feature store or checkpoints would pass the 16 MB a file)
+    (cd "$OUTDIR" && find . -type f -size -2M -not -path '*.zarr/*' -not -name '*.pt' -print0 |
+        tar czf "$OUT/gpu_session.tgz.part" --null -T - checkpoint_cuda 2>/dev/null)
+    mv "$OUT/gpu_session.tgz.part" "$OUT/gpu_session.tgz"
     cp "$OUTDIR/gpu_session.log" "$OUT/gpu_session.log"
 }
 

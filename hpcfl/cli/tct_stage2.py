@@ -66,7 +66,13 @@ def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
             f"stage2.{frozen[0]} changes the features themselves; run `hpcfl run` with it instead of tct-stage2"
         )
     # a saved config keeps stage 2 under params:, which outranks a top-level (legacy) stage2: section
-    changes = {"params": {"stage2": changed}} if isinstance(saved.get("params"), dict) else dict(overrides)
+    # (an empty mapping would CLEAR the saved section: --set params={} semantics)
+    if not changed:
+        changes: dict = {}
+    elif isinstance(saved.get("params"), dict):
+        changes = {"params": {"stage2": changed}}
+    else:
+        changes = {"stage2": changed}
     if "device" in overrides:
         changes["device"] = overrides["device"]
     cfg = config_from_dict(merge(saved, changes))
