@@ -139,6 +139,10 @@ def migrate(data: dict[str, Any], algorithm: str | None = None) -> dict[str, Any
     dropped: older run directories saved every section, used or not)."""
     data = dict(data)
     algorithm = algorithm or str(data.get("algorithm", Config.algorithm))
+    if not isinstance(data.get("params") or {}, dict):
+        raise ConfigError(
+            f"config key 'params' must be a mapping of {algorithm} hyper-parameters, got {data['params']!r}"
+        )
     params = dict(data.get("params") or {})
     for key, owner in legacy_sections().items():
         if key not in data:
@@ -352,6 +356,16 @@ def load_cli_config(
     return cfg
 
 
+#: Seeds are in [0, 2**63): what ``torch.manual_seed`` and numpy's ``SeedSequence`` both take.
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(value: Any, key: str) -> None:
+    """Refuse a seed that is not an integer in [0, :data:`MAX_SEED`] (``1e30`` overflowed in torch)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"config key {key!r} must be an integer in [0, 2**63 - 1], got {value!r}")
+
+
 def _check_positive(cfg: Any, keys: tuple[str, ...], prefix: str = "") -> None:
     for key in keys:
         value = getattr(cfg, key)
@@ -366,6 +380,7 @@ def validate(cfg: Config) -> None:
     _check_positive(cfg, ("local_steps", "threads", "lr"))
     if cfg.rounds < 0:
         raise ConfigError(f"config key 'rounds' must be >= 0, got {cfg.rounds}")
+    check_seed(cfg.seed, "seed")
     if cfg.momentum < 0 or cfg.momentum >= 1:
         raise ConfigError(f"config key 'momentum' must be in [0, 1), got {cfg.momentum}")
     if cfg.weight_decay < 0:
@@ -418,10 +433,12 @@ def _check_against_dataset(cfg: Config) -> None:
     from hpcfl.data import parse_partition_spec
 
     if cfg.dataset == "synthetic":
-        opts = cfg.dataset_options
-        classes, n_train = opts.get("num_classes", 10), opts.get("n_train", 10_000)
-        if not isinstance(classes, int) or not isinstance(n_train, int):
-            return  # make_synthetic names the bad option
+        from hpcfl.data.synthetic import synthetic_options
+
+        try:
+            n_train, _, classes, *_ = synthetic_options(**cfg.dataset_options)
+        except TypeError:
+            return  # an unknown option: load_dataset names it with the valid ones
     elif cfg.dataset in _DATASET_SIZES:
         classes, n_train = _DATASET_SIZES[cfg.dataset]
     else:
