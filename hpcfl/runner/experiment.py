@@ -31,6 +31,7 @@ from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.privacy.build import budget_line
 from hpcfl.runner import determinism
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from hpcfl.runner.checkpoint_check import expected_states
 from hpcfl.runner.client_eval import CLIENT_ROWS
 from hpcfl.runner.client_states import ClientStates
 from hpcfl.runner.federation import Federation, build_federation, model_plan
@@ -318,7 +319,11 @@ def _run_locked(
     if comm.rank == 0 and has_state and (note := determinism.resume_note(run_dir, record)) is not None:
         print(note, file=sys.stderr)
     ckpt = (
-        load_checkpoint(run_dir / "checkpoints", held, all_clients=every, reset=reset) if has_state else None
+        load_checkpoint(
+            run_dir / "checkpoints", held, all_clients=every, reset=reset, expect=expected_states(fed, stages)
+        )
+        if has_state
+        else None
     )
     start = ckpt.round if ckpt is not None else 0
     if comm.rank == 0:
