@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hpcfl import node
 from hpcfl.algorithms import ServerState
 from hpcfl.algorithms.base import Stage, resolve_hook, state_from_dict, state_to_dict
 from hpcfl.algorithms.stage_types import StageInput, StagePlan
@@ -150,6 +151,12 @@ def set_threads(cfg: Config, comm: Communicator) -> None:
     elif comm.local_size > 1:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // comm.local_size))
+    threads = torch.get_num_threads()
+    if comm.rank == 0 and cfg.device == "cpu" and threads > 1:  # a shared node: say so once, with the remedy
+        busy = node.busy_cores()
+        note = node.oversubscription_note(threads, comm.local_size, len(node.allowed_cores()), busy)
+        if note is not None:
+            print(note, file=sys.stderr)
 
 
 def run_stages(cfg: Config) -> list[Stage]:
