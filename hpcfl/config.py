@@ -21,7 +21,7 @@ from hpcfl.errors import ConfigError, suggest
 from hpcfl.files import read_yaml as read_yaml  # where it lives (light); named here for callers
 from hpcfl.privacy.section import PrivacySection, validate_privacy
 from hpcfl.registry import ALGORITHMS, MODEL_SPECS, import_modules
-from hpcfl.units import parse_client_batch, parse_memory_budget
+from hpcfl.units import as_integer, parse_client_batch, parse_memory_budget
 
 
 @dataclass
@@ -208,17 +208,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value.lower() in ("true", "yes", "on", "1")
         raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool):
+        number = as_integer(value)
+        if number is None:
             raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}") from None
-        if not as_float.is_integer():
-            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
-        return int(as_float)
+        return number
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}")

@@ -17,16 +17,7 @@ from hpcfl.cli.main import main
 from hpcfl.config import load_config
 from hpcfl.report import summarise
 from hpcfl.runner import run_experiment
-from tests.helpers import final_state, synthetic_config
-
-
-def _one_line_error(capsys, argv: list[str]) -> str:
-    rc = main(argv)
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert rc != 0, err
-    assert lines and lines[-1].startswith("hpcfl: error:") and "Traceback" not in err, err
-    return lines[-1]
+from tests.helpers import final_state, one_line_error, synthetic_config
 
 
 def _rows(run: Path) -> list[dict]:
@@ -82,7 +73,7 @@ def test_no_checkpoint_of_this_run_left_is_one_line(runs, tmp_path, capsys):
     shutil.copytree(runs["run"], run)
     for r in ("round_000001", "round_000002"):
         _foreign_server("other_algorithm", runs, run / "checkpoints" / r / "server.pt")
-    err = _one_line_error(capsys, ["run", str(runs["cfg"]), "--run-dir", str(run), "--resume"])
+    err = one_line_error(capsys, ["run", str(runs["cfg"]), "--run-dir", str(run), "--resume"])
     assert err == (
         "hpcfl: error: cannot resume: round_000002/server.pt is not this run's: its server state has fields "
         "c, x; this run's algorithm has x, and no older complete checkpoint is sound; start over with "
@@ -116,7 +107,7 @@ def test_garbled_zarr_json_of_a_client_state_array_is_one_line(tmp_path, capsys,
     assert main(["run", str(cfg), "--run-dir", str(run)]) == 0
     meta = run / "client_states_train.zarr" / member / "zarr.json"
     meta.write_text(meta.read_text()[:27])
-    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume", "--set", "rounds=3"])
+    err = one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume", "--set", "rounds=3"])
     assert err.startswith(f"hpcfl: error: {meta} of the client-state store is damaged (JSONDecodeError")
     assert err.endswith(
         "restore that file, or delete the store and resume with --reset-client-states naming every client (they start again)"
@@ -146,11 +137,11 @@ def test_sweep_point_outside_the_sweep_is_refused(tmp_path, capsys):
         "that made it)"
     )
     for argv in (["status", str(out)], ["report", str(out), "--out", str(tmp_path / "rep")]):
-        assert _one_line_error(capsys, argv) == want
-    assert _one_line_error(capsys, ["sweep", str(cfg), "--out", str(out), "--seeds", "3"]) == want
+        assert one_line_error(capsys, argv) == want
+    assert one_line_error(capsys, ["sweep", str(cfg), "--out", str(out), "--seeds", "3"]) == want
     manifest["points"][0]["run_dir"] = "runs/../../elsewhere"
     (out / "sweep.json").write_text(json.dumps(manifest))
-    assert "outside the sweep" in _one_line_error(capsys, ["status", str(out)])
+    assert "outside the sweep" in one_line_error(capsys, ["status", str(out)])
 
 
 # rows report and status did not write

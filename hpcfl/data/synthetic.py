@@ -18,6 +18,7 @@ import torch
 from hpcfl.data.types import Dataset, Split
 from hpcfl.errors import ConfigError
 from hpcfl.node import memory_share
+from hpcfl.units import as_integer
 
 
 def make_synthetic(
@@ -103,17 +104,10 @@ def synthetic_options(
 
 def _integer(name: str, value: Any) -> int:
     """An integral option value as an int (``2000``, ``2e3``, ``"2e3"``), else one line naming it."""
-    if isinstance(value, bool):
+    number = as_integer(value)
+    if number is None:
         raise ConfigError(f"synthetic {name} must be an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"synthetic {name} must be an integer, got {value!r}") from None
-    if not (math.isfinite(number) and number.is_integer()):
-        raise ConfigError(f"synthetic {name} must be an integer, got {value!r}")
-    return int(number)
+    return number
 
 
 def _check_fits(n_train: int, n_test: int, dim: int) -> None:
