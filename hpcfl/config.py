@@ -356,7 +356,8 @@ MAX_SEED = 2**63 - 1
 def check_seed(value: Any, key: str) -> None:
     """Refuse a seed that is not an integer in [0, :data:`MAX_SEED`] (``1e30`` overflowed in torch)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
-        raise ConfigError(f"config key {key!r} must be an integer in [0, 2**63 - 1], got {value!r}")
+        shown = f"{value:.6g}" if isinstance(value, int) and abs(value) > MAX_SEED else repr(value)
+        raise ConfigError(f"config key {key!r} must be an integer in [0, 2**63 - 1], got {shown}")
 
 
 def _check_positive(cfg: Any, keys: tuple[str, ...], prefix: str = "") -> None:

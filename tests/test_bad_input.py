@@ -44,7 +44,7 @@ def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
         ("client_batch=all", ("client_batch", "auto or a positive integer")),
         ("params=[1]", ("config key 'params' must be a mapping of scaffold hyper-parameters, got [1]",)),
         ("params=5", ("config key 'params' must be a mapping of scaffold hyper-parameters, got 5",)),
-        ("seed=1e30", ("config key 'seed' must be an integer in [0, 2**63 - 1]",)),
+        ("seed=1e30", ("config key 'seed' must be an integer in [0, 2**63 - 1], got 1e+30",)),
         ("seed=-1", ("config key 'seed' must be an integer in [0, 2**63 - 1], got -1",)),
         ("dataset_options.seed=1e30", ("synthetic seed must be an integer in [0, 2**63 - 1], got '1e30'",)),
         ("dataset_options.n_train=many", ("synthetic n_train must be an integer, got 'many'",)),
