@@ -126,9 +126,10 @@ def choose_wait_policy(environ: MutableMapping[str, str] = os.environ) -> bool:
 
     Only before torch is imported (its OpenMP runtime reads the variable once, when it loads), so
     the ``hpcfl`` command calls it first thing. An idle node keeps OpenMP's default (spin, then
-    sleep), the faster one when every thread has its core. Measured on the 2-core host at load 8-10
-    from other jobs, 2 threads: 2.3-12 s a synthetic simplecnn FedAvg round by default, 0.9-1.25 s
-    passive (1 thread: 0.45-0.66 s, hence the note of :func:`oversubscription_note` as well).
+    sleep), the faster one when every thread has its core. Measured on the 2-core host at load 7-10
+    from other jobs, 2 threads: 2.3-12 s a synthetic simplecnn FedAvg round by default, 9-23 s
+    with ACTIVE, 0.9-2.1 s passive (1 thread: 0.45-0.66 s, hence the note of
+    :func:`oversubscription_note` as well).
     """
     if "OMP_WAIT_POLICY" in environ or "torch" in sys.modules or len(allowed_cores()) < 2:
         return False
