@@ -44,6 +44,7 @@ _COMMANDS = (
     "report",
     "submit",
     "status",
+    "listing",
     "bench",
 )
 

@@ -134,8 +134,9 @@ def _encode(block: Tensor, meta: FeatureMeta) -> np.ndarray:
 
 def _decode(array: np.ndarray, meta: FeatureMeta) -> Tensor:
     if meta.dtype == "bfloat16":
+        # host: read from Zarr
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(array))
+    return torch.from_numpy(np.ascontiguousarray(array))  # host: read from Zarr
 
 
 class ClientWriter:
@@ -367,7 +368,7 @@ class FeatureStoreReader:
             labels = self._root[_labels_name(k)][:]
         except Exception as err:  # noqa: BLE001
             raise _damaged(self.path, k, f"unreadable labels: {err.__class__.__name__}") from None
-        return _decode(data, self.meta), torch.from_numpy(labels)
+        return _decode(data, self.meta), torch.from_numpy(labels)  # host: read from Zarr
 
 
 def open_feature_store(path: str | Path, *, expect: FeatureMeta | None) -> FeatureStoreReader:

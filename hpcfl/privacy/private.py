@@ -145,6 +145,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         """Client level: Poisson sampling, each client with q = M/K (what the accountant assumes)."""
         if self.mech.level == "sample":
             return self.inner.participants(rnd, population, generator)
+        # host: seeded client sampling
         take = torch.rand(population.size, generator=generator, dtype=torch.float64) < self.mech.rate
         return [int(k) for k in torch.nonzero(take).flatten()]
 
@@ -165,7 +166,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
 
     def round_steps(self, who: Sequence[int]) -> torch.Tensor:
         """Steps one round adds to each unit: 1 (client level), or each participant's local steps."""
-        add = torch.zeros(self.units, dtype=torch.float64)
+        add = torch.zeros(self.units, dtype=torch.float64)  # host: accountant bookkeeping
         if self.mech.level == "client":
             add[0] = 1.0
         else:
@@ -181,8 +182,9 @@ class Private(Algorithm[Any, ServerState, ClientState]):
     def _exhausted(self, steps: torch.Tensor) -> torch.Tensor:
         """1.0 when one more round (every client taking part, the worst case) would exceed the budget."""
         if self.mech.budget is None:
-            return torch.zeros(1, dtype=torch.float64)
+            return torch.zeros(1, dtype=torch.float64)  # host: accountant bookkeeping
         nxt = steps + self.round_steps(range(self.population.size))
+        # host: accountant bookkeeping
         return torch.tensor([float(self.epsilon(nxt) > self.mech.budget)], dtype=torch.float64)
 
     # -- states --------------------------------------------------------------------------------
@@ -193,8 +195,8 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         return cls(**values)
 
     def init_server(self, x0: torch.Tensor) -> ServerState:
-        steps = torch.zeros(self.units, dtype=torch.float64)
-        clip = torch.tensor([self.mech.clip], dtype=torch.float64)
+        steps = torch.zeros(self.units, dtype=torch.float64)  # host: accountant bookkeeping
+        clip = torch.tensor([self.mech.clip], dtype=torch.float64)  # host: the clip, read as a float
         return self._wrap(
             self.inner.init_server(x0), dp_clip=clip, dp_steps=steps, dp_exhausted=self._exhausted(steps)
         )
@@ -230,12 +232,15 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         if mech.level == "client":
             expected = mech.rate * self.population.size  # qK: the fixed denominator
             gen = noise_generator(mech.seed, ctx.round)
+            # host: seeded, moved once a round
             noise = torch.randn(self.state_size, generator=gen, dtype=torch.float64) * (mech.update_sigma * S)
             summed = aggregate.sums["x"]
             total = summed + noise.to(device=summed.device, dtype=summed.dtype)
             if mech.adaptive is not None:
+                # host: read as a float
                 count_noise = float(torch.randn(1, generator=gen, dtype=torch.float64)) * mech.count_stddev
                 below = (float(aggregate.sums["dp_below"][0]) + count_noise) / expected
+                # host: the clip, read as a float
                 clip = torch.tensor([adaptive_clip_step(S, below, mech.adaptive)], dtype=torch.float64)
             aggregate = Aggregate(sums={"x": server.x + total / expected}, weight=1.0, count=aggregate.count)
         inner_state, metrics = self.inner.server_update(server, aggregate, ctx)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hpcfl.files import read_torch
+
 if TYPE_CHECKING:
     from hpcfl.algorithms.base import Stage
     from hpcfl.runner.federation import Federation
@@ -58,7 +60,7 @@ def read_saved(path: Path) -> tuple[Any, str | None]:
     not)``: a file of pickled objects is refused there (PyTorch's multi-line advice is no help to a
     user who did not write it)."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = read_torch(path, device="cpu")  # read to be checked: the host
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
         what = f" ({found.group(1)})" if found else ""
