@@ -21,7 +21,7 @@ from hpcfl.errors import ConfigError, suggest
 from hpcfl.files import read_yaml as read_yaml  # where it lives (light); named here for callers
 from hpcfl.privacy.section import PrivacySection, validate_privacy
 from hpcfl.registry import ALGORITHMS, MODEL_SPECS, import_modules
-from hpcfl.units import parse_client_batch, parse_memory_budget
+from hpcfl.units import as_integer, parse_client_batch, parse_memory_budget
 
 
 @dataclass
@@ -144,6 +144,10 @@ def migrate(data: dict[str, Any], algorithm: str | None = None) -> dict[str, Any
     dropped: older run directories saved every section, used or not)."""
     data = dict(data)
     algorithm = algorithm or str(data.get("algorithm", Config.algorithm))
+    if not isinstance(data.get("params") or {}, dict):
+        raise ConfigError(
+            f"config key 'params' must be a mapping of {algorithm} hyper-parameters, got {data['params']!r}"
+        )
     params = dict(data.get("params") or {})
     for key, owner in legacy_sections().items():
         if key not in data:
@@ -209,17 +213,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value.lower() in ("true", "yes", "on", "1")
         raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool):
+        number = as_integer(value)
+        if number is None:
             raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}") from None
-        if not as_float.is_integer():
-            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
-        return int(as_float)
+        return number
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
@@ -366,6 +363,17 @@ def load_cli_config(
     return cfg
 
 
+#: Seeds are in [0, 2**63): what ``torch.manual_seed`` and numpy's ``SeedSequence`` both take.
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(value: Any, key: str) -> None:
+    """Refuse a seed that is not an integer in [0, :data:`MAX_SEED`] (``1e30`` overflowed in torch)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        shown = f"{value:.6g}" if isinstance(value, int) and abs(value) > MAX_SEED else repr(value)
+        raise ConfigError(f"config key {key!r} must be an integer in [0, 2**63 - 1], got {shown}")
+
+
 def _check_positive(cfg: Any, keys: tuple[str, ...], prefix: str = "") -> None:
     for key in keys:
         value = getattr(cfg, key)
@@ -380,6 +388,7 @@ def validate(cfg: Config) -> None:
     _check_positive(cfg, ("local_steps", "threads", "lr"))
     if cfg.rounds < 0:
         raise ConfigError(f"config key 'rounds' must be >= 0, got {cfg.rounds}")
+    check_seed(cfg.seed, "seed")
     if cfg.momentum < 0 or cfg.momentum >= 1:
         raise ConfigError(f"config key 'momentum' must be in [0, 1), got {cfg.momentum}")
     if cfg.weight_decay < 0:
@@ -432,10 +441,12 @@ def _check_against_dataset(cfg: Config) -> None:
     from hpcfl.data import parse_partition_spec
 
     if cfg.dataset == "synthetic":
-        opts = cfg.dataset_options
-        classes, n_train = opts.get("num_classes", 10), opts.get("n_train", 10_000)
-        if not isinstance(classes, int) or not isinstance(n_train, int):
-            return  # make_synthetic names the bad option
+        from hpcfl.data.synthetic import synthetic_options
+
+        try:
+            n_train, _, classes, *_ = synthetic_options(**cfg.dataset_options)
+        except TypeError:
+            return  # an unknown option: load_dataset names it with the valid ones
     elif cfg.dataset in _DATASET_SIZES:
         classes, n_train = _DATASET_SIZES[cfg.dataset]
     else:

@@ -148,24 +148,30 @@ def save_figure(fig: Any, path: Path, *, dpi: int = 120, fmt: str | None = None)
     return path
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(
+    path: Path, *, check: Callable[[dict[str, Any]], str | None] | None = None
+) -> list[dict[str, Any]]:
     """All intact rows of a JSON-lines file.
 
-    A damaged line (torn by a kill mid-append, or edited) is skipped and named on stderr; it is
-    never a reason to drop the rows after it.
+    A damaged line (torn by a kill mid-append, edited, or not UTF-8 text) is skipped and named on
+    stderr; it is never a reason to drop the rows after it. ``check`` says why a parsed row cannot
+    be used (None: it can); such a row is skipped and named with the reason.
     """
     if not Path(path).exists():
         return []
     rows = []
-    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), start=1):
-        if not line.strip():
+    for number, raw in enumerate(Path(path).read_bytes().splitlines(), start=1):
+        if not raw.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
             row = None
         if not isinstance(row, dict):
             print(f"hpcfl: note: {path} line {number} is damaged and was skipped", file=sys.stderr)
+            continue
+        if check is not None and (problem := check(row)) is not None:
+            print(f"hpcfl: note: {path} line {number} was skipped: {problem}", file=sys.stderr)
             continue
         rows.append(row)
     return rows

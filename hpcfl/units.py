@@ -6,12 +6,28 @@ They know no algorithm: the caller names the key (``client_state_memory``, NTK-F
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hpcfl.errors import ConfigError
 
 #: byte multipliers of the sizes a memory budget may be given in
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def as_integer(value: Any) -> int | None:
+    """An integral value as an int in any spelling a config gives it (``2000``, ``2e3``, ``"2e3"``:
+    YAML 1.1 reads ``2e3`` as a string), or None for anything else (booleans, fractions, text,
+    inf, NaN)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if math.isfinite(number) and number.is_integer() else None
 
 
 def parse_memory_budget(value: Any, key: str = "client_state_memory") -> int | str:

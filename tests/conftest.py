@@ -58,3 +58,13 @@ def data_root() -> Path:
     if root is None or not (root / "fashion-mnist" / "train-images-idx3-ubyte.gz").is_file():
         pytest.skip("real datasets not found: set HPCFL_DATA to the shared datasets directory")
     return root
+
+
+@pytest.fixture(autouse=True)
+def _no_other_work_on_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What else runs on the machine is no test's business: a run in this process sees no other
+    work on its cores (no oversubscription note that would depend on the load, no 0.3 s sample);
+    tests/test_cpu_contention.py says how busy the cores are where it needs them busy."""
+    import hpcfl.node
+
+    monkeypatch.setattr(hpcfl.node, "busy_cores", lambda interval=0.3: None)

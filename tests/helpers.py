@@ -228,3 +228,17 @@ def plugin_env(*extra: Path) -> dict[str, str]:
     ``extra`` directories (e.g. a broken plugin's)."""
     path = os.pathsep.join(str(p) for p in (REPO, make_plugin_importable(), *extra))
     return {**os.environ, "PYTHONPATH": path}
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """Run ``hpcfl ARGV`` in this process; assert it failed with one error line and no traceback,
+    and return that line."""
+    from hpcfl.cli.main import main
+
+    rc = main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc != 0, err
+    assert lines and lines[-1].startswith("hpcfl: error:") and "Traceback" not in err, err
+    assert len([ln for ln in lines if ln.startswith("hpcfl: error:")]) == 1, err
+    return lines[-1]

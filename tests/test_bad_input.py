@@ -7,6 +7,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 from hpcfl.cli.main import main
 from tests.helpers import REPO, mpiexec_cmd, run_cli, synthetic_config, write_config
@@ -41,6 +42,14 @@ def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
         ("stage2.solverr=primal", ("stage2.solverr", "stage2.solver")),
         ("client_batch=0", ("client_batch", "auto or a positive integer")),
         ("client_batch=all", ("client_batch", "auto or a positive integer")),
+        ("params=[1]", ("config key 'params' must be a mapping of scaffold hyper-parameters, got [1]",)),
+        ("params=5", ("config key 'params' must be a mapping of scaffold hyper-parameters, got 5",)),
+        ("seed=1e30", ("config key 'seed' must be an integer in [0, 2**63 - 1], got 1e+30",)),
+        ("seed=-1", ("config key 'seed' must be an integer in [0, 2**63 - 1], got -1",)),
+        ("dataset_options.seed=1e30", ("synthetic seed must be an integer in [0, 2**63 - 1], got '1e30'",)),
+        ("dataset_options.n_train=many", ("synthetic n_train must be an integer, got 'many'",)),
+        ("dataset_options.n_test=2.5", ("synthetic n_test must be an integer, got 2.5",)),
+        ("dataset_options.input_shape=7", ("synthetic input_shape must be three positive ints",)),
     ],
 )
 def test_bad_config_values(tmp_path, capsys, override, fragments):
@@ -52,6 +61,27 @@ def test_bad_config_values(tmp_path, capsys, override, fragments):
         capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", *overrides], *fragments
     )
     assert not (tmp_path / "r" / "DONE").exists()
+
+
+def test_synthetic_sizes_from_yaml_strings_and_beyond_memory(tmp_path, capsys, monkeypatch):
+    """YAML 1.1 reads ``n_train: 2e3`` as the string "2e3": it is the integer 2000 (the same data),
+    and a size that cannot be held is refused before anything is allocated."""
+    from hpcfl.data import synthetic
+
+    assert torch.equal(synthetic.make_synthetic(n_train="2e3", n_test=10).train.x,
+                       synthetic.make_synthetic(n_train=2000, n_test=10).train.x)  # fmt: skip
+    cfg = tmp_path / "c.yaml"
+    text = synthetic_config(tmp_path).read_text().replace("n_train: 2000", "n_train: 1e6")
+    cfg.write_text(text)
+    assert "n_train: 1e6" in text  # a string to YAML 1.1
+    monkeypatch.setattr(synthetic, "memory_share", lambda fraction: 2**30)  # this rank may use 1 GiB
+    monkeypatch.setattr(synthetic.np.random, "default_rng", None)  # nothing may be drawn
+    _fails_cleanly(
+        capsys,
+        ["run", str(cfg), "--run-dir", str(tmp_path / "r")],
+        "synthetic n_train=1000000, n_test=400 of 784 features need at least 5.8 GiB, more than the 1.0 GiB",
+        "use smaller dataset_options sizes",
+    )
 
 
 def test_malformed_yaml(tmp_path, capsys):

@@ -227,6 +227,17 @@ def _check_row(row: dict[str, Any], ranks: int) -> None:
 def test_worker_measures_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for var in sc.LAUNCHED_VARS:
         monkeypatch.delenv(var, raising=False)
+    from hpcfl.comm.local import LocalComm
+
+    identity: list[bool] = []  # per allreduce of the run: whether it handed back its own buffer
+    reduce = LocalComm.allreduce
+
+    def spy(self: LocalComm, tensor: torch.Tensor) -> torch.Tensor:
+        out = reduce(self, tensor)
+        identity.append(out is tensor)
+        return out
+
+    monkeypatch.setattr(LocalComm, "allreduce", spy)
     threads = torch.get_num_threads()
     args = _args(
         "--worker", "--models", "mlp", "--clients", "2", "--clients-per-rank", "0",
@@ -238,7 +249,9 @@ def test_worker_measures_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         torch.set_num_threads(threads)
     (row,) = read_jsonl(tmp_path / sc.ROWS_FILE)
     _check_row(row, ranks=1)
-    assert row["allreduce_s"] < 1e-3, "one rank: the allreduce is the identity"
+    # one rank: the allreduce is the identity (no copy, no wait), whatever the clock says under load
+    assert len(identity) >= 2 and all(identity), identity
+    assert row["allreduce_wait_s"] == 0 and row["train_s"] >= row["allreduce_s"]
 
 
 @pytest.mark.mpi

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from hpcfl.comm import abort_world, launched_world_size, launcher_rank, mpi_initialized, supervise_rank
 from hpcfl.data.root import absolutize_env
 from hpcfl.errors import HpcflError
+from hpcfl.node import choose_wait_policy
 
 # OS errors a user or the machine causes while hpcfl writes files: one line naming the path and
 # the cause instead of a traceback (disk full, quota, permissions, read-only file system).
@@ -46,6 +47,9 @@ _COMMANDS = (
     "listing",
     "bench",
 )
+
+# Commands that train (torch's OpenMP threads matter): they choose the OpenMP wait policy first.
+_TRAINING_COMMANDS = frozenset({"run", "compare", "sweep", "tct-stage2", "bench"})
 
 # Seconds a failing rank other than 0 waits before reporting (see the module docstring).
 ABORT_FLUSH_S = 0.5  # < REPORT_GRACE_S, so rank 0 still speaks first and alone
@@ -118,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 1
+    if args.command in _TRAINING_COMMANDS:
+        choose_wait_policy()  # before torch loads its OpenMP runtime: passive on a busy node
     return run_command(lambda: args.func(args))
 
 

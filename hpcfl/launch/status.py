@@ -210,16 +210,11 @@ def _job_error(folder: Path, job_id: str) -> str | None:
 
 def _run_progress(run_dir: Path, status: RunStatus) -> None:
     """Rounds done, total and the last accuracy from the run's own files."""
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line being appended
-                continue
-            status.rounds_done = max(status.rounds_done, int(row.get("round", 0)))
-            if row.get("test_accuracy") is not None:
-                status.test_accuracy = float(row["test_accuracy"])
+    from hpcfl.rows import read_metrics_rows
+
+    for row in read_metrics_rows(run_dir / "metrics.jsonl"):
+        status.rounds_done = max(status.rounds_done, row["round"])
+        status.test_accuracy = float(row["test_accuracy"])
     config = run_dir / "config.yaml"
     if config.exists():
         from hpcfl.files import read_yaml

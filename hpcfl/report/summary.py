@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcfl.errors import RunDirError
-from hpcfl.files import read_jsonl, read_yaml
+from hpcfl.files import read_yaml
+from hpcfl.rows import read_client_rows, read_metrics_rows
 
 
 @dataclass
@@ -94,7 +95,7 @@ class RunSummary:
 def summarise(run_dir: Path) -> RunSummary:
     """Read one run directory's config and metrics."""
     run_dir = Path(run_dir)
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_metrics_rows(run_dir / "metrics.jsonl")
     if not (run_dir / "config.yaml").exists() or not rows:
         raise RunDirError(f"{run_dir} holds no finished round (no config.yaml or empty metrics.jsonl)")
     cfg = read_yaml(run_dir / "config.yaml")
@@ -120,7 +121,7 @@ def _stage(row: dict) -> str:
 
 def _final_clients(run_dir: Path) -> dict | None:
     """Per-client values of the last evaluated round ({id: {accuracy, loss, n, ...}}), or None."""
-    rows = read_jsonl(run_dir / "client_metrics.jsonl")
+    rows = read_client_rows(run_dir / "client_metrics.jsonl")
     return rows[-1]["clients"] if rows else None
 
 

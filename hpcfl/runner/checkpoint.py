@@ -24,6 +24,7 @@ import torch
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import RunDirError
 from hpcfl.files import atomic_torch_save, atomic_write_text, read_torch
+from hpcfl.runner.checkpoint_check import ExpectedStates, client_problem, head_problem, read_saved
 
 KEEP = 2  # complete checkpoints kept on disk
 
@@ -131,22 +132,35 @@ def latest_round(root: Path) -> int | None:
     return rnd
 
 
-def _damage(d: Path, client_ids: list[int]) -> str | None:
+def _damage(d: Path, client_ids: list[int], expect: ExpectedStates | None = None) -> str | None:
     """What is wrong with the files of checkpoint ``d`` (every rank checks all, so all agree), or None.
 
     ``torch.save`` writes a zip whose records carry CRC-32s: a truncated, emptied or bit-flipped file
-    fails ``testzip`` before any of it is trusted.
+    fails ``testzip`` before any of it is trusted. An intact file that is not this run's (objects
+    ``weights_only`` refuses, another layout, another algorithm's or model's states: ``expect``) is
+    named with the mismatch (:mod:`hpcfl.runner.checkpoint_check`).
     """
-    head = _zip_damage(d, d / "server.pt")
-    if head is not None:
-        return head
-    saved = read_torch(d / "server.pt", device="cpu")["extra"].get("clients")  # metadata: the host
+    damage = _zip_damage(d, d / "server.pt")
+    if damage is not None:
+        return damage
+    head, problem = read_saved(d / "server.pt")
+    if problem is None:
+        problem = head_problem(head, expect)
+    if problem is not None:
+        return f"{(d / 'server.pt').relative_to(d.parent)} is not this run's: {problem}"
+    saved = head["extra"].get("clients")
     if saved is not None:  # only the clients that had a state were saved
         client_ids = sorted(set(client_ids) & set(saved))
     for path in [d / "clients" / f"client_{k}.pt" for k in client_ids]:
         damage = _zip_damage(d, path)
         if damage is not None:
             return damage
+        if expect is not None:  # the client files' content: only where the runner says what it is
+            state, problem = read_saved(path)
+            if problem is None:
+                problem = client_problem(state, head["extra"].get("stage"), expect)
+            if problem is not None:
+                return f"{path.relative_to(d.parent)} is not this run's: {problem}"
     return None
 
 
@@ -171,6 +185,7 @@ def load_checkpoint(
     device: torch.device | str,
     all_clients: list[int] | None = None,
     reset: Sequence[int] = (),
+    expect: ExpectedStates | None = None,
 ) -> Checkpoint | None:
     """Load the newest sound checkpoint (server + the given clients), or None if there is none.
 
@@ -182,6 +197,8 @@ def load_checkpoint(
     ``client_ids``) falls back to the older complete one with a note on stderr; when none is sound
     the error names the damaged file and the fix. The files of the clients in ``reset``
     (``--reset-client-states``) are neither checked nor loaded: those clients start again.
+    ``expect``: this run's states (:func:`~hpcfl.runner.checkpoint_check.expected_states`); a
+    checkpoint of another run is then treated as a damaged one (its files' layout is always checked).
     """
     rnd = latest_round(root)
     if rnd is None:
@@ -193,7 +210,7 @@ def load_checkpoint(
     first_damage = None
     for r in candidates:
         d = _round_dir(root, r)
-        damage = _damage(d, checked)
+        damage = _damage(d, checked, expect)
         if damage is None:
             if (
                 first_damage is not None
@@ -212,7 +229,7 @@ def load_checkpoint(
             return _load(d, client_ids, device)
         first_damage = first_damage or damage
     raise RunDirError(
-        f"cannot resume: {first_damage} and no older complete checkpoint is sound; "
+        f"cannot resume: {first_damage}, and no older complete checkpoint is sound; "
         f"start over with --overwrite{_reset_hint(first_damage)}"
     )
 

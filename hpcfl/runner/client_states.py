@@ -182,6 +182,25 @@ def _fsync(path: Path, *, directory: bool = False) -> None:
         os.close(fd)
 
 
+def _member(root: zarr.Group, path: Path, name: str, *, missing_ok: bool = False) -> Any:
+    """The array ``name`` of the store at ``path`` (None when absent and ``missing_ok``); metadata
+    that zarr cannot read (a garbled ``zarr.json``) is a :class:`StoreError` naming the file."""
+    try:
+        return root[name]
+    except KeyError:
+        if missing_ok:
+            return None
+        raise StoreError(
+            f"client-state store {path} is incomplete (no {name!r} array); delete it and rerun"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - zarr raises JSONDecodeError, ValueError, ... for bad metadata
+        raise StoreError(
+            f"{path / name / 'zarr.json'} of the client-state store is damaged ({err.__class__.__name__}: "
+            f"{err}); restore that file, or delete the store and resume with --reset-client-states naming "
+            "every client (they start again)"
+        ) from None
+
+
 class ClientStateStore:
     """The on-disk form: for each field a (2, K, *shape) Zarr array, one chunk per (slot, client).
 
@@ -193,11 +212,10 @@ class ClientStateStore:
         self.path, self.num_clients, self.names = path, num_clients, names
         self._made: set[Path] = set()  # chunk directories known to exist
         self._root = root
-        self._present = root["present"].with_config(_CONFIG)  # type: ignore[union-attr]
-        try:  # absent in a version-1 store opened without create: its chunks go unchecked
-            self._crcs: Any = root["crc32"].with_config(_CONFIG)  # type: ignore[union-attr]
-        except KeyError:
-            self._crcs = None
+        self._present = _member(root, path, "present").with_config(_CONFIG)
+        # absent in a version-1 store opened without create: its chunks go unchecked
+        crcs = _member(root, path, "crc32", missing_ok=True)
+        self._crcs: Any = None if crcs is None else crcs.with_config(_CONFIG)
         self._arrays: dict[str, Any] = {}  # field name -> array handle (F entries)
         self._dirty: set[tuple[int, int]] = set()  # (slot, k) written since the last flush
 
@@ -271,9 +289,8 @@ class ClientStateStore:
             raise KeyError(f"client-state store {self.path} has no field {name!r} (fields: {self.names})")
         arr = self._arrays.get(name)
         if arr is None:
-            try:
-                arr = self._root[_field_name(name)]
-            except KeyError:
+            arr = _member(self._root, self.path, _field_name(name), missing_ok=True)
+            if arr is None:
                 if spec is None:
                     return None
                 shape, dtype = tuple(int(n) for n in spec[0]), spec[1]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hpcfl import node
 from hpcfl.algorithms import ServerState
 from hpcfl.algorithms.base import Stage, resolve_hook, state_to_dict
 from hpcfl.algorithms.stage_types import StageInput, StagePlan
@@ -31,6 +32,7 @@ from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.privacy.build import budget_line
 from hpcfl.runner import determinism
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, placed_state, save_checkpoint
+from hpcfl.runner.checkpoint_check import expected_states
 from hpcfl.runner.client_eval import CLIENT_ROWS
 from hpcfl.runner.client_states import ClientStates
 from hpcfl.runner.federation import Federation, build_federation, model_plan
@@ -149,6 +151,12 @@ def set_threads(cfg: Config, comm: Communicator) -> None:
     elif comm.local_size > 1:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // comm.local_size))
+    threads = torch.get_num_threads()
+    if comm.rank == 0 and cfg.device == "cpu" and threads > 1:  # a shared node: say so once, with the remedy
+        busy = node.busy_cores()
+        note = node.oversubscription_note(threads, comm.local_size, len(node.allowed_cores()), busy)
+        if note is not None:
+            print(note, file=sys.stderr)
 
 
 def run_stages(cfg: Config) -> list[Stage]:
@@ -336,8 +344,15 @@ def _run_locked(
     )  # collective: the threads every rank uses
     if comm.rank == 0 and has_state and (note := determinism.resume_note(run_dir, record)) is not None:
         print(note, file=sys.stderr)
-    ckpt = (  # onto this rank's device, whichever device wrote it
-        load_checkpoint(run_dir / "checkpoints", held, device=fed.device, all_clients=every, reset=reset)
+    ckpt = (  # onto this rank's device, whichever device wrote it; another run's files fall back
+        load_checkpoint(
+            run_dir / "checkpoints",
+            held,
+            device=fed.device,
+            all_clients=every,
+            reset=reset,
+            expect=expected_states(fed, stages),
+        )
         if has_state
         else None
     )

@@ -91,7 +91,7 @@ def read_sweep(sweep_dir: Path) -> Sweep:
     try:
         data = json.loads(path.read_text())
         axes = [Axis(a["key"], tuple(a["values"])) for a in data["axes"]]
-        points = [SweepPoint(p["name"], dict(p["values"]), sweep_dir / p["run_dir"]) for p in data["points"]]
+        points = [SweepPoint(p["name"], dict(p["values"]), _point_dir(path, p)) for p in data["points"]]
         rounds = {p["name"]: p["rounds"] for p in data["points"] if p.get("rounds") is not None}
         return Sweep(sweep_dir, str(data["name"]), axes, points, rounds, data.get("search"))
     except FileNotFoundError:
@@ -102,6 +102,20 @@ def read_sweep(sweep_dir: Path) -> Sweep:
         raise RunDirError(
             f"{path} is damaged ({type(err).__name__}); re-run the hpcfl sweep command that made it"
         ) from None
+
+
+def _point_dir(manifest: Path, point: dict[str, Any]) -> Path:
+    """A manifest point's run directory, which must lie inside the sweep directory: ``status`` and
+    ``report`` would otherwise read, and a re-run of the sweep write, a run that is not the sweep's."""
+    sweep_dir = manifest.parent
+    run_dir = (sweep_dir / str(point["run_dir"])).resolve()
+    if not run_dir.is_relative_to(sweep_dir) or run_dir == sweep_dir:
+        raise RunDirError(
+            f"{manifest}: point {point['name']!r} names run directory {point['run_dir']!r}, outside the "
+            f"sweep; set it back to {RUNS}/{point['name']} (or remove {MANIFEST} and re-run the hpcfl sweep "
+            "command that made it)"
+        )
+    return run_dir
 
 
 def _check_point_dir(point: SweepPoint) -> None:

@@ -14,8 +14,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpcfl.files import read_jsonl
 from hpcfl.launch.status import SlurmView, slurm_views
+from hpcfl.rows import read_metrics_rows
 from hpcfl.runner.rundir import DONE, failure
 from hpcfl.sweep.plan import Sweep, SweepPoint
 
@@ -47,7 +47,7 @@ class PointStatus:
 
 def _progress(run_dir: Path) -> tuple[int, float | None]:
     """(rounds logged, mean seconds per logged round) of a point's metrics."""
-    rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    rows = read_metrics_rows(run_dir / "metrics.jsonl")
     if not rows:
         return 0, None
     seconds = [float(r["seconds"]) for r in rows if isinstance(r.get("seconds"), (int, float))]
