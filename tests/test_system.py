@@ -8,6 +8,7 @@ work each participant actually did reaching FedNova's and SCAFFOLD's formulas, v
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from hpcfl.config import config_from_dict
 from hpcfl.runner import run_experiment
 from hpcfl.runner.federation import build_federation, client_generator
 from hpcfl.training.sgd import LocalSchedule, local_norm
-from tests.helpers import synthetic_config, write_config
+from tests.helpers import REPO, synthetic_config, write_config
 from tests.test_bad_input import _fails_cleanly
 from tests.test_contract import BASE
 
@@ -241,18 +242,21 @@ def test_client_batch_under_unequal_work_equals_one_by_one(tmp_path: Path, algor
     assert float((batched - one).norm() / one.norm()) < 1e-5
 
 
-def test_a_config_example_with_a_system_section_round_trips(tmp_path: Path) -> None:
-    """The README's example: YAML in, the same section out of the saved config."""
-    path = write_config(
-        tmp_path / "c.yaml",
-        **{k: v for k, v in _tiny(algorithm="fedprox", rounds=1).items() if k != "clients_per_round"},
-        system={
-            "work": {"kind": "stragglers", "fraction": 0.5, "drop": False},
-            "dropout": {"probability": 0.1},
-        },
-    )
-    assert main(["run", str(path), "--run-dir", str(tmp_path / "r")]) == 0
+def test_the_readme_example_runs_and_is_saved_with_the_run(tmp_path: Path) -> None:
+    """The README's ``system:`` example (its YAML block, read from the README) on the tiny
+    federation: it runs, records the stragglers, and the run's saved config holds the section."""
+    import yaml
+
     from hpcfl.files import read_yaml
 
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## System heterogeneity") :]
+    block = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    keys = {k: v for k, v in _tiny(algorithm="fedprox", rounds=2, local_steps=None).items()}
+    path = write_config(tmp_path / "c.yaml", **{**keys, **block})
+    assert main(["run", str(path), "--run-dir", str(tmp_path / "r")]) == 0
     saved = read_yaml(tmp_path / "r" / "config.yaml")["system"]
-    assert saved["work"]["kind"] == "stragglers" and saved["dropout"]["probability"] == 0.1
+    assert saved["work"] == {**saved["work"], **block["system"]["work"]}
+    assert saved["dropout"]["probability"] == block["system"]["dropout"]["probability"]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["stragglers"]) == round(0.5 * 4) for r in rows)
