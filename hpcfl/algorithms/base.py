@@ -247,9 +247,9 @@ class ClientContext:
     """What a participant's local step may use besides the states and its data."""
 
     round: int  # 0-based round of the current stage
-    participants: tuple[int, ...]
+    participants: tuple[int, ...]  # those that train this round (under ``system``: not the dropped)
     population: Population
-    trainer: Trainer | None
+    trainer: Trainer | None  # under ``system.work``: with this participant's own schedule
     generator: torch.Generator  # this client's, a pure function of (seed, round, client)
 
 
@@ -266,7 +266,7 @@ class ServerContext:
     """
 
     round: int
-    participants: tuple[int, ...]
+    participants: tuple[int, ...]  # those whose uploads arrived (under ``system``: not the dropped)
     population: Population
     reduce: Reducer
     rank: int = 0
