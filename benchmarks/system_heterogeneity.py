@@ -238,7 +238,12 @@ def plot_levels(cells: list[Cell], fractions: list[float], protocol: Protocol, p
     from hpcfl.report.protocol import mean_std
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for method in ("FedAvg (μ=0, drop", "FedProx μ=0 (keep", "FedProx μ>0"):
+    labels = {
+        "FedAvg (μ=0, drop": "FedAvg (μ = 0, stragglers dropped)",
+        "FedProx μ=0 (keep": "FedProx μ = 0 (partial work kept)",
+        "FedProx μ>0": "FedProx μ > 0 (partial work kept)",
+    }
+    for method, label in labels.items():
         xs, ms, ss = [], [], []
         for f in fractions:
             cell = next(c for c in cells if c.row.startswith(method) and c.column.startswith(f"{100 * f:g}%"))
@@ -248,7 +253,7 @@ def plot_levels(cells: list[Cell], fractions: list[float], protocol: Protocol, p
                 xs.append(100 * f)
                 ms.append(100 * m)
                 ss.append(100 * s)
-        ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=method.rstrip(" (,"))
+        ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=label)
     ax.set_xlabel("stragglers (% of each round's participants)")
     ax.set_ylabel(f"test accuracy, last-{protocol.last_k} mean (%)")
     ax.legend(fontsize=8)
