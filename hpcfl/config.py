@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from hpcfl.algorithms.base import HyperParams
+from hpcfl.algorithms.base import Algorithm, HyperParams
+from hpcfl.algorithms.system import SystemSection, validate_system
 from hpcfl.errors import ConfigError, suggest
 from hpcfl.files import read_yaml as read_yaml  # where it lives (light); named here for callers
 from hpcfl.privacy.section import PrivacySection, validate_privacy
@@ -91,6 +92,7 @@ class Config:
     loggers: list[str] = field(default_factory=list)  # tensorboard | mlflow | wandb: views of metrics.jsonl
     params: Any = None  # the algorithm's hyper-parameters (its frozen Params dataclass)
     privacy: PrivacySection = field(default_factory=PrivacySection)  # differential privacy (hpcfl.privacy)
+    system: SystemSection = field(default_factory=SystemSection)  # unequal work, stragglers, dropout
 
     def __post_init__(self) -> None:
         if self.params is None:
@@ -427,6 +429,16 @@ def validate(cfg: Config) -> None:
     parse_memory_budget(cfg.client_state_memory)
     parse_client_batch(cfg.client_batch)
     validate_privacy(cfg.privacy, cfg)
+    if cfg.system.dropout.trace is not None:  # absolute where it enters, as the data root
+        cfg.system.dropout.trace = str(Path(cfg.system.dropout.trace).expanduser().resolve())
+    validate_system(
+        cfg.system,
+        num_clients=cfg.num_clients,
+        local_epochs=cfg.local_epochs,
+        local_steps=cfg.local_steps,
+        rounds=cfg.rounds if ALGORITHMS[cfg.algorithm].stages is Algorithm.stages else None,
+        private=cfg.privacy.enabled,
+    )
     _validate_evaluation(cfg)
     _check_against_dataset(cfg)
 

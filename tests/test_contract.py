@@ -15,6 +15,9 @@ plugged in, is checked without its author editing this file:
 - 1 rank and 2 ranks (``mpiexec``) end bit-identical (float64 reduction);
 - ``client_batch`` 3 equals one-by-one training (to 1e-5 relative where the algorithm declares a
   batched local task, bit for bit where it falls back);
+- with system heterogeneity on (:data:`SYSTEM`: local steps drawn per participant and round, a
+  quarter of the participants dropping out), a stopped and resumed run is bit-identical to an
+  uninterrupted one, 1 and 2 ranks agree bit for bit, and the bytes are those of what arrived;
 - its final state matches the golden hash recorded for it and this CPU capability (a built-in's in
   ``tests/golden/contract_hashes.json``; a plugin's in ``hpcfl_contract_hashes.json`` beside the
   module that defines its class, a file the plugin owns and ships); record one with
@@ -70,6 +73,12 @@ BASE: dict[str, Any] = dict(
 )
 
 
+#: system heterogeneity for the contract runs: 1-3 local steps drawn per participant and round, and
+#: each participant dropping out with probability 1/4 (seed 5: rounds 1 and 2 both lose participants)
+SYSTEM: dict[str, Any] = {"work": {"kind": "uniform", "low": 1, "high": 3}, "dropout": {"probability": 0.25}}
+HETERO = "+system"  # the suffix of a heterogeneous run's name
+
+
 def example_params(cls: type[Algorithm]) -> Any:
     """The algorithm's ``example_params``, else its defaults."""
     return cls.example_params if cls.example_params is not None else cls.Params()
@@ -110,17 +119,25 @@ class _StopAfterRows(StopRequest):
         pass
 
 
+def hetero_config(name: str, **extra: Any) -> dict[str, Any]:
+    """The tiny run of ``name`` with system heterogeneity (:data:`SYSTEM`) on."""
+    return contract_config(name, system=SYSTEM, **extra)
+
+
 class Runs:
-    """The reference run of every algorithm (in this process, memory store), computed once."""
+    """The reference run of every algorithm (in this process, memory store), computed once; with
+    ``hetero``, its run with system heterogeneity on."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self._done: dict[str, RunResult] = {}
 
-    def reference(self, name: str) -> RunResult:
-        if name not in self._done:
-            self._done[name] = run_experiment(config_from_dict(contract_config(name)), self.root / name)
-        return self._done[name]
+    def reference(self, name: str, *, hetero: bool = False) -> RunResult:
+        key = name + HETERO if hetero else name
+        if key not in self._done:
+            cfg = hetero_config(name) if hetero else contract_config(name)
+            self._done[key] = run_experiment(config_from_dict(cfg), self.root / key)
+        return self._done[key]
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +252,55 @@ def test_stopped_and_resumed_run_is_bit_identical(runs: Runs, tmp_path: Path, na
     resumed = run_experiment(cfg, run_dir, resume=True)
     assert resumed.finished and torch.equal(resumed.server.x, reference.server.x)
     assert _accuracies(_rows(run_dir)) == _accuracies(reference.metrics)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_heterogeneous_stopped_and_resumed_run_is_bit_identical(
+    runs: Runs, tmp_path: Path, name: str
+) -> None:
+    reference = runs.reference(name, hetero=True)
+    cfg = config_from_dict(hetero_config(name))
+    run_dir = tmp_path / "stopped"
+    stopped = run_experiment(cfg, run_dir, stop=_StopAfterRows(run_dir, 2))
+    assert (stopped.rounds_done, stopped.finished) == (2, False)
+    resumed = run_experiment(cfg, run_dir, resume=True)
+    assert resumed.finished and torch.equal(resumed.server.x, reference.server.x)
+    assert _rows_without_timing(_rows(run_dir)) == _rows_without_timing(reference.metrics)
+
+
+def _rows_without_timing(rows: list[dict]) -> list[dict]:
+    """The rows' deterministic columns (accuracies, who trained, the work, the drops, the bytes)."""
+    keep = ("test_accuracy", "participants", "work_steps", "stragglers", "dropped", "bytes_up", "bytes_down")
+    return [{k: r[k] for k in keep if k in r} for r in rows]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_heterogeneous_bytes_count_what_arrived(runs: Runs, name: str) -> None:
+    """Under dropout ``bytes_up`` counts the uploads that arrived and ``bytes_down`` every drawn
+    participant (the dropped ones downloaded before failing); a model-training stage records the
+    work of each participant that arrived."""
+    hetero, plain = runs.reference(name, hetero=True), runs.reference(name)
+    server = hetero.server
+    sent = [f.name for f in dataclasses.fields(server) if f.name not in type(server).server_only]
+    nbytes = sum(
+        v.numel() * v.element_size() for f in sent if isinstance(v := getattr(server, f), torch.Tensor)
+    )
+    rows = [r for r in hetero.metrics if "dropped" in r]
+    assert rows, f"{name}: no round recorded its system draw"
+    assert any(r["dropped"] for r in rows), "the contract's SYSTEM drops no one: change its seed or p"
+    for row in rows:
+        arrived = row.get("participants", range(BASE["num_clients"]))
+        assert not set(row["dropped"]) & set(arrived)
+        if row.get("stage") == hetero.metrics[-1].get("stage"):  # the final server state's stage
+            assert row["bytes_down"] == (len(arrived) + len(row["dropped"])) * nbytes
+        assert len(row["work_steps"]) == len(arrived) and all(1 <= s <= 3 for s in row["work_steps"])
+    # where every participant's upload has one size (no gathers of varying size, one stage), the
+    # heterogeneous run's bytes_up are exactly the uploads that arrived
+    per = {r["bytes_up"] / len(r.get("participants", range(4))) for r in plain.metrics}
+    if len(per) == 1:
+        (one,) = per
+        for row in rows:
+            assert row["bytes_up"] == len(row.get("participants", range(4))) * one
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -358,7 +424,9 @@ def test_kill_9_with_states_on_disk_resumes_bit_identically(runs: Runs, killed, 
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every algorithm's run on 2 MPI ranks (one mpiexec for all of them)."""
     tmp = tmp_path_factory.mktemp("contract_ranks")
-    (tmp / "runs.json").write_text(json.dumps({name: contract_config(name) for name in NAMES}))
+    runs = {name: contract_config(name) for name in NAMES}
+    runs.update({name + HETERO: hetero_config(name) for name in NAMES})
+    (tmp / "runs.json").write_text(json.dumps(runs))
     argv = [
         MPIEXEC,
         "-n",
@@ -379,6 +447,16 @@ def test_one_rank_and_two_ranks_are_bit_identical(runs: Runs, two_ranks: Path, n
     reference = runs.reference(name)
     assert torch.equal(final_state(two_ranks / name), reference.server.x)
     assert _accuracies(_rows(two_ranks / name)) == _accuracies(reference.metrics)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", NAMES)
+def test_heterogeneous_one_rank_and_two_ranks_are_bit_identical(
+    runs: Runs, two_ranks: Path, name: str
+) -> None:
+    reference = runs.reference(name, hetero=True)
+    assert torch.equal(final_state(two_ranks / (name + HETERO)), reference.server.x)
+    assert _rows_without_timing(_rows(two_ranks / (name + HETERO))) == _rows_without_timing(reference.metrics)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -29,7 +29,7 @@ from hpcfl.runner import run_experiment
 from hpcfl.testing.fake_accelerator import fake_cuda
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import LocalSchedule, local_sgd
-from tests.test_contract import BASE, contract_config
+from tests.test_contract import BASE, SYSTEM, contract_config
 
 MIX = "Expected all tensors to be on the same device"
 
@@ -356,8 +356,19 @@ def test_every_algorithm_runs_on_the_fake_device_as_on_the_cpu(name: str, tmp_pa
         ),
         ("fedavg", {"privacy": {"level": "sample", "noise_multiplier": 1.1, "clip": 1.0}}, None),
         ("feddyn", {"client_batch": "1", "params": {"alpha": 0.1, "max_grad_norm": 0.5}}, True),
+        ("scaffold", {"client_batch": "1", "system": SYSTEM}, True),  # unequal work and dropouts
+        ("fednova", {"system": SYSTEM}, False),  # vectorised groups of one drawn schedule each
     ],
-    ids=["batched", "disk-store", "dp-client", "dp-client-adaptive", "dp-sample", "feddyn-clipped"],
+    ids=[
+        "batched",
+        "disk-store",
+        "dp-client",
+        "dp-client-adaptive",
+        "dp-sample",
+        "feddyn-clipped",
+        "system-one-by-one",
+        "system-batched",
+    ],
 )
 def test_paths_beside_the_contract_run_on_the_fake_device(
     name: str, extra: dict, bitwise: bool | None, tmp_path: Path

@@ -21,6 +21,7 @@ that the runner checkpoints as they are.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 from abc import ABC
@@ -191,6 +192,15 @@ class Trainer:
             raise NonFiniteLoss(f"client {data.k}: non-finite loss after {result.steps} local steps")
         return self.flat.vector.clone(), result
 
+    def with_schedule(self, schedule: LocalSchedule) -> Trainer:
+        """This trainer with another run schedule (a participant's own work under ``system.work``;
+        the same model buffers, so it is as cheap as the trainer itself)."""
+        if schedule == self.schedule:
+            return self
+        other = copy.copy(self)
+        other.schedule = schedule
+        return other
+
     def run(
         self, task: LocalTask, data: ClientData, generator: torch.Generator
     ) -> tuple[torch.Tensor, LocalResult]:
@@ -237,9 +247,9 @@ class ClientContext:
     """What a participant's local step may use besides the states and its data."""
 
     round: int  # 0-based round of the current stage
-    participants: tuple[int, ...]
+    participants: tuple[int, ...]  # those that train this round (under ``system``: not the dropped)
     population: Population
-    trainer: Trainer | None
+    trainer: Trainer | None  # under ``system.work``: with this participant's own schedule
     generator: torch.Generator  # this client's, a pure function of (seed, round, client)
 
 
@@ -256,7 +266,7 @@ class ServerContext:
     """
 
     round: int
-    participants: tuple[int, ...]
+    participants: tuple[int, ...]  # those whose uploads arrived (under ``system``: not the dropped)
     population: Population
     reduce: Reducer
     rank: int = 0
@@ -344,9 +354,13 @@ class Algorithm(ABC, Generic[P, S, C]):
         """The run's stages; ``rounds`` of the single default stage is set by the runner."""
         return (Stage("train", -1),)
 
-    def resolved(self, population: Population, schedule: LocalSchedule) -> Algorithm[P, S, C]:
+    def resolved(
+        self, population: Population, schedule: LocalSchedule, *, heterogeneous: bool = False
+    ) -> Algorithm[P, S, C]:
         """This algorithm with every ``auto`` choice that depends on the clients' sizes and the
         local schedule made (SCAFFOLD's ``form``); the runner calls it once, before the first round.
+        ``heterogeneous``: the run's ``system`` section is on, so a participant's work may differ
+        from ``schedule`` and participants may drop out (:mod:`hpcfl.algorithms.system`).
         Default: nothing to choose, ``self``."""
         return self
 

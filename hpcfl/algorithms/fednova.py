@@ -23,6 +23,11 @@ model's own weighted mean. This equals FedAvg bit for bit when every client take
 power-of-two number of plain SGD steps (division and multiplication by a power of two are exact and
 commute with rounding; the coefficient of x is then exactly 0), and FedAvg up to rounding for any
 other equal step count. Partial participation: p_k over the round's participants, as FedAvg here.
+
+Unequal work (``system.work``, :mod:`hpcfl.algorithms.system`): τ_k is the number of steps the
+participant's local training returned (``result.steps``), so ‖a_k‖₁ and τ_eff follow the work
+actually done; a dropped participant contributes to neither sum, so p_k and τ_eff are over the
+participants that arrived (the paper's Σ over the clients the server heard from).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""FedProx (Li et al., 2020): FedAvg with a proximal term (μ/2)‖w − w_global‖² in each local loss."""
+"""FedProx (Li et al., 2020): FedAvg with a proximal term (μ/2)‖w − w_global‖² in each local loss.
+
+Its systems-heterogeneity setting (§5.2: stragglers doing a smaller, uniformly drawn number of
+epochs, whose partial work FedProx keeps while FedAvg drops it) is the ``system.work`` kind
+``stragglers`` with ``drop: false`` / ``drop: true`` (:mod:`hpcfl.algorithms.system`)."""
 
 from __future__ import annotations
 

@@ -251,7 +251,6 @@ class FedPVR(Algorithm[FedPVRParams, FedPVRServerState, FedPVRClientState]):
             return LocalTask(
                 server.x, lambda y, result: (model_upload(y, data, result, weighting=weighting), client)
             )
-        steps = trainer.schedule.num_steps(data.n)
         lr = trainer.schedule.lr
         momentum = trainer.schedule.momentum
         # the corrected slice's effective step: momentum acts on it only with momentum_on_corrected
@@ -271,8 +270,8 @@ class FedPVR(Algorithm[FedPVRParams, FedPVRServerState, FedPVRClientState]):
                     d[a:b].sub_(w[a:b], alpha=undo)
 
         def finish(y: torch.Tensor, result: LocalResult) -> tuple[Upload, FedPVRClientState]:
-            c_new = correction_update(  # Eq. 7
-                c_k - c, self.gather(server.x), self.gather(y), steps, lr, slice_momentum
+            c_new = correction_update(  # Eq. 7, over the steps actually taken
+                c_k - c, self.gather(server.x), self.gather(y), result.steps, lr, slice_momentum
             )
             upload = model_upload(y, data, result, weighting=weighting)
             upload.sums["dc"] = c_new - c_k

@@ -141,14 +141,26 @@ def correction_update(
 
 
 def choose_form(
-    params: ScaffoldParams, participation: Participation, population: Population, schedule: LocalSchedule
+    params: ScaffoldParams,
+    participation: Participation,
+    population: Population,
+    schedule: LocalSchedule,
+    *,
+    heterogeneous: bool = False,
 ) -> str:
     """The form ``auto`` stands for: ``one_model`` only where it is provably Option II (every client
-    in every round, uniform mean, the same number of local steps for every client)."""
+    in every round, uniform mean, the same number of local steps for every client). Under a
+    ``system`` section (``heterogeneous``: unequal work or dropped participants) it is never that:
+    ``auto`` is ``control_variates`` and an explicit ``one_model`` is refused."""
+    if heterogeneous and params.form == "one_model":
+        raise ConfigError(
+            "params.form: one_model assumes every client does the same work in every round, which the "
+            "system section changes; use form: control_variates (or auto)"
+        )
     if params.form != "auto":
         return params.form
     equal_steps = len({schedule.num_steps(n) for n in population.sizes}) <= 1
-    if participation.full(population) and params.weighting == "uniform" and equal_steps:
+    if participation.full(population) and params.weighting == "uniform" and equal_steps and not heterogeneous:
         return "one_model"
     return "control_variates"
 
@@ -178,9 +190,11 @@ class Scaffold(Algorithm[ScaffoldParams, ScaffoldServerState, ScaffoldClientStat
         :meth:`resolved`: the control-variate form, which is Option II in every case)."""
         return self.params.form != "one_model"
 
-    def resolved(self, population: Population, schedule: LocalSchedule) -> Scaffold:
+    def resolved(
+        self, population: Population, schedule: LocalSchedule, *, heterogeneous: bool = False
+    ) -> Scaffold:
         """This algorithm with ``form: auto`` replaced by :func:`choose_form`'s choice."""
-        form = choose_form(self.params, self.participation, population, schedule)
+        form = choose_form(self.params, self.participation, population, schedule, heterogeneous=heterogeneous)
         if form == self.params.form:
             return self
         params = dataclasses.replace(self.params, form=form)
@@ -223,7 +237,8 @@ class Scaffold(Algorithm[ScaffoldParams, ScaffoldServerState, ScaffoldClientStat
             c_k = client.h if client.h is not None else torch.zeros_like(c)
 
             def finish_cv(y: torch.Tensor, result: LocalResult) -> tuple[Upload, ScaffoldClientState]:
-                c_new = correction_update(c_k - c, server.x[:P], y[:P], steps, lr, momentum)
+                # the steps actually taken (a participant's own work under ``system.work``)
+                c_new = correction_update(c_k - c, server.x[:P], y[:P], result.steps, lr, momentum)
                 upload = model_upload(y, data, result, weighting=weighting)
                 upload.sums["dc"] = c_new - c_k
                 return upload, ScaffoldClientState(h=c_new)

@@ -34,6 +34,7 @@ from hpcfl.algorithms.base import (
     Upload,
 )
 from hpcfl.algorithms.participation import Population
+from hpcfl.algorithms.system import RoundSystem, SystemModel
 
 if TYPE_CHECKING:  # annotations only: the communicator, data and model types sit below the contract
     from torch import nn
@@ -77,6 +78,12 @@ class RoundStart:
     started: float  # time.perf_counter() when the round began
     writes_row: bool  # whether the round ends with a metrics row (costly observers work only then)
     final: bool = False  # the stage's last round (observers that work only at the end)
+    system: RoundSystem | None = None  # the round's drawn work and dropouts (``system``), None when off
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        """The participants drawn for the round that dropped out (not in :attr:`who`)."""
+        return self.system.dropped if self.system is not None else ()
 
     @functools.cached_property
     def position(self) -> dict[int, int]:
@@ -173,6 +180,7 @@ class RoundPlan:
     observers: tuple[Observer, ...] = ()  # metrics chosen by the config (CKA, drift diversity, ...)
     client_metrics: tuple[str, ...] = ("loss",)  # what the participants' local updates report
     client_batch: int | str = 1  # participants per vectorised training step: 1 | N | auto
+    system: SystemModel | None = None  # unequal work and dropped participants (``system``), None when off
 
 
 # -- what stage code may read, and what it returns -----------------------------------------------

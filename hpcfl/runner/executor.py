@@ -17,6 +17,7 @@ kernel launches, so K clients cost about one batched step); a large model alread
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 
 from hpcfl.algorithms import Algorithm, ClientData, ClientState, NonFiniteLoss, ServerState, Trainer
 from hpcfl.algorithms.base import ClientContext, LocalTask, Upload
+from hpcfl.training.sgd import LocalResult
 
 log = logging.getLogger("hpcfl.runner")
 
@@ -103,8 +105,14 @@ class ClientExecutor:
             for s, d, c in zip(states, datas, ctxs, strict=True):
                 yield _one(algo, server, s, d, c)
             return
-        declared: list[LocalTask] = [t for t in tasks if t is not None]
-        if len(group) == 1 or not trainer.can_batch(declared):
+        # each task with the schedule it trains under: its own, else its participant's (``ctx.trainer``
+        # carries the participant's drawn work under ``system.work``), else the run's
+        declared: list[LocalTask] = [
+            dataclasses.replace(t, schedule=t.schedule or (c.trainer or trainer).schedule)
+            for t, c in zip(tasks, ctxs, strict=True)
+            if t is not None
+        ]
+        if len(group) == 1 or not all(trainer.can_batch([t]) for t in declared):
             if len(group) > 1:
                 self._say(f"client_batch: {algo.name}'s local tasks bring their own loss; trained one by one")
             for k, t, d, c in zip(group, declared, datas, ctxs, strict=True):
@@ -115,12 +123,30 @@ class ClientExecutor:
                     continue
                 yield (k, *t.finish(y, result))
             return
-        trained = trainer.run_many(declared, datas, [c.generator for c in ctxs])
+        trained = _run_by_schedule(trainer, declared, datas, [c.generator for c in ctxs])
         for k, t, (y, result) in zip(group, declared, trained, strict=True):
             if not result.finite:
                 yield k, None, None
             else:
                 yield (k, *t.finish(y, result))
+
+
+def _run_by_schedule(
+    trainer: Trainer, tasks: list[LocalTask], datas: list[ClientData], generators: list[torch.Generator]
+) -> list[tuple[torch.Tensor, LocalResult]]:
+    """The tasks (each with its schedule set) trained in vectorised groups of one schedule each;
+    results in ``tasks`` order. Without a ``system`` section that is one group, the whole list.
+    (A step count per client inside one group would keep unequal work in one vectorised run:
+    ``batched_local_sgd`` already lets clients with fewer steps stop; not done here.)"""
+    out: list[Any] = [None] * len(tasks)
+    for schedule in dict.fromkeys(t.schedule for t in tasks):  # first-seen order
+        idx = [i for i, t in enumerate(tasks) if t.schedule == schedule]
+        trained = trainer.run_many(
+            [tasks[i] for i in idx], [datas[i] for i in idx], [generators[i] for i in idx]
+        )
+        for i, result in zip(idx, trained, strict=True):
+            out[i] = result
+    return out
 
 
 def _one(

@@ -17,6 +17,7 @@ import torch
 from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Trainer
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.algorithms.stage_types import Evaluator, Observer, RoundPlan
+from hpcfl.algorithms.system import SystemModel
 from hpcfl.comm import Communicator, place_clients
 from hpcfl.config import Config
 from hpcfl.data import Dataset, load_dataset, partition
@@ -52,6 +53,7 @@ class Federation:
     algorithm: Algorithm
     trainer: Trainer
     client_batch: int = 1  # participants per vectorised group: ``client_batch`` with ``auto`` resolved
+    system: SystemModel | None = None  # unequal work and dropped participants (``system``), None when off
     _cache: dict[int, ClientData] = field(default_factory=dict, repr=False)
 
     @property
@@ -221,6 +223,7 @@ def model_plan(fed: Federation) -> RoundPlan:
         lr_hint=f" (lr is {fed.cfg.lr})",
         observers=chosen_observers(fed),
         client_batch=fed.client_batch,
+        system=fed.system,
     )
 
 
@@ -328,7 +331,7 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
     flat = FlatModel(model)
     schedule = schedule_of(cfg)
     population = Population(tuple(int(p.numel()) for p in parts))
-    algorithm = make_algorithm(cfg, model).resolved(population, schedule)
+    algorithm = make_algorithm(cfg, model).resolved(population, schedule, heterogeneous=cfg.system.enabled)
     trainer = Trainer(flat, schedule)
     if cfg.privacy.enabled:
         from hpcfl.privacy.build import make_private
@@ -354,4 +357,5 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         algorithm=algorithm,
         trainer=trainer,
         client_batch=client_batch,
+        system=SystemModel.of(cfg.system, cfg.seed, schedule, population.sizes),
     )

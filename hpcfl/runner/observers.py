@@ -187,6 +187,25 @@ class Participants(Observer):
         return {"participants": list(start.who)} if len(start.who) < start.population.size else {}
 
 
+class SystemRecord(Observer):
+    """Under a ``system`` section: the local steps each participant that arrived took
+    (``work_steps``, in the order of ``participants``), the round's stragglers and the participants
+    that dropped out (ids). Every rank drew the same, so nothing is exchanged."""
+
+    group = "system"
+    columns = ("work_steps", "stragglers", "dropped")
+
+    def row(self, end: RoundEnd, slots: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        start = end.work.start
+        if start.system is None:
+            return {}
+        return {
+            "work_steps": [start.system.steps[k] for k in start.who],
+            "stragglers": list(start.system.stragglers),
+            "dropped": list(start.dropped),
+        }
+
+
 class RankLoad(Observer):
     """Load imbalance (max/mean of the ranks' compute seconds), the longest client-state I/O wait and
     the largest peak memory over ranks; one slot per rank, so no extra collective."""
@@ -226,10 +245,11 @@ class Traffic(Observer):
     columns = ("bytes_up", "bytes_down", "allreduce_bytes")
 
     def row(self, end: RoundEnd, slots: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        n = len(end.work.start.who)
+        start = end.work.start
+        n = len(start.who)  # the uploads that arrived; a dropped participant had downloaded the state
         return {
             "bytes_up": n * end.upload_bytes + _nbytes(end.aggregate.gathered),
-            "bytes_down": n * _state_nbytes(end.server),
+            "bytes_down": (n + len(start.dropped)) * _state_nbytes(end.server),
             "allreduce_bytes": end.buffer_bytes,
         }
 
@@ -252,15 +272,17 @@ class Timing(Observer):
 
 
 def with_standard_observers(
-    chosen: Sequence[Observer], client_metrics: tuple[str, ...] = ("loss",)
+    chosen: Sequence[Observer], client_metrics: tuple[str, ...] = ("loss",), *, system: bool = False
 ) -> tuple[Observer, ...]:
     """The observers of a round, in the order their columns appear in a row: the client metrics, the
-    server's, who participated, the ``chosen`` ones (CKA, drift diversity, ...), then per-rank load,
+    server's, who participated (and, with ``system``, the work and dropouts), the ``chosen`` ones
+    (CKA, drift diversity, ...), then per-rank load,
     traffic and timing (last, so that its seconds include every other observer's work)."""
     return (
         ClientMetrics(client_metrics),
         ServerMetrics(),
         Participants(),
+        *((SystemRecord(),) if system else ()),
         *chosen,
         RankLoad(),
         Traffic(),

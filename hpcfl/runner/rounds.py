@@ -50,8 +50,9 @@ from hpcfl.algorithms.stage_types import (
     RoundPlan,
     RoundStart,
 )
+from hpcfl.algorithms.system import RoundSystem
 from hpcfl.comm.placement import place_round
-from hpcfl.errors import DivergenceError
+from hpcfl.errors import ConfigError, DivergenceError
 from hpcfl.runner.buffer import BufferLayout
 from hpcfl.runner.checkpoint import placed_state
 from hpcfl.runner.executor import ClientExecutor
@@ -177,7 +178,7 @@ def round_generator(seed: int, stage: int, rnd: int) -> torch.Generator:
 
 def round_observers(plan: RoundPlan) -> tuple[Observer, ...]:
     """Every observer of the plan's rounds: the standard ones around the plan's own."""
-    return with_standard_observers(plan.observers, plan.client_metrics)
+    return with_standard_observers(plan.observers, plan.client_metrics, system=plan.system is not None)
 
 
 def round_layout(
@@ -249,17 +250,19 @@ def run_rounds(
         plan.client_batch, rank=comm.rank, largest=max(plan.population.sizes, default=1)
     )
     done = start
+    for rnd in range(start, stop) if plan.system is not None else ():
+        _draw_round(plan, rnd, round_offset)  # dropouts are known up front: refuse before any work
     for rnd in range(start, stop):
         t0 = time.perf_counter()
-        # 1. who trains, and where
-        who = tuple(
-            algo.participants(rnd, plan.population, round_generator(plan.seed, plan.stage_index, rnd))
-        )
+        # 1. who trains (the drawn participants but those that drop out this round), and where
+        who, system = _draw_round(plan, rnd, round_offset)
         mine = place_round(who, [plan.population.sizes[k] for k in who], comm.size)[comm.rank]
         layout = round_layout(plan, len(who), dtype, observers)
         buf = layout.allocate(bdtype, server.x.device)
         writes_row = (rnd + 1) % plan.eval_every == 0 or rnd + 1 == stop
-        begun = RoundStart(rnd, who, plan.population, server, t0, writes_row, final=rnd + 1 == stop)
+        begun = RoundStart(
+            rnd, who, plan.population, server, t0, writes_row, final=rnd + 1 == stop, system=system
+        )
         watch = RoundWatch(observers, begun, layout, buf, comm.rank)
         gathered: list[tuple[int, dict[str, Any]]] = []
         io = StateIO(states, mine)  # reads the next participant's state while this one trains
@@ -272,7 +275,7 @@ def run_rounds(
             mine,
             io.get,
             plan.data,
-            functools.partial(_client_context, plan, rnd, who),
+            functools.partial(_client_context, plan, rnd, who, system),
         )
         diverged: list[int] = []
         for k, upload, new_state in outcomes:
@@ -343,8 +346,32 @@ def _finite(state: ClientState) -> bool:
     )
 
 
-def _client_context(plan: RoundPlan, rnd: int, who: tuple[int, ...], k: int) -> ClientContext:
-    return ClientContext(rnd, who, plan.population, plan.trainer, plan.generator(rnd, k))
+def _draw_round(plan: RoundPlan, rnd: int, round_offset: int) -> tuple[tuple[int, ...], RoundSystem | None]:
+    """Round ``rnd``'s participants that train (draw order) and its ``system`` draw (None when off):
+    a pure function of (seed, stage, round). A round whose every drawn participant drops out is one
+    :class:`ConfigError` naming it."""
+    drawn = tuple(
+        plan.algorithm.participants(rnd, plan.population, round_generator(plan.seed, plan.stage_index, rnd))
+    )
+    if plan.system is None:
+        return drawn, None
+    system = plan.system.draw(plan.stage_index, rnd, round_offset + rnd + 1, drawn)
+    who = tuple(k for k in drawn if k not in system.dropped)
+    if drawn and not who:
+        raise ConfigError(
+            f"round {round_offset + rnd + 1}: every participant ({len(drawn)}) drops out under the system "
+            "section (dropout probability, trace or dropped stragglers); lower the dropout or fix the trace"
+        )
+    return who, system
+
+
+def _client_context(
+    plan: RoundPlan, rnd: int, who: tuple[int, ...], system: RoundSystem | None, k: int
+) -> ClientContext:
+    trainer = plan.trainer
+    if system is not None and trainer is not None:  # the participant's own work (``system.work``)
+        trainer = trainer.with_schedule(system.schedule(trainer.schedule, k))
+    return ClientContext(rnd, who, plan.population, trainer, plan.generator(rnd, k))
 
 
 def _accumulate(
