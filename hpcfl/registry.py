@@ -263,6 +263,9 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
             ("fedavgm", "fedavgm", "FedAvgM"),
             ("ntkfl", "ntkfl", "NTKFL"),
             ("cp-ntkfl", "cp_ntkfl", "CPNTKFL"),
+            ("fedbn", "fedbn", "FedBN"),
+            ("fedper", "fedper", "FedPer"),
+            ("fedrep", "fedrep", "FedRep"),
         )
     },
     _check_algorithm,

@@ -323,6 +323,10 @@ class Algorithm(ABC, Generic[P, S, C]):
     logs_validation: ClassVar[bool] = True
     #: why the participants train one by one when :meth:`local_task` declares nothing
     unbatched_reason: ClassVar[str] = "its local work is not a declared local task"
+    #: whether each client is judged by a model of its own (personalised FL): per-client evaluation
+    #: (``client_eval``) then also scores :meth:`personal_model` on every evaluated client's
+    #: held-out share (the ``personal_acc_*`` columns, beside the global model's ``client_acc_*``)
+    personalised: ClassVar[bool] = False
 
     def __init__(self, params: P, *, layout: StateLayout, participation: Participation | None = None) -> None:
         self.params: P = params
@@ -371,6 +375,16 @@ class Algorithm(ABC, Generic[P, S, C]):
         assert ctx.trainer is not None
         y, result = ctx.trainer.run(task, data, ctx.generator)
         return task.finish(y, result)
+
+    def personal_model(self, server: S, client: C, data: ClientData, ctx: ClientContext) -> torch.Tensor:
+        """The state vector client ``data.k`` is judged by, from the server state and its own state
+        (a personalised algorithm's answer; called only when :attr:`personalised`).
+
+        Called at evaluation, by the rank that holds the client's state, with ``data`` its training
+        samples and ``ctx.generator`` a stream of its own (never a training generator), so work done
+        here (FedBABU's fine-tuning) never changes the run. It must not change ``server`` or
+        ``client``. Default: the server's reported model."""
+        return server.evaluated()[""]
 
     def server_update(
         self, server: S, aggregate: Aggregate, ctx: ServerContext
