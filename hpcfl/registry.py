@@ -266,6 +266,8 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
             ("fedbn", "fedbn", "FedBN"),
             ("fedper", "fedper", "FedPer"),
             ("fedrep", "fedrep", "FedRep"),
+            ("ditto", "ditto", "Ditto"),
+            ("apfl", "apfl", "APFL"),
         )
     },
     _check_algorithm,

@@ -313,3 +313,131 @@ def test_personal_evaluation_reads_the_on_disk_store_as_memory(tmp_path):
     _, memory = _personal_run(tmp_path / "m", "fedper")
     _, disk = _personal_run(tmp_path / "d", "fedper", client_state_memory="disk")
     assert memory == disk
+
+
+# -- Ditto -----------------------------------------------------------------------------------------
+
+
+def test_ditto_client_step_is_fedavg_then_the_proximal_personal_update():
+    """Li et al. 2021, Algorithm 1: w_k by FedAvg's local SGD from w^t, then s local iterations
+    v_k ← v_k − η(∇F_k(v_k) + λ(v_k − w^t)) (here the gradient of F_k + λ/2‖v − w^t‖²)."""
+    lam = 0.7
+    model = _model()
+    algo = _algo("ditto", model, lam=lam)
+    server = algo.init_server(_randomised(_state(model)))
+    client = algo.init_client(0, server)
+    client.v = _randomised(server.x, seed=8)
+    data = _clients()[1]
+    trainer = Trainer(FlatModel(_model()), _schedule())
+    upload, new = algo.client_update(server, client, data, _ctx(trainer, seed=21))
+
+    gen = torch.Generator().manual_seed(21)
+    ref_w = _load(_model(), server.x)
+    anchor = [p.detach().clone() for p in ref_w.parameters()]
+    ref_v = _load(_model(), client.v)
+    for ref, prox in ((ref_w, 0.0), (ref_v, lam)):
+        opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
+        ref.train()
+        for idx in batch_indices(data.n, _schedule(), gen):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(ref(data.x[idx]), data.y[idx])
+            loss = loss + prox / 2 * sum(
+                ((p - a) ** 2).sum() for p, a in zip(ref.parameters(), anchor, strict=True)
+            )
+            loss.backward()
+            opt.step()
+    torch.testing.assert_close(upload.sums["x"], _state(ref_w), **TOL)
+    torch.testing.assert_close(new.v, _state(ref_v), **TOL)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5, 5.0])
+def test_dittos_global_model_is_fedavg_for_any_lambda(lam):
+    runs = []
+    for name, params in (("ditto", {"lam": lam}), ("fedavg", {})):
+        model = _model()
+        cls = ALGORITHMS[name]
+        algo = cls(
+            cls.Params(**params), layout=StateLayout.of_model(model), participation=Participation(count=2)
+        )
+        server, _ = simulate(algo, _clients(), Trainer(FlatModel(model), _schedule()), 3, reduction="float64")
+        runs.append(server.x)
+    assert torch.equal(*runs)
+
+
+def test_ditto_judges_a_client_by_its_personal_model():
+    model = _model()
+    algo = _algo("ditto", model)
+    w0 = _state(model)
+    server = algo.init_server(_randomised(w0))
+    fresh = algo.init_client(0, algo.init_server(w0))
+    assert torch.equal(algo.personal_model(server, fresh, _clients()[0], _ctx(None)), w0)  # v_k^0 = w^0
+
+
+@pytest.mark.parametrize(("key", "value"), [("lam", -0.1), ("personal_epochs", 0)])
+def test_ditto_refuses_bad_settings(key, value):
+    with pytest.raises(ConfigError, match=key):
+        ALGORITHMS["ditto"].Params(**{key: value})
+
+
+# -- APFL ------------------------------------------------------------------------------------------
+
+
+def test_apfl_client_step_is_the_papers_joint_update():
+    """Deng et al. 2020, Algorithm 1 with adaptive α, per mini-batch ξ: w ← w − η∇f(w; ξ),
+    v ← v − η α∇f(v̄; ξ), α ← clip(α − η_α⟨v − w, ∇f(v̄; ξ)⟩, 0, 1), v̄ = αv + (1 − α)w."""
+    model = _mlp()
+    algo = _algo("apfl", model, alpha=0.4, alpha_lr=0.3)
+    server = algo.init_server(_randomised(_state(model)))
+    client = algo.init_client(0, server)
+    client.v = _randomised(server.x, seed=8)
+    data = _clients()[2]
+    sched = LocalSchedule(lr=LR, batch_size=8, steps=4, momentum=MOMENTUM, weight_decay=WD)
+    trainer = Trainer(FlatModel(_mlp()), sched)
+    upload, new = algo.client_update(server, client, data, _ctx(trainer, seed=4))
+
+    w_model, v_model, mix = _load(_mlp(), server.x), _load(_mlp(), client.v), _mlp()
+    opt_w = torch.optim.SGD(w_model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
+    opt_v = torch.optim.SGD(v_model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
+    alpha = 0.4
+    for idx in batch_indices(data.n, sched, torch.Generator().manual_seed(4)):
+        xb, yb = data.x[idx], data.y[idx]
+        with torch.no_grad():
+            for pm, pv, pw in zip(mix.parameters(), v_model.parameters(), w_model.parameters(), strict=True):
+                pm.copy_(alpha * pv + (1 - alpha) * pw)
+        mix.zero_grad()
+        nn.functional.cross_entropy(mix(xb), yb).backward()
+        grads = [p.grad.clone() for p in mix.parameters()]
+        diff = sum(
+            ((pv - pw) * g).sum()
+            for pv, pw, g in zip(v_model.parameters(), w_model.parameters(), grads, strict=True)
+        )
+        opt_w.zero_grad()
+        nn.functional.cross_entropy(w_model(xb), yb).backward()
+        opt_w.step()
+        for p, g in zip(v_model.parameters(), grads, strict=True):
+            p.grad = alpha * g
+        opt_v.step()
+        alpha = min(1.0, max(0.0, alpha - 0.3 * float(diff.detach())))
+    torch.testing.assert_close(upload.sums["x"], _state(w_model), **TOL)
+    torch.testing.assert_close(new.v, _state(v_model), **TOL)
+    assert new.alpha.item() == pytest.approx(alpha, abs=1e-10) and new.alpha.item() != 0.4
+    mixed = algo.personal_model(server, new, data, _ctx(None))
+    torch.testing.assert_close(mixed, new.alpha.item() * new.v + (1 - new.alpha.item()) * server.x, **TOL)
+
+
+def test_apfls_global_model_is_fedavg():
+    """w's local steps never read v or α: the global model is FedAvg's, bit for bit."""
+    runs = []
+    for name in ("apfl", "fedavg"):
+        model = _model()
+        cls = ALGORITHMS[name]
+        algo = cls(cls.Params(), layout=StateLayout.of_model(model), participation=Participation(count=2))
+        server, _ = simulate(algo, _clients(), Trainer(FlatModel(model), _schedule()), 3, reduction="float64")
+        runs.append(server.x)
+    assert torch.equal(*runs)
+
+
+@pytest.mark.parametrize(("key", "value"), [("alpha", 1.5), ("alpha_lr", 0.0)])
+def test_apfl_refuses_bad_settings(key, value):
+    with pytest.raises(ConfigError, match=key):
+        ALGORITHMS["apfl"].Params(**{key: value})
