@@ -268,6 +268,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
             ("fedrep", "fedrep", "FedRep"),
             ("ditto", "ditto", "Ditto"),
             ("apfl", "apfl", "APFL"),
+            ("fedbabu", "fedbabu", "FedBABU"),
         )
     },
     _check_algorithm,

@@ -441,3 +441,62 @@ def test_apfls_global_model_is_fedavg():
 def test_apfl_refuses_bad_settings(key, value):
     with pytest.raises(ConfigError, match=key):
         ALGORITHMS["apfl"].Params(**{key: value})
+
+
+# -- FedBABU ---------------------------------------------------------------------------------------
+
+
+def test_fedbabu_client_step_trains_the_body_with_the_head_at_its_initialisation():
+    """Oh et al. 2022, Algorithm 1: the head's learning rate is 0 in federated training; the body
+    is trained and uploaded."""
+    model = _model()
+    algo = _algo("fedbabu", model)
+    server = algo.init_server(_randomised(_state(model)))
+    data = _clients()[0]
+    trainer = Trainer(FlatModel(_model()), _schedule())
+    upload, _ = algo.client_update(server, algo.init_client(0, server), data, _ctx(trainer))
+
+    ref = _load(_model(), server.x)
+    _reference_sgd(ref, [p for n, p in ref.named_parameters() if not n.startswith("classifier")], data, 3, 11)
+    torch.testing.assert_close(upload.sums["x"], algo.split.shared_of(_state(ref)), **TOL)
+    assert torch.equal(algo.split.kept_of(_state(ref)), algo.split.kept_of(server.x))
+
+
+def test_fedbabus_head_never_leaves_its_initialisation():
+    model = _model()
+    algo = _algo("fedbabu", model)
+    x0 = _state(model)
+    server, _ = simulate(algo, _clients(), Trainer(FlatModel(model), _schedule()), 3, reduction="float64")
+    assert torch.equal(algo.split.kept_of(server.x), algo.split.kept_of(x0))
+    assert not torch.equal(algo.split.shared_of(server.x), algo.split.shared_of(x0))
+
+
+@pytest.mark.parametrize("part", ["full", "head"])
+def test_fedbabu_personal_model_is_the_global_model_fine_tuned_for_tau_f_epochs(part):
+    model = _model()
+    algo = _algo("fedbabu", model, finetune_epochs=2, finetune=part)
+    server = algo.init_server(_randomised(_state(model)))
+    data = _clients()[1]
+    trainer = Trainer(FlatModel(_model()), _schedule())
+    tuned = algo.personal_model(server, algo.init_client(0, server), data, _ctx(trainer, seed=6))
+
+    ref = _load(_model(), server.x)
+    params = list(ref.parameters()) if part == "full" else list(ref.classifier.parameters())
+    epochs = LocalSchedule(lr=LR, batch_size=8, epochs=2, momentum=MOMENTUM, weight_decay=WD)
+    opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WD)
+    ref.train()
+    for idx in batch_indices(data.n, epochs, torch.Generator().manual_seed(6)):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(data.x[idx]), data.y[idx]).backward()
+        opt.step()
+    torch.testing.assert_close(tuned, _state(ref), **TOL)
+    zero = _algo("fedbabu", model, finetune_epochs=0)
+    assert torch.equal(
+        zero.personal_model(server, zero.init_client(0, server), data, _ctx(trainer)), server.x
+    )
+
+
+@pytest.mark.parametrize(("key", "value"), [("finetune_epochs", -1), ("finetune", "body")])
+def test_fedbabu_refuses_bad_settings(key, value):
+    with pytest.raises(ConfigError, match=key):
+        ALGORITHMS["fedbabu"].Params(**{key: value})
