@@ -269,6 +269,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
             ("ditto", "ditto", "Ditto"),
             ("apfl", "apfl", "APFL"),
             ("fedbabu", "fedbabu", "FedBABU"),
+            ("feduv", "feduv", "FedUV"),
         )
     },
     _check_algorithm,

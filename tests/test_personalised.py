@@ -500,3 +500,92 @@ def test_fedbabu_personal_model_is_the_global_model_fine_tuned_for_tau_f_epochs(
 def test_fedbabu_refuses_bad_settings(key, value):
     with pytest.raises(ConfigError, match=key):
         ALGORITHMS["fedbabu"].Params(**{key: value})
+
+
+# -- FedUV -----------------------------------------------------------------------------------------
+
+
+def _variance_reference(probs: torch.Tensor, target: float) -> torch.Tensor:
+    terms = []
+    for j in range(probs.shape[1]):
+        col = probs[:, j]
+        std = torch.sqrt(((col - col.mean()) ** 2).mean() + 1e-4)
+        terms.append(torch.clamp(target - std, min=0.0))
+    return torch.stack(terms).mean()
+
+
+def _uniformity_reference(z: torch.Tensor) -> torch.Tensor:
+    u = z / z.norm(dim=1, keepdim=True)
+    pairs = [
+        torch.exp(-2.0 * ((u[i] - u[j]) ** 2).sum()) for i in range(len(u)) for j in range(i + 1, len(u))
+    ]
+    return torch.log(torch.stack(pairs).mean())
+
+
+def test_feduv_regularisers_are_the_papers_terms():
+    from hpcfl.algorithms.feduv import uniformity_loss, variance_loss
+
+    g = torch.Generator().manual_seed(2)
+    probs = torch.randn(9, 4, generator=g, dtype=torch.float64).softmax(dim=1)
+    torch.testing.assert_close(variance_loss(probs, 0.4), _variance_reference(probs, 0.4), **TOL)
+    z = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(uniformity_loss(z), _uniformity_reference(z), **TOL)
+    # an IID-like batch (every class, confident) is at the default target; a one-class batch is not
+    C = 4
+    gamma = (1 / C * (1 - 1 / C)) ** 0.5
+    balanced = torch.eye(C, dtype=torch.float64).repeat(3, 1)
+    assert variance_loss(balanced, gamma) == 0
+    one_class = torch.eye(C, dtype=torch.float64)[[0] * 12]
+    torch.testing.assert_close(
+        variance_loss(one_class, gamma), torch.tensor(gamma - 1e-2, dtype=torch.float64)
+    )
+
+
+def test_feduv_client_step_is_sgd_on_the_regularised_objective():
+    """ℓ = CE + μ·ℓ_V(softmax(logits)) + λ·ℓ_U(z), z the classifier's input, by torch.optim.SGD."""
+    mu, lam = 0.6, 0.3
+    model = _model()
+    algo = _algo("feduv", model, variance_weight=mu, uniformity_weight=lam)
+    server = algo.init_server(_randomised(_state(model)))
+    data = _clients()[2]
+    trainer = Trainer(FlatModel(_model()), _schedule())
+    upload, _ = algo.client_update(server, algo.init_client(0, server), data, _ctx(trainer))
+
+    ref = _load(_model(), server.x)
+    body = nn.Sequential(*list(ref.children())[:-1])
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
+    ref.train()
+    gamma = (1 / 3 * (1 - 1 / 3)) ** 0.5
+    for idx in batch_indices(data.n, _schedule(), torch.Generator().manual_seed(11)):
+        opt.zero_grad()
+        z = body(data.x[idx])
+        logits = ref.classifier(z)
+        loss = nn.functional.cross_entropy(logits, data.y[idx])
+        loss = loss + mu * _variance_reference(logits.softmax(dim=1), gamma) + lam * _uniformity_reference(z)
+        loss.backward()
+        opt.step()
+    torch.testing.assert_close(upload.sums["x"], _state(ref), **TOL)
+
+
+@pytest.mark.parametrize("per_round", [None, 2])
+def test_feduv_with_both_weights_zero_is_fedavg_bit_for_bit(per_round):
+    runs = []
+    for name, params in (("feduv", {"variance_weight": 0.0, "uniformity_weight": 0.0}), ("fedavg", {})):
+        model = _model()
+        cls = ALGORITHMS[name]
+        algo = cls(
+            cls.Params(**params),
+            layout=StateLayout.of_model(model),
+            participation=Participation(count=per_round),
+        )
+        server, _ = simulate(algo, _clients(), Trainer(FlatModel(model), _schedule()), 3, reduction="float64")
+        runs.append(server.x)
+    assert torch.equal(*runs)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("variance_weight", -1.0), ("uniformity_weight", -0.5), ("variance_target", 0.0)]
+)
+def test_feduv_refuses_bad_settings(key, value):
+    with pytest.raises(ConfigError, match=key):
+        ALGORITHMS["feduv"].Params(**{key: value})
