@@ -17,8 +17,9 @@ The run's weight decay and momentum apply to w and to v alike (a momentum buffer
 optimisers would keep). BatchNorm statistics (float buffers): w keeps those of its own forward
 passes, v those of the mixture's.
 
-Defaults: ``alpha`` = 0.25, the α_k every client starts from (the paper runs fixed α ∈ {0.25, 0.5,
-0.75} and the adaptive rule); ``adaptive`` true; ``alpha_lr`` = None, the run's learning rate (the
+Defaults: ``alpha`` = 0.25, the α_k every client starts from (the paper reports fixed α values
+such as 0.25, 0.5, 0.75 beside the adaptive rule, as we recall it; not checked against a copy of the
+paper); ``adaptive`` true; ``alpha_lr`` = None, the run's learning rate (the
 paper's η_t for α as for the models). v_k starts at the initial global model, v_k^0 = w^0.
 
 Judged per client (:attr:`personalised`): client k's model is α_k v_k + (1 − α_k) w with w the

@@ -4,7 +4,7 @@ Personalization", ICML 2021).
 Two models per client. The global model w is trained by FedAvg exactly as without personalisation
 (each participant's local SGD on F_k from w^t, the server's n_k-weighted mean). Beside it each
 client keeps a personal model v_k that solves its own objective with a proximal pull toward the
-current global model, min_v F_k(v) + (λ/2)‖v − w^t‖² (the paper's Eq. 2); Algorithm 1 updates it
+current global model, min_v F_k(v) + (λ/2)‖v − w^t‖² (its personal objective h_k); Algorithm 1 updates it
 with s local iterations v_k ← v_k − η(∇F_k(v_k) + λ(v_k − w^t)) after the global update, with
 v_k^0 = w^0. Only w is exchanged; v_k lives in the client state (memory or the on-disk store).
 
@@ -12,7 +12,8 @@ So Ditto's global model is FedAvg's for any λ (bit for bit: the global update d
 mini-batches first from the client's generator, and the personal one draws after it). λ = 0 gives
 purely local personal models; λ → ∞ pins v_k to the global model.
 
-Defaults: λ = 1 (the paper tunes λ per dataset on held-out data, as ``hpcfl sweep --search`` does);
+Defaults: λ = 1 (the paper tunes λ per dataset; 1 is a middle value of such a grid, not a
+figure checked against a copy of the paper);
 ``personal_epochs`` = 1, the personal update taking the run's local schedule once, the same local
 work as the global update (the s of Algorithm 1). The proximal term enters each step's direction
 after weight decay and before momentum, as FedProx's does here.

@@ -9,10 +9,10 @@ client's personalised model is the global model fine-tuned on its own training d
 time, for τ_f epochs (Algorithm 1's fine-tuning stage); the run's trajectory never sees it.
 
 Defaults: ``head`` = the classifier (the paper's head is the last linear layer); ``finetune_epochs``
-τ_f = 5 at the run's learning rate and batch size (the paper reports accuracy after fine-tuning
-for a few epochs; 5 is the count its tables report beside the un-fine-tuned figure, as we read it);
-``finetune`` = ``full`` (the paper fine-tunes the whole network, body and head) or ``head`` (the
-head alone, the body frozen). A frozen part does not move at all: its step direction, weight decay
+τ_f = 5 at the run's learning rate and batch size (the paper reports accuracy after a few
+fine-tuning epochs; 5 is the count as we recall it, not checked against a copy of the paper);
+``finetune`` = ``full`` (the whole network, body and head, which is how we read the paper's
+personalisation) or ``head`` (the head alone, the body frozen: the issue's wording). A frozen part does not move at all: its step direction, weight decay
 included, is zeroed (:class:`~hpcfl.algorithms.split.Freeze`).
 
 No client state: the personal model is rebuilt from the global one at every evaluation, from the

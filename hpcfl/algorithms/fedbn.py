@@ -14,8 +14,8 @@ values in its BN slices, so its ``test_accuracy`` is the shared layers under the
 normalisation, not a model any client uses; read ``personal_acc_*`` (``client_eval``).
 
 ``weighting``: the server's mean of the shared layers, ``samples`` (default, FedAvg's n_k/n, so that
-FedBN on a model without BN layers is FedAvg bit for bit) or ``uniform`` (the authors' code,
-med-air/FedBN, averages with ``client_weights = 1/client_num``).
+FedBN on a model without BN layers is FedAvg bit for bit) or ``uniform`` (a plain mean over the
+clients, which is how we recall the authors' code, med-air/FedBN, averaging).
 
 Which layers: modules of type ``BatchNorm1d/2d/3d`` (the paper's local BN). ``num_batches_tracked``
 (an integer buffer outside the flat state) is not kept; it matters only to a BN with

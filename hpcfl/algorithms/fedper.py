@@ -15,7 +15,7 @@ server's ``test_accuracy`` is therefore the body with the initial head, not a mo
 read ``personal_acc_*`` under ``client_eval``).
 
 ``head``: the personalisation layers by module name, default ``classifier`` (the last layer; the
-paper's experiments personalise the last one or two fully-connected layers). A head that names no
+paper varies how many of the last layers are personal). A head that names no
 layer or the whole model is refused with one line before any round. Every local step is plain SGD
 on the whole model, so ``client_batch`` trains participants as one vectorised step.
 """

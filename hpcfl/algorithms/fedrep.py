@@ -10,8 +10,9 @@ authors' code (lgcollins/FedRep) does it as ``local_ep − local_rep_ep`` head e
 ``local_rep_ep`` body epochs, each phase with an optimiser of its own (so here each phase starts a
 fresh momentum buffer).
 
-Defaults: ``head_epochs = 10`` and ``body_epochs = 1``, the paper's setting of many head epochs and
-one representation epoch (Sec. 5; in the code ``local_rep_ep = 1``). Each counts passes of the run's
+Defaults: ``head_epochs = 10`` and ``body_epochs = 1``: many head epochs and one representation
+epoch, the paper's setting as we recall it (no copy of the paper or its code was at hand to check the
+exact counts; tune them per dataset). Each counts passes of the run's
 local schedule: a phase of E passes trains E × ``local_epochs`` epochs (or E × ``local_steps``
 steps). A frozen part does not move at all (its step direction, weight decay included, is zeroed:
 :class:`~hpcfl.algorithms.split.Freeze`); BatchNorm statistics, which belong to the body, follow

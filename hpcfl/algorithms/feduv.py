@@ -21,8 +21,10 @@ data were IID (no global model or previous model is needed, unlike FedProx, MOON
 Population variance (ddof 0) is used, so a batch of one sample has zero spread and no pairs (both
 terms constant, no gradient) instead of NaN. ε = 1e-4.
 
-Defaults: μ = 1 and λ = 1 (``variance_weight``, ``uniformity_weight``); tune them on validation as
-every method's weight is tuned (``hpcfl sweep --search``). With both weights 0 the local objective is
+Defaults: μ = 1 and λ = 1 (``variance_weight``, ``uniformity_weight``): NOT the paper's values,
+which were not at hand (no copy of the paper or its code here); tune them on validation. The exact
+forms above (ε, t, γ, ddof) are this implementation's reading of the paper's two terms and should
+be checked against its Eqs. before a comparison is published. With both weights 0 the local objective is
 the task loss alone and FedUV is FedAvg bit for bit. The regularised loss runs hooks on the working
 model, so participants train one by one under ``client_batch`` (a loss of its own does not vectorise).
 """
