@@ -23,8 +23,8 @@ paper); ``adaptive`` true; ``alpha_lr`` = None, the run's learning rate (the
 paper's η_t for α as for the models). v_k starts at the initial global model, v_k^0 = w^0.
 
 Judged per client (:attr:`personalised`): client k's model is α_k v_k + (1 − α_k) w with w the
-current global model (a client never trained: w). One local loop over two models and α:
-trained one by one under ``client_batch``.
+current global model (a client never trained: α₀ w⁰ + (1 − α₀) w, from its initial state). One
+local loop over two models and α: trained one by one under ``client_batch``.
 """
 
 from __future__ import annotations
