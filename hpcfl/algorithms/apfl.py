@@ -39,14 +39,14 @@ from hpcfl.algorithms.base import (
     ClientData,
     ClientState,
     HyperParams,
-    NonFiniteLoss,
     ServerState,
     Upload,
     check_weighting,
     model_upload,
+    read_phases,
 )
 from hpcfl.errors import ConfigError
-from hpcfl.training.sgd import batch_indices, sgd_step
+from hpcfl.training.sgd import Tallies, batch_indices, on_device, sgd_step
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,10 @@ class APFL(Algorithm[APFLParams, ServerState, APFLClientState]):
         alpha_lr = self.params.alpha_lr if self.params.alpha_lr is not None else sched.lr
         buf_w: torch.Tensor | None = None
         buf_v: torch.Tensor | None = None
-        loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
-        batches = batch_indices(data.n, sched, ctx.generator)
+        loss_sum = w.new_zeros((), dtype=torch.float64)
+        finite_steps = w.new_zeros((), dtype=torch.int64)  # steps before the first non-finite loss
+        alive = w.new_ones((), dtype=torch.bool)
+        batches = on_device(batch_indices(data.n, sched, ctx.generator), data.x.device)
         for idx in batches:
             xb, yb = data.x[idx], data.y[idx]
             a = alpha.to(w.dtype)
@@ -125,6 +127,8 @@ class APFL(Algorithm[APFLParams, ServerState, APFLClientState]):
             flat.grad.zero_()
             loss = loss_fn(model, xb, yb)
             loss.backward()
+            alive &= torch.isfinite(loss.detach())
+            finite_steps += alive
             loss_sum += loss.detach().to(torch.float64)
             w_next = flat.vector.clone()
             buf_w = sgd_step(w_next[:P], flat.grad, sched, None, buf_w)
@@ -140,8 +144,8 @@ class APFL(Algorithm[APFLParams, ServerState, APFLClientState]):
                 alpha = (alpha - alpha_lr * step).clamp_(0.0, 1.0)
             buf_v = sgd_step(v_next[:P], a * g, sched, None, buf_v)
             w, v = w_next, v_next
-        if not (torch.isfinite(w).all() and torch.isfinite(v).all()):
-            raise NonFiniteLoss(f"client {data.k}: non-finite APFL update after {len(batches)} local steps")
-        loss_value = float(loss_sum) / max(len(batches), 1)
-        upload = model_upload(w, data, None, weighting=self.params.weighting, loss=loss_value)
-        return upload, APFLClientState(v=v, alpha=alpha)
+        finite = torch.isfinite(w).all() & torch.isfinite(v).all() & torch.isfinite(alpha).all()
+        result = read_phases(data, Tallies(loss_sum, finite_steps, finite, len(batches)))  # the one read
+        return model_upload(w, data, result, weighting=self.params.weighting), APFLClientState(
+            v=v, alpha=alpha
+        )

@@ -38,6 +38,7 @@ from hpcfl.algorithms.base import (
     Upload,
     check_weighting,
     model_upload,
+    read_phases,
 )
 from hpcfl.algorithms.fedrep import passes
 from hpcfl.errors import ConfigError
@@ -89,10 +90,10 @@ class Ditto(Algorithm[DittoParams, ServerState, DittoClientState]):
     ) -> tuple[Upload, DittoClientState]:
         trainer = ctx.trainer
         assert trainer is not None
-        w, result = trainer.train(server.x, data, ctx.generator)  # the global update: FedAvg's
+        w, global_run = trainer.train_tallies(server.x, data, ctx.generator)  # the global update: FedAvg's
         v0 = client.v if client.v is not None else server.x
         pull = LinearCorrection(pull=self.params.lam, anchor=server.x[: self.num_params])
         schedule = passes(trainer.schedule, self.params.personal_epochs)
-        v, personal = trainer.train(v0, data, ctx.generator, correction=pull, schedule=schedule)
-        upload = model_upload(w, data, result, weighting=self.params.weighting, personal_loss=personal.loss)
-        return upload, DittoClientState(v=v)
+        v, personal_run = trainer.train_tallies(v0, data, ctx.generator, correction=pull, schedule=schedule)
+        result = read_phases(data, global_run, personal_run)  # one read for both; the global loss
+        return model_upload(w, data, result, weighting=self.params.weighting), DittoClientState(v=v)

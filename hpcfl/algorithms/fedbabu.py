@@ -116,7 +116,8 @@ class FedBABU(Algorithm[FedBABUParams, ServerState, ClientState]):
         freeze = None
         if self.params.finetune == "head":
             freeze = Freeze(self.split.param_mask(server.x, kept=True))
-        tuned, _ = trainer.train(server.x, data, ctx.generator, correction=freeze, schedule=schedule)
+        # not read here: the evaluation checks the tuned model and scores it (one read)
+        tuned, _ = trainer.train_tallies(server.x, data, ctx.generator, correction=freeze, schedule=schedule)
         return tuned
 
     def server_update(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hpcfl.algorithms.base import ClientContext, ClientData, LocalTask, ServerState, Upload
+from hpcfl.algorithms.base import ClientContext, ClientData, LocalTask, ServerState, Upload, read_phases
 from hpcfl.algorithms.fedper import FedPer, FedPerParams, HeadState
 from hpcfl.algorithms.split import Freeze
 from hpcfl.errors import ConfigError
@@ -87,19 +87,22 @@ class FedRep(FedPer):
         p: FedRepParams = self.params  # type: ignore[assignment]
         x = self.start(server, client)
         head = self.split.param_mask(x, kept=True)  # 1 on the head's parameters
+        runs = []
         if p.head_epochs:
-            x, _ = trainer.train(
+            x, run = trainer.train_tallies(
                 x,
                 data,
                 ctx.generator,
                 correction=Freeze(head),
                 schedule=passes(trainer.schedule, p.head_epochs),
             )
-        y, result = trainer.train(
+            runs.append(run)
+        y, body_run = trainer.train_tallies(
             x,
             data,
             ctx.generator,
             correction=Freeze(1.0 - head),
             schedule=passes(trainer.schedule, p.body_epochs),
         )
+        result = read_phases(data, body_run, *runs)  # one read for both phases; the body phase's loss
         return self.finish(y, data, result)

@@ -203,6 +203,8 @@ class ClientEval(Observer):
                     x = algo.personal_model(server, state, fed.client_data(k), ctx)
                 except NonFiniteLoss:
                     return math.nan, math.nan
+                if not bool(torch.isfinite(x).all()):  # host: evaluation reads per evaluated client
+                    return math.nan, math.nan  # a model that diverged while built (fine-tuning)
                 return score(x, k)
 
         sizes = [int(s.numel()) for s in shares]
