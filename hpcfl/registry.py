@@ -263,6 +263,13 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
             ("fedavgm", "fedavgm", "FedAvgM"),
             ("ntkfl", "ntkfl", "NTKFL"),
             ("cp-ntkfl", "cp_ntkfl", "CPNTKFL"),
+            ("fedbn", "fedbn", "FedBN"),
+            ("fedper", "fedper", "FedPer"),
+            ("fedrep", "fedrep", "FedRep"),
+            ("ditto", "ditto", "Ditto"),
+            ("apfl", "apfl", "APFL"),
+            ("fedbabu", "fedbabu", "FedBABU"),
+            ("feduv", "feduv", "FedUV"),
         )
     },
     _check_algorithm,

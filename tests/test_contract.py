@@ -18,6 +18,9 @@ plugged in, is checked without its author editing this file:
 - with system heterogeneity on (:data:`SYSTEM`: local steps drawn per participant and round, a
   quarter of the participants dropping out), a stopped and resumed run is bit-identical to an
   uninterrupted one, 1 and 2 ranks agree bit for bit, and the bytes are those of what arrived;
+- a personalised algorithm's run evaluates each client's own model on its held-out share
+  (``client_eval``), and those per-client accuracies are bit-identical across the resumes and ranks
+  above as well;
 - its final state matches the golden hash recorded for it and this CPU capability (a built-in's in
   ``tests/golden/contract_hashes.json``; a plugin's in ``hpcfl_contract_hashes.json`` beside the
   module that defines its class, a file the plugin owns and ships); record one with
@@ -85,9 +88,13 @@ def example_params(cls: type[Algorithm]) -> Any:
 
 
 def contract_config(name: str, **extra: Any) -> dict[str, Any]:
-    """The tiny run of algorithm ``name`` as a config dict (YAML-ready)."""
-    params = Config(params=example_params(ALGORITHMS[name])).to_dict()["params"]
-    return {**BASE, "name": name, "algorithm": name, "params": params, **extra}
+    """The tiny run of algorithm ``name`` as a config dict (YAML-ready); a personalised algorithm's
+    run also evaluates every client's own model on its held-out share (``client_eval``), so the
+    checks below cover its personal models (kept in the client states) too."""
+    cls = ALGORITHMS[name]
+    params = Config(params=example_params(cls)).to_dict()["params"]
+    judged = {"client_eval": 0.25} if cls.personalised else {}
+    return {**BASE, "name": name, "algorithm": name, "params": params, **judged, **extra}
 
 
 def sha256(x: torch.Tensor) -> str:
@@ -96,6 +103,16 @@ def sha256(x: torch.Tensor) -> str:
 
 def _accuracies(rows: list[dict]) -> list[float]:
     return [r["test_accuracy"] for r in rows if "test_accuracy" in r]
+
+
+def _personal(run_dir: Path) -> list[list[float]]:
+    """Every round's per-client accuracies of the clients' own models (``client_metrics.jsonl``
+    of a personalised algorithm's run; empty for the others)."""
+    path = run_dir / "client_metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [[c["personal_accuracy"] for _, c in sorted(r["clients"].items())] for r in rows]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -252,6 +269,7 @@ def test_stopped_and_resumed_run_is_bit_identical(runs: Runs, tmp_path: Path, na
     resumed = run_experiment(cfg, run_dir, resume=True)
     assert resumed.finished and torch.equal(resumed.server.x, reference.server.x)
     assert _accuracies(_rows(run_dir)) == _accuracies(reference.metrics)
+    assert _personal(run_dir) == _personal(reference.run_dir)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -418,6 +436,7 @@ def test_kill_9_with_states_on_disk_resumes_bit_identically(runs: Runs, killed, 
     reference = runs.reference(name)
     assert torch.equal(resumed.server.x, reference.server.x)
     assert _accuracies(_rows(run_dir)) == _accuracies(reference.metrics)
+    assert _personal(run_dir) == _personal(reference.run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -447,6 +466,7 @@ def test_one_rank_and_two_ranks_are_bit_identical(runs: Runs, two_ranks: Path, n
     reference = runs.reference(name)
     assert torch.equal(final_state(two_ranks / name), reference.server.x)
     assert _accuracies(_rows(two_ranks / name)) == _accuracies(reference.metrics)
+    assert _personal(two_ranks / name) == _personal(reference.run_dir)
 
 
 @pytest.mark.mpi

@@ -210,8 +210,12 @@ def test_finetune_only_at_the_last_round(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("keys", [{}, _TCT], ids=["fedavg", "tct"])
+@pytest.mark.parametrize(
+    "keys", [{}, _TCT, {"algorithm": "fedper"}], ids=["fedavg", "tct", "fedper-personal-states-in-memory"]
+)
 def test_client_evaluation_on_one_and_two_ranks_is_bit_identical(tmp_path, keys):
+    """Also a personalised method under full participation: its heads stay in each rank's memory,
+    and each client's personal model is scored on the rank that trains it."""
     cfg = _cfg(tmp_path, finetune_eval={"steps": 2, "lr": 0.05}, rounds=2, **keys)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     one = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "one"))
@@ -227,6 +231,9 @@ def test_client_evaluation_on_one_and_two_ranks_is_bit_identical(tmp_path, keys)
     a = read_jsonl(tmp_path / "one" / "client_metrics.jsonl")
     b = read_jsonl(tmp_path / "two" / "client_metrics.jsonl")
     assert a == b and len(a) == 2
+    if keys.get("algorithm") == "fedper":
+        assert not (tmp_path / "two" / "client_states_train.zarr").exists()  # the memory path
+        assert all("personal_accuracy" in c for c in b[-1]["clients"].values())
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,16 @@ from hpcfl.errors import ConfigError
 from hpcfl.training.batched import ClientJob, batched_local_sgd
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.layout import StateLayout
-from hpcfl.training.sgd import Correction, LocalResult, LocalSchedule, LossFn, cross_entropy_loss, local_sgd
+from hpcfl.training.sgd import (
+    Correction,
+    LocalResult,
+    LocalSchedule,
+    LossFn,
+    Tallies,
+    cross_entropy_loss,
+    local_sgd_tallies,
+    read_result,
+)
 
 if TYPE_CHECKING:  # the stage contract's types (hpcfl.algorithms.stage_types builds on this module)
     from hpcfl.algorithms.stage_types import FederationView, StageInput, StagePlan
@@ -178,8 +187,25 @@ class Trainer:
 
         ``schedule`` replaces the run's schedule for this call (FedPVR trains without momentum
         and applies its own in the correction)."""
+        y, tallies = self.train_tallies(
+            x0, data, generator, loss_fn=loss_fn, correction=correction, schedule=schedule
+        )
+        return y, read_phases(data, tallies)
+
+    def train_tallies(
+        self,
+        x0: torch.Tensor,
+        data: ClientData,
+        generator: torch.Generator,
+        *,
+        loss_fn: LossFn | None = None,
+        correction: Correction | None = None,
+        schedule: LocalSchedule | None = None,
+    ) -> tuple[torch.Tensor, Tallies]:
+        """:meth:`train` without reading anything from the device: the new state and the run's
+        tallies, for a client that trains twice per round and reads once (:func:`read_phases`)."""
         self.flat.load(x0)
-        result = local_sgd(
+        tallies = local_sgd_tallies(
             self.flat,
             data.x,
             data.y,
@@ -188,9 +214,7 @@ class Trainer:
             loss_fn=loss_fn or self.loss_fn,
             correction=correction,
         )
-        if not result.finite:
-            raise NonFiniteLoss(f"client {data.k}: non-finite loss after {result.steps} local steps")
-        return self.flat.vector.clone(), result
+        return self.flat.vector.clone(), tallies
 
     def with_schedule(self, schedule: LocalSchedule) -> Trainer:
         """This trainer with another run schedule (a participant's own work under ``system.work``;
@@ -227,6 +251,23 @@ class Trainer:
         ]
         W, results = batched_local_sgd(self.flat, jobs, tasks[0].schedule or self.schedule, self.loss_fn)
         return [(W[i].clone(), r) for i, r in enumerate(results)]
+
+
+def read_phases(data: ClientData, reported: Tallies, *others: Tallies) -> LocalResult:
+    """One read of a client's local runs of a round: the loss is ``reported``'s mean, the run is
+    finite only if every run's losses and final state are (:class:`NonFiniteLoss` otherwise)."""
+    finite_steps, state_finite, steps = reported.finite_steps, reported.state_finite, reported.steps
+    for t in others:
+        finite_steps, state_finite, steps = (
+            finite_steps + t.finite_steps,
+            state_finite & t.state_finite,
+            steps + t.steps,
+        )
+    mean_over = reported.steps if others else None
+    result = read_result(reported.loss_sum, finite_steps, state_finite, steps, mean_over=mean_over)
+    if not result.finite:
+        raise NonFiniteLoss(f"client {data.k}: non-finite loss after {result.steps} local steps")
+    return result
 
 
 @dataclass
@@ -333,6 +374,10 @@ class Algorithm(ABC, Generic[P, S, C]):
     logs_validation: ClassVar[bool] = True
     #: why the participants train one by one when :meth:`local_task` declares nothing
     unbatched_reason: ClassVar[str] = "its local work is not a declared local task"
+    #: whether each client is judged by a model of its own (personalised FL): per-client evaluation
+    #: (``client_eval``) then also scores :meth:`personal_model` on every evaluated client's
+    #: held-out share (the ``personal_acc_*`` columns, beside the global model's ``client_acc_*``)
+    personalised: ClassVar[bool] = False
 
     def __init__(self, params: P, *, layout: StateLayout, participation: Participation | None = None) -> None:
         self.params: P = params
@@ -385,6 +430,16 @@ class Algorithm(ABC, Generic[P, S, C]):
         assert ctx.trainer is not None
         y, result = ctx.trainer.run(task, data, ctx.generator)
         return task.finish(y, result)
+
+    def personal_model(self, server: S, client: C, data: ClientData, ctx: ClientContext) -> torch.Tensor:
+        """The state vector client ``data.k`` is judged by, from the server state and its own state
+        (a personalised algorithm's answer; called only when :attr:`personalised`).
+
+        Called at evaluation, by the rank that holds the client's state, with ``data`` its training
+        samples and ``ctx.generator`` a stream of its own (never a training generator), so work done
+        here (FedBABU's fine-tuning) never changes the run. It must not change ``server`` or
+        ``client``. Default: the server's reported model."""
+        return server.evaluated()[""]
 
     def server_update(
         self, server: S, aggregate: Aggregate, ctx: ServerContext

@@ -113,6 +113,9 @@ class RoundEnd:
     upload_bytes: int  # one participant's declared sums, in bytes
     buffer_bytes: int  # the round's allreduced buffer, in bytes
     reduced: float  # time.perf_counter() after the allreduce (and the allgather, if any)
+    #: a client's state after the round (read on the rank that may read it: any rank from the
+    #: on-disk store, the training rank from memory), for personal models' evaluation; None: none
+    client_state: Callable[[int], ClientState] | None = None
 
 
 class Observer:

@@ -97,6 +97,8 @@ def _conformal_csv(runs: list[RunSummary]) -> str:
 
 _CLIENT_COLUMNS = ("client_acc_mean", "client_acc_p10", "client_acc_p90", "client_acc_min", "client_acc_std")
 _FINETUNE_COLUMNS = ("finetune_acc_mean", "finetune_acc_p10", "finetune_acc_p90")
+#: a personalised algorithm's figure: each client's own model on its held-out share (issue 41)
+_PERSONAL_COLUMNS = ("personal_acc_mean", "personal_acc_p10", "personal_acc_p90")
 
 
 def _final(run: RunSummary, key: str) -> float | None:
@@ -108,14 +110,15 @@ def _clients_markdown(runs: list[RunSummary]) -> str:
     lines = [
         "Per-client accuracy of the global model at the final evaluated round (clients.png; every "
         "client counts once: p10 / p90 are the mean accuracy of the worst / best 10 % of clients), "
-        "and after local fine-tuning where the run did it (finetune_eval):",
+        "after local fine-tuning where the run did it (finetune_eval), and each client's own model "
+        "where the algorithm is personalised (FedBN, FedPer, FedRep, FedBABU, Ditto, APFL):",
         "",
         "| run | test acc. | clients | client mean | p10 | p90 | min | std | fine-tuned mean | fine-tuned p10 "
-        "| fine-tuned p90 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| fine-tuned p90 | personal mean | personal p10 | personal p90 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
-        cells = [_pct(_final(r, k)) for k in (*_CLIENT_COLUMNS, *_FINETUNE_COLUMNS)]
+        cells = [_pct(_final(r, k)) for k in (*_CLIENT_COLUMNS, *_FINETUNE_COLUMNS, *_PERSONAL_COLUMNS)]
         n = _final(r, "client_eval_clients")
         lines.append(
             f"| {r.name} | {100 * r.final_accuracy:.2f}% | {int(n) if n is not None else '—'} | "
@@ -132,9 +135,10 @@ def _pct(value: float | None) -> str:
 def _clients_csv(runs: list[RunSummary]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(["run", "method", "round", "test_accuracy", *_CLIENT_COLUMNS, *_FINETUNE_COLUMNS])
+    columns = (*_CLIENT_COLUMNS, *_FINETUNE_COLUMNS, *_PERSONAL_COLUMNS)
+    writer.writerow(["run", "method", "round", "test_accuracy", *columns])
     for r in runs:
-        values = [_final(r, k) for k in (*_CLIENT_COLUMNS, *_FINETUNE_COLUMNS)]
+        values = [_final(r, k) for k in columns]
         writer.writerow(
             [r.name, r.label, r.rounds, r.final_accuracy, *["" if v is None else v for v in values]]
         )

@@ -29,6 +29,15 @@ The model evaluated is the server's reported model (:meth:`ServerState.evaluated
 every local update reloads before training, and the fine-tuning draws its batches from its own
 generator (seed, round, client), never from a training generator.
 
+Personalised algorithms (:attr:`hpcfl.algorithms.Algorithm.personalised`: FedBN, FedPer, FedRep,
+FedBABU, Ditto, APFL) are judged by each client's own model: every evaluated client's
+:meth:`~hpcfl.algorithms.Algorithm.personal_model` (from the server state and the client's state
+after the round) is scored on the same held-out share, as ``personal_acc_*`` beside the global
+model's ``client_acc_*`` (and per client ``personal_accuracy``/``personal_loss``). Those clients are
+scored by the rank that holds their state: the rank that trains them (the round's placement of the
+whole population, which is where states kept in memory live; any rank reads the on-disk store), so
+the numbers do not depend on the rank count either.
+
 TCT: stage 1 is the configured network, evaluated as above; stage 2's rounds evaluate its linear
 model W on every client's held-out share, through the eNTK features of that share computed and
 standardised as the training and test features are, by the rank that owns the client
@@ -45,8 +54,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from hpcfl.algorithms import ClientData
-from hpcfl.algorithms.base import NonFiniteLoss
+from hpcfl.algorithms import ClientData, ClientState, ServerState
+from hpcfl.algorithms.base import ClientContext, NonFiniteLoss
 from hpcfl.algorithms.stage_types import EVAL_SLOT
 from hpcfl.comm.local import LocalComm
 from hpcfl.comm.placement import place_round
@@ -62,6 +71,7 @@ if TYPE_CHECKING:
 CLIENT_ROWS = "client_metrics"
 _SAMPLE_SALT = 0x636573  # "ces": which clients a round evaluates
 _FINETUNE_SALT = 0x636674  # "cft": the fine-tuning's batches
+_PERSONAL_SALT = 0x63706D  # "cpm": work a personal model's construction draws (FedBABU's fine-tuning)
 
 
 def spread(values: Sequence[float], prefix: str) -> dict[str, float]:
@@ -94,6 +104,9 @@ Score = Callable[[torch.Tensor, int], tuple[float, float]]
 #: (accuracy, loss) on client k's held-out share after fine-tuning the server vector in round r
 #: (NaN, NaN when the fine-tuning diverged).
 Tune = Callable[[torch.Tensor, int, int], tuple[float, float]]
+#: (accuracy, loss) on client k's held-out share of its personal model in round r, from the server
+#: state and the client's state (NaN, NaN when building the model diverged).
+Personal = Callable[[ServerState, ClientState, int, int], tuple[float, float]]
 
 
 class ClientEval(Observer):
@@ -118,6 +131,11 @@ class ClientEval(Observer):
         "finetune_acc_p10",
         "finetune_acc_p90",
         "finetune_acc_min",
+        "personal_acc_mean",
+        "personal_acc_std",
+        "personal_acc_p10",
+        "personal_acc_p90",
+        "personal_acc_min",
     )
 
     def __init__(
@@ -130,9 +148,11 @@ class ClientEval(Observer):
         last_only: bool,
         sample: int | None,
         seed: int,
+        personal: Personal | None = None,
     ) -> None:
         self.score, self.held_sizes, self.place, self.tune = score, list(held_sizes), place, tune
         self.last_only, self.sample, self.seed = last_only, sample, seed
+        self.personal = personal
         self._ids: list[int] = []
         self._tuned = False
 
@@ -172,24 +192,55 @@ class ClientEval(Observer):
                     return math.nan, math.nan
                 return score(tuned, k)
 
+        algo = fed.algorithm
+        personal = None
+        if algo.personalised:
+
+            def personal(server: ServerState, state: ClientState, k: int, rnd: int) -> tuple[float, float]:
+                gen = finetune_generator(fed.cfg.seed, rnd, k, salt=_PERSONAL_SALT)
+                ctx = ClientContext(rnd, (), fed.population, fed.trainer, gen)
+                try:
+                    x = algo.personal_model(server, state, fed.client_data(k), ctx)
+                except NonFiniteLoss:
+                    return math.nan, math.nan
+                if not bool(torch.isfinite(x).all()):  # host: evaluation reads per evaluated client
+                    return math.nan, math.nan  # a model that diverged while built (fine-tuning)
+                return score(x, k)
+
         sizes = [int(s.numel()) for s in shares]
+        train_sizes = fed.population.sizes
+
+        def place(ids: list[int]) -> list[int]:
+            if personal is None:  # balanced by held-out size
+                return place_round(ids, [sizes[k] for k in ids], fed.comm.size)[fed.comm.rank]
+            # where the states are: the training placement of the whole population (memory states
+            # live on the rank that trains the client under full participation)
+            everyone = list(range(len(train_sizes)))
+            mine = set(place_round(everyone, list(train_sizes), fed.comm.size)[fed.comm.rank])
+            return [k for k in ids if k in mine]
+
         return cls(
             score=score,
             held_sizes=sizes,
-            place=lambda ids: place_round(ids, [sizes[k] for k in ids], fed.comm.size)[fed.comm.rank],
+            place=place,
             tune=tune,
             last_only=ft.rounds == "last",
             sample=fed.cfg.client_eval_clients,
             seed=fed.cfg.seed,
+            personal=personal,
         )
 
+    def _width(self) -> int:
+        return 3 + 2 * self._tuned + 2 * (self.personal is not None)
+
     def eval_counts(self, end: RoundEnd) -> torch.Tensor:
-        """This rank's clients' rows of the (M, 3 or 5) table: accuracy, loss, n (, fine-tuned
-        accuracy, loss); the other rows are zero, so the evaluation's allreduce sums them exactly."""
+        """This rank's clients' rows of the (M, 3, 5 or 7) table: accuracy, loss, n (, fine-tuned
+        accuracy, loss) (, personal model's accuracy, loss); the other rows are zero, so the
+        evaluation's allreduce sums them exactly."""
         start = end.work.start
         self._ids = ids = sampled_clients(len(self.held_sizes), self.sample, self.seed, start.round)
         self._tuned = tune = self.tune is not None and (not self.last_only or start.final)
-        table = torch.zeros(len(ids), 5 if tune else 3, dtype=torch.float64)  # host: per-client floats
+        table = torch.zeros(len(ids), self._width(), dtype=torch.float64)  # host: per-client floats
         at = {k: i for i, k in enumerate(ids)}
         x = end.server.evaluated()[""]  # the reported model, as test_accuracy is
         for k in self.place(ids):
@@ -202,26 +253,35 @@ class ClientEval(Observer):
             if tune:
                 assert self.tune is not None
                 table[at[k], 3], table[at[k], 4] = self.tune(x, k, start.round)
+            if self.personal is not None:
+                assert end.client_state is not None, "personal evaluation needs the round's client states"
+                table[at[k], -2], table[at[k], -1] = self.personal(
+                    end.server, end.client_state(k), k, start.round
+                )
         return table.view(-1)
 
     def row(self, end: RoundEnd, slots: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        ids, tune = self._ids, self._tuned
-        table = slots[EVAL_SLOT].view(len(ids), 5 if tune else 3)
+        ids, tune, personal = self._ids, self._tuned, self.personal is not None
+        table = slots[EVAL_SLOT].view(len(ids), self._width())
         out: dict[str, Any] = {**spread(table[:, 0].tolist(), "client_acc"), "client_eval_clients": len(ids)}
         per_client: dict[str, dict[str, float]] = {}
         for k, values in zip(ids, table.tolist(), strict=True):
             entry = {"accuracy": values[0], "loss": values[1], "n": int(values[2])}
             if tune:
                 entry.update(finetune_accuracy=values[3], finetune_loss=values[4])
+            if personal:
+                entry.update(personal_accuracy=values[-2], personal_loss=values[-1])
             per_client[str(k)] = entry
         if tune:
             out.update(spread(table[:, 3].tolist(), "finetune_acc"))
+        if personal:
+            out.update(spread(table[:, -2].tolist(), "personal_acc"))
         out[CLIENT_ROWS] = per_client
         return out
 
 
-def finetune_generator(seed: int, rnd: int, k: int) -> torch.Generator:
+def finetune_generator(seed: int, rnd: int, k: int, *, salt: int = _FINETUNE_SALT) -> torch.Generator:
     """The fine-tuning's batch generator of client ``k`` in round ``rnd``: its own stream (seed,
-    salt, round, client), never a training generator's."""
-    words = np.random.SeedSequence([seed, _FINETUNE_SALT, rnd, k]).generate_state(2, dtype=np.uint32)
+    salt, round, client), never a training generator's (``salt``: another evaluation's stream)."""
+    words = np.random.SeedSequence([seed, salt, rnd, k]).generate_state(2, dtype=np.uint32)
     return torch.Generator().manual_seed(int(words[0]) << 32 | int(words[1]))

@@ -326,6 +326,7 @@ def run_rounds(
                 upload_bytes=sum(s.nbytes for s in ex.sums),
                 buffer_bytes=layout.nbytes(bdtype),
                 reduced=reduced,
+                client_state=states.get,
             )
             joint = watch.eval_counts(end)  # the observers' counts ride the evaluation's one allreduce
             evaluated = plan.evaluate(server, joint)

@@ -38,6 +38,9 @@ from hpcfl.sweep.plan import Sweep
 from hpcfl.sweep.select import choose
 
 CLIENT_P10 = "client_acc_p10"  # the worst-10 % client accuracy (client_eval), shown beside test accuracy
+CLIENT_MEAN = "client_acc_mean"  # the global model's per-client mean (client_eval)
+FINETUNE_MEAN = "finetune_acc_mean"  # the global model fine-tuned per client (finetune_eval)
+PERSONAL_MEAN, PERSONAL_P10 = "personal_acc_mean", "personal_acc_p10"  # each client's own model (issue 41)
 
 
 def _show(value: Any) -> str:
@@ -160,6 +163,29 @@ def protocol_markdown(
             "",
             *_grid(cells, lambda c: f"{_fmt(c.last_k(k, CLIENT_P10))} (test {_fmt(c.last_k(k))})"),
         ]
+    if any(c.last_k(k, PERSONAL_MEAN) or c.last_k(k, FINETUNE_MEAN) for c in cells):
+        md += [
+            "",
+            "Per-client accuracy, global and personalised side by side (%, each seed's last-"
+            f"{k} mean, then mean ± std over seeds): the global model on each client's held-out "
+            "share (client mean / p10), fine-tuned per client where the run did it (finetune_eval), "
+            "and each client's own model where the method is personalised (personal mean / p10):",
+            "",
+            *_grid(
+                cells,
+                lambda c: " · ".join(
+                    f"{name} {_fmt(c.last_k(k, key))}"
+                    for name, key in (
+                        ("global", CLIENT_MEAN),
+                        ("p10", CLIENT_P10),
+                        ("fine-tuned", FINETUNE_MEAN),
+                        ("personal", PERSONAL_MEAN),
+                        ("personal p10", PERSONAL_P10),
+                    )
+                    if c.last_k(k, key)
+                ),
+            ),
+        ]
     if any(c.forms for c in cells):
         md += ["", "Form each method ran in (as its runs record it):", ""]
         md += _grid(cells, lambda c: ", ".join(c.forms) or "—")
@@ -226,7 +252,8 @@ def summary_csv(cells: list[Cell], target: float, protocol: Protocol | None = No
         ["method", "column", "n", "last_k", "last_k_mean", "last_k_std", "final_mean", "final_std",
          "best_mean", "best_std", "target", "window", "rounds_to_target_mean", "rounds_to_target_std",
          "bytes_to_target_mean", "bytes_to_target_std", "reached", "form", "chosen",
-         "client_acc_p10_mean", "client_acc_p10_std"]
+         "client_acc_p10_mean", "client_acc_p10_std", "finetune_acc_mean_mean", "finetune_acc_mean_std",
+         "personal_acc_mean_mean", "personal_acc_mean_std", "personal_acc_p10_mean", "personal_acc_p10_std"]
     )  # fmt: skip
     for c in cells:
         last = mean_std(c.last_k(protocol.last_k))
@@ -239,7 +266,10 @@ def summary_csv(cells: list[Cell], target: float, protocol: Protocol | None = No
         writer.writerow(
             [c.row, c.column, c.n, protocol.last_k, *last, *final, *best, target, protocol.window,
              *rounds, *spent, len(reached), "/".join(c.forms), chosen,
-             *mean_std(c.last_k(protocol.last_k, CLIENT_P10))]
+             *mean_std(c.last_k(protocol.last_k, CLIENT_P10)),
+             *mean_std(c.last_k(protocol.last_k, FINETUNE_MEAN)),
+             *mean_std(c.last_k(protocol.last_k, PERSONAL_MEAN)),
+             *mean_std(c.last_k(protocol.last_k, PERSONAL_P10))]
         )  # fmt: skip
     return buf.getvalue()
 

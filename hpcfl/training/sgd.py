@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +149,17 @@ def sgd_step(
     return momentum_buf
 
 
+class Tallies(NamedTuple):
+    """A local run's device-side tallies, not yet read: :func:`read_result` takes them as they are
+    (``read_result(*tallies)``); a method that trains twice per round (FedRep, Ditto) adds two
+    runs' tallies and reads them once."""
+
+    loss_sum: torch.Tensor
+    finite_steps: torch.Tensor
+    state_finite: torch.Tensor
+    steps: int
+
+
 def local_sgd(
     flat: FlatModel,
     x: torch.Tensor,
@@ -158,7 +170,24 @@ def local_sgd(
     loss_fn: LossFn = cross_entropy_loss,
     correction: Correction | None = None,
 ) -> LocalResult:
-    """Train ``flat.model`` in place on (x, y); ``finite=False`` on a NaN/inf loss or state.
+    """Train ``flat.model`` in place on (x, y); ``finite=False`` on a NaN/inf loss or state
+    (:func:`local_sgd_tallies`, read once)."""
+    return read_result(
+        *local_sgd_tallies(flat, x, y, schedule, generator, loss_fn=loss_fn, correction=correction)
+    )
+
+
+def local_sgd_tallies(
+    flat: FlatModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    schedule: LocalSchedule,
+    generator: torch.Generator,
+    *,
+    loss_fn: LossFn = cross_entropy_loss,
+    correction: Correction | None = None,
+) -> Tallies:
+    """Train ``flat.model`` in place on (x, y) and return the run's tallies unread.
 
     The loop never waits for the device: the loss sum, the count of steps before the first
     non-finite loss and the final state's finiteness stay on the device and are read back once, at
@@ -182,7 +211,7 @@ def local_sgd(
         loss.backward()
         loss_sum += loss.detach().to(torch.float64)
         momentum_buf = sgd_step(w, g, schedule, correction, momentum_buf)
-    return read_result(loss_sum, finite_steps, torch.isfinite(w).all(), len(batches))
+    return Tallies(loss_sum, finite_steps, torch.isfinite(w).all(), len(batches))
 
 
 def read_result(

@@ -1,0 +1,151 @@
+"""APFL (Deng, Kamani & Mahdavi, "Adaptive Personalized Federated Learning", 2020).
+
+Each client keeps a personal model v_k and a mixing weight α_k; its personalised model is the
+mixture v̄_k = α_k v_k + (1 − α_k) w. In every local step on a mini-batch ξ (Algorithm 1), from the
+same ξ:
+
+- the client's copy of the global model takes a plain step, w ← w − η ∇f_k(w; ξ);
+- the personal model takes a step on the mixture's loss, v ← v − η ∇_v f_k(v̄; ξ) = v − η α ∇f_k(v̄; ξ);
+- α adapts (Sec. 3, "adaptive α"): α ← α − η_α ∇_α f_k(v̄; ξ) = α − η_α ⟨v − w, ∇f_k(v̄; ξ)⟩,
+  clipped to [0, 1] as in the authors' code;
+
+each gradient taken at the values before the step (v̄ = α v + (1 − α) w of the previous iterate).
+After the local steps the client uploads w and the server averages it as FedAvg does (n_k-weighted
+by default); v_k and α_k stay in the client state (memory or the on-disk store).
+
+The run's weight decay and momentum apply to w and to v alike (a momentum buffer each, as two
+optimisers would keep). BatchNorm statistics (float buffers): w keeps those of its own forward
+passes, v those of the mixture's.
+
+Defaults: ``alpha`` = 0.25, the α_k every client starts from (the paper reports fixed α values
+such as 0.25, 0.5, 0.75 beside the adaptive rule, as we recall it; not checked against a copy of the
+paper); ``adaptive`` true; ``alpha_lr`` = None, the run's learning rate (the
+paper's η_t for α as for the models). v_k starts at the initial global model, v_k^0 = w^0.
+
+Judged per client (:attr:`personalised`): client k's model is α_k v_k + (1 − α_k) w with w the
+current global model (a client never trained: α₀ w⁰ + (1 − α₀) w, from its initial state). One
+local loop over two models and α: trained one by one under ``client_batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hpcfl.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    ClientData,
+    ClientState,
+    HyperParams,
+    ServerState,
+    Upload,
+    check_weighting,
+    model_upload,
+    read_phases,
+)
+from hpcfl.errors import ConfigError
+from hpcfl.training.sgd import Tallies, batch_indices, on_device, sgd_step
+
+
+@dataclass(frozen=True)
+class APFLParams(HyperParams):
+    """``alpha``: every client's initial mixing weight α_k in [0, 1] (default 0.25); ``adaptive``:
+    whether α_k follows the paper's gradient step (default true; false keeps it fixed);
+    ``alpha_lr``: η_α (None: the run's lr); ``weighting``: the global model's server mean."""
+
+    alpha: float = 0.25
+    adaptive: bool = True
+    alpha_lr: float | None = None
+    weighting: str = "samples"
+
+    def __post_init__(self) -> None:
+        check_weighting(self.weighting)
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"config key 'params.alpha' (APFL's α) must be in [0, 1], got {self.alpha}")
+        if self.alpha_lr is not None and not self.alpha_lr > 0:
+            raise ConfigError(f"config key 'params.alpha_lr' must be > 0, got {self.alpha_lr}")
+
+
+@dataclass
+class APFLClientState(ClientState):
+    """v: the client's personal model (w^0 until it trains); alpha: its mixing weight α_k, a
+    one-element float64 tensor (the initial ``alpha`` until it trains)."""
+
+    v: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None
+
+
+class APFL(Algorithm[APFLParams, ServerState, APFLClientState]):
+    name = "apfl"
+    Params = APFLParams
+    personalised = True
+    unbatched_reason = "its local steps train the global copy, the personal model and α together"
+
+    def init_client(self, k: int, server: ServerState) -> APFLClientState:
+        alpha = torch.full((1,), self.params.alpha, dtype=torch.float64, device=server.x.device)
+        return APFLClientState(v=server.x.clone(), alpha=alpha)  # v_k^0 = w^0
+
+    def mixture(self, server: ServerState, client: APFLClientState) -> torch.Tensor:
+        """v̄_k = α_k v_k + (1 − α_k) w with the server's w."""
+        if client.v is None or client.alpha is None:
+            return server.x
+        a = client.alpha.to(server.x.dtype)
+        return a * client.v + (1 - a) * server.x
+
+    def personal_model(
+        self, server: ServerState, client: APFLClientState, data: ClientData, ctx: ClientContext
+    ) -> torch.Tensor:
+        return self.mixture(server, client)
+
+    def client_update(
+        self, server: ServerState, client: APFLClientState, data: ClientData, ctx: ClientContext
+    ) -> tuple[Upload, APFLClientState]:
+        trainer = ctx.trainer
+        assert trainer is not None
+        flat, sched, loss_fn, P = trainer.flat, trainer.schedule, trainer.loss_fn, self.num_params
+        model = flat.model
+        model.train()
+        fresh = self.init_client(data.k, server)
+        w = server.x.clone()
+        v = (client.v if client.v is not None else fresh.v).clone()  # type: ignore[union-attr]
+        alpha = (client.alpha if client.alpha is not None else fresh.alpha).clone()  # type: ignore[union-attr]
+        alpha_lr = self.params.alpha_lr if self.params.alpha_lr is not None else sched.lr
+        buf_w: torch.Tensor | None = None
+        buf_v: torch.Tensor | None = None
+        loss_sum = w.new_zeros((), dtype=torch.float64)
+        finite_steps = w.new_zeros((), dtype=torch.int64)  # steps before the first non-finite loss
+        alive = w.new_ones((), dtype=torch.bool)
+        batches = on_device(batch_indices(data.n, sched, ctx.generator), data.x.device)
+        for idx in batches:
+            xb, yb = data.x[idx], data.y[idx]
+            a = alpha.to(w.dtype)
+            mixed = a * v + (1 - a) * w  # v̄ of the previous iterate
+            # ∇f(w; ξ), and w's step (its buffers: what its forward pass left)
+            flat.load(w)
+            flat.grad.zero_()
+            loss = loss_fn(model, xb, yb)
+            loss.backward()
+            alive &= torch.isfinite(loss.detach())
+            finite_steps += alive
+            loss_sum += loss.detach().to(torch.float64)
+            w_next = flat.vector.clone()
+            buf_w = sgd_step(w_next[:P], flat.grad, sched, None, buf_w)
+            # ∇f(v̄; ξ): v's step along α·∇f(v̄), α's along ⟨v − w, ∇f(v̄)⟩
+            flat.load(mixed)
+            flat.grad.zero_()
+            loss_fn(model, xb, yb).backward()
+            g = flat.grad
+            v_next = flat.vector.clone()  # the mixture's statistics
+            v_next[:P] = v[:P]
+            if self.params.adaptive:
+                step = torch.dot((v[:P] - w[:P]).to(torch.float64), g.to(torch.float64))
+                alpha = (alpha - alpha_lr * step).clamp_(0.0, 1.0)
+            buf_v = sgd_step(v_next[:P], a * g, sched, None, buf_v)
+            w, v = w_next, v_next
+        finite = torch.isfinite(w).all() & torch.isfinite(v).all() & torch.isfinite(alpha).all()
+        result = read_phases(data, Tallies(loss_sum, finite_steps, finite, len(batches)))  # the one read
+        return model_upload(w, data, result, weighting=self.params.weighting), APFLClientState(
+            v=v, alpha=alpha
+        )

@@ -1,0 +1,127 @@
+"""FedBABU (Oh, Kim & Yun, "FedBABU: Toward Enhanced Representation for Federated Image
+Classification", ICLR 2022).
+
+Federated training updates the body only: the head (the classifier) stays at its random
+initialisation on every client and on the server for the whole run, and the server averages the
+bodies as FedAvg does (Algorithm 1: the head's learning rate is 0 during federated training). The
+upload is the body (the state vector without the head's slices; ``bytes_up`` counts that). A
+client's personalised model is the global model fine-tuned on its own training data at evaluation
+time, for τ_f epochs (Algorithm 1's fine-tuning stage); the run's trajectory never sees it.
+
+Defaults: ``head`` = the classifier (the paper's head is the last linear layer); ``finetune_epochs``
+τ_f = 5 at the run's learning rate and batch size (the paper reports accuracy after a few
+fine-tuning epochs; 5 is the count as we recall it, not checked against a copy of the paper);
+``finetune`` = ``full`` (the whole network, body and head, which is how we read the paper's
+personalisation) or ``head`` (the head alone, the body frozen: the issue's wording). A frozen part does not move at all: its step direction, weight decay
+included, is zeroed (:class:`~hpcfl.algorithms.split.Freeze`).
+
+No client state: the personal model is rebuilt from the global one at every evaluation, from the
+client's own generator stream, so it is the same on any rank and after a resume. The local step is
+a declared task (plain SGD with the head frozen), so ``client_batch`` trains participants together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpcfl.algorithms.base import (
+    Aggregate,
+    Algorithm,
+    ClientContext,
+    ClientData,
+    ClientState,
+    Exchange,
+    HyperParams,
+    LocalTask,
+    ServerContext,
+    ServerState,
+    SumSpec,
+    check_weighting,
+    model_upload,
+)
+from hpcfl.algorithms.participation import Population
+from hpcfl.algorithms.split import Freeze, Split, head_entries, module_names
+from hpcfl.errors import ConfigError
+from hpcfl.training.sgd import LocalSchedule
+
+FINETUNE_PARTS = ("full", "head")
+
+
+@dataclass(frozen=True)
+class FedBABUParams(HyperParams):
+    """``head``: the layers frozen at their initialisation (default the classifier);
+    ``finetune_epochs``: τ_f, epochs of fine-tuning at evaluation (default 5, >= 0; 0 judges each
+    client by the global model); ``finetune``: ``full`` (default) or ``head``;
+    ``weighting``: the server's mean of the bodies (``samples`` default, or ``uniform``)."""
+
+    head: tuple[str, ...] = ("classifier",)
+    finetune_epochs: int = 5
+    finetune: str = "full"
+    weighting: str = "samples"
+
+    def __post_init__(self) -> None:
+        check_weighting(self.weighting)
+        object.__setattr__(self, "head", module_names(self.head, "head"))
+        epochs = self.finetune_epochs
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise ConfigError(f"config key 'params.finetune_epochs' must be an integer >= 0, got {epochs!r}")
+        if self.finetune not in FINETUNE_PARTS:
+            raise ConfigError(f"config key 'params.finetune' must be full or head, got {self.finetune!r}")
+
+
+class FedBABU(Algorithm[FedBABUParams, ServerState, ClientState]):
+    name = "fedbabu"
+    Params = FedBABUParams
+    example_params = FedBABUParams(finetune_epochs=1)
+    personalised = True
+
+    @functools.cached_property
+    def split(self) -> Split:
+        """The head's slices (kept at their initialisation) and the body (shared)."""
+        return Split.of(self.layout, head_entries(self.layout, self.params.head, self.name))
+
+    def resolved(self, population: Population, schedule: LocalSchedule) -> FedBABU:
+        self.split  # noqa: B018 - refuses a head that names no layer or the whole model
+        return self
+
+    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        """The body: the state vector without the head's slices."""
+        return Exchange(sums=(SumSpec("x", self.split.shared_size, dtype),))
+
+    def local_task(
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
+    ) -> LocalTask[ClientState]:
+        body = Freeze(self.split.param_mask(server.x, kept=False))  # the head's lr is 0
+        weighting = self.params.weighting
+
+        def finish(y: torch.Tensor, result: Any) -> tuple[Any, ClientState]:
+            return model_upload(self.split.shared_of(y), data, result, weighting=weighting), client
+
+        return LocalTask(server.x, finish, body)
+
+    def personal_model(
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
+    ) -> torch.Tensor:
+        """The global model fine-tuned for τ_f epochs on the client's training data."""
+        if self.params.finetune_epochs == 0:
+            return server.x
+        trainer = ctx.trainer
+        assert trainer is not None
+        schedule = dataclasses.replace(trainer.schedule, epochs=self.params.finetune_epochs, steps=None)
+        freeze = None
+        if self.params.finetune == "head":
+            freeze = Freeze(self.split.param_mask(server.x, kept=True))
+        # not read here: the evaluation checks the tuned model and scores it (one read)
+        tuned, _ = trainer.train_tallies(server.x, data, ctx.generator, correction=freeze, schedule=schedule)
+        return tuned
+
+    def server_update(
+        self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[ServerState, dict[str, float]]:
+        body = aggregate.sums["x"] / aggregate.weight
+        return dataclasses.replace(server, x=self.split.with_shared(server.x, body)), {}

@@ -1,0 +1,112 @@
+"""FedBN (Li, Jiang, Zhang, Kamp & Dou, "FedBN: Federated Learning on Non-IID Features via Local
+Batch Normalization", ICLR 2021).
+
+FedAvg in which every client keeps its BatchNorm layers (their affine weight and bias and their
+running statistics) local: Algorithm 1 aggregates only the non-BN layers,
+w^(l) ← Σ_k p_k w_k^(l) for every layer l that is not a BN layer, and each client trains from the
+averaged layers with its own BN layers. Only the shared layers are exchanged: the upload is the
+state vector without the BN slices (``bytes_up`` counts that), and a client's BN slices live in its
+client state (memory or the on-disk store).
+
+Judged per client (:attr:`personalised`): a client's model is the server's shared layers with its
+own BN layers (a client never trained has the initial ones). The server's ``x`` keeps the initial BN
+values in its BN slices, so its ``test_accuracy`` is the shared layers under the initial
+normalisation, not a model any client uses; read ``personal_acc_*`` (``client_eval``).
+
+``weighting``: the server's mean of the shared layers, ``samples`` (default, FedAvg's n_k/n, so that
+FedBN on a model without BN layers is FedAvg bit for bit) or ``uniform`` (a plain mean over the
+clients, which is how we recall the authors' code, med-air/FedBN, averaging).
+
+Which layers: modules of type ``BatchNorm1d/2d/3d`` (the paper's local BN). ``num_batches_tracked``
+(an integer buffer outside the flat state) is not kept; it matters only to a BN with
+``momentum=None``, which no hpcfl model builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpcfl.algorithms.base import (
+    Aggregate,
+    Algorithm,
+    ClientContext,
+    ClientData,
+    ClientState,
+    Exchange,
+    HyperParams,
+    LocalTask,
+    ServerContext,
+    ServerState,
+    SumSpec,
+    check_weighting,
+    model_upload,
+)
+from hpcfl.algorithms.split import Split
+
+#: the module types whose parameters and statistics stay local
+NORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
+
+
+@dataclass(frozen=True)
+class FedBNParams(HyperParams):
+    """``weighting``: the server's mean of the shared layers, ``samples`` (default) or ``uniform``
+    (the authors' code); see the module docstring."""
+
+    weighting: str = "samples"
+
+    def __post_init__(self) -> None:
+        check_weighting(self.weighting)
+
+
+@dataclass
+class FedBNClientState(ClientState):
+    """bn: the client's BN slices (parameters and running statistics, in vector order); None until
+    it trains (then it starts from the server's, the initial ones)."""
+
+    bn: torch.Tensor | None = None
+
+
+class FedBN(Algorithm[FedBNParams, ServerState, FedBNClientState]):
+    name = "fedbn"
+    Params = FedBNParams
+    personalised = True
+
+    @functools.cached_property
+    def split(self) -> Split:
+        """The BN slices (kept) and the rest (shared); built on first use (the layout is then real)."""
+        return Split.of(self.layout, [e for e in self.layout.entries if e.module_type in NORM_TYPES])
+
+    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        return Exchange(sums=(SumSpec("x", self.split.shared_size, dtype),))
+
+    def init_client(self, k: int, server: ServerState) -> FedBNClientState:
+        return FedBNClientState()
+
+    def personal_model(
+        self, server: ServerState, client: FedBNClientState, data: ClientData, ctx: ClientContext
+    ) -> torch.Tensor:
+        return self.split.with_kept(server.x, client.bn)
+
+    def local_task(
+        self, server: ServerState, client: FedBNClientState, data: ClientData, ctx: ClientContext
+    ) -> LocalTask[FedBNClientState]:
+        split, weighting = self.split, self.params.weighting
+
+        def finish(y: torch.Tensor, result: Any) -> tuple[Any, FedBNClientState]:
+            bn = split.kept_of(y) if split.kept else None
+            return model_upload(split.shared_of(y), data, result, weighting=weighting), FedBNClientState(
+                bn=bn
+            )
+
+        return LocalTask(split.with_kept(server.x, client.bn), finish)
+
+    def server_update(
+        self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[ServerState, dict[str, float]]:
+        shared = aggregate.sums["x"] / aggregate.weight
+        return dataclasses.replace(server, x=self.split.with_shared(server.x, shared)), {}
