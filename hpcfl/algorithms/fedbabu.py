@@ -85,7 +85,9 @@ class FedBABU(Algorithm[FedBABUParams, ServerState, ClientState]):
         """The head's slices (kept at their initialisation) and the body (shared)."""
         return Split.of(self.layout, head_entries(self.layout, self.params.head, self.name))
 
-    def resolved(self, population: Population, schedule: LocalSchedule) -> FedBABU:
+    def resolved(
+        self, population: Population, schedule: LocalSchedule, *, heterogeneous: bool = False
+    ) -> FedBABU:
         self.split  # noqa: B018 - refuses a head that names no layer or the whole model
         return self
 

@@ -81,7 +81,9 @@ class FedPer(Algorithm[FedPerParams, ServerState, HeadState]):
         real), and by :meth:`resolved` before the first round, so a bad ``head`` fails up front."""
         return Split.of(self.layout, head_entries(self.layout, self.params.head, self.name))
 
-    def resolved(self, population: Population, schedule: LocalSchedule) -> FedPer:
+    def resolved(
+        self, population: Population, schedule: LocalSchedule, *, heterogeneous: bool = False
+    ) -> FedPer:
         self.split  # noqa: B018 - refuses a head that names no layer or the whole model
         return self
 
