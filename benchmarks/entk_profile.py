@@ -65,13 +65,19 @@ def profile_model(name: str, args: argparse.Namespace) -> list[dict]:
             fn()
         if on_gpu:
             torch.cuda.synchronize()
-        with profile(activities=activities) as prof:
+        try:  # PyTorch 2.11 warned that it clears events at the end of a cycle: keep them
+            prof_ctx = profile(activities=activities, acc_events=True)
+        except TypeError:
+            prof_ctx = profile(activities=activities)
+        with prof_ctx as prof:
             for _ in range(args.batches):
                 fn()
             if on_gpu:
                 torch.cuda.synchronize()
         events = prof.key_averages()
-        key = "device_time_total" if on_gpu else "self_cpu_time_total"
+        keys = ("self_device_time_total", "self_cuda_time_total", "device_time_total") if on_gpu else ()
+        key = next((k for k in keys if sum(getattr(e, k, 0) or 0 for e in events) > 0), "self_cpu_time_total")
+        print(f"  ({label}: {len(events)} event kinds, timed by {key})")
         total = sum(getattr(e, key) for e in events if e.key and not e.key.startswith("ProfilerStep")) or 1.0
         for e in sorted(events, key=lambda e: getattr(e, key), reverse=True):
             us = getattr(e, key)

@@ -45,7 +45,7 @@ STEPS_ALL=(tests checkpoint entk18 main round batched entk profile dp stage2 fra
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
     [tests]="170 60" [checkpoint]="60 20" [entk18]="90 40" [main]="120 60" [round]="120 50"
-    [batched]="80 40" [entk]="120 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60"
+    [batched]="120 40" [entk]="150 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60"
 )
 declare -A CMD=(
     [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py --junitxml $OUTDIR/pytest_gpu.xml"
