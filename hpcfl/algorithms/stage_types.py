@@ -228,6 +228,11 @@ class FederationView(Protocol):
         """Each client's held-out share (train indices, ``client_eval``), or None when off."""
         ...
 
+    @property
+    def system(self) -> SystemModel | None:
+        """The run's unequal work and dropped participants (``system``), or None when off."""
+        ...
+
     def client_evaluation(
         self,
         score: Callable[[torch.Tensor, int], tuple[float, float]],

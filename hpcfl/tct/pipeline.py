@@ -204,6 +204,9 @@ def prepare_stage2(
         eval_every=1,
         lr_hint=f" (stage-2 η is {lr:g})",
         observers=_client_evaluation(fed, problems, held_problems, solvers, shape, lr),
+        # dropped participants (their stage-2 uploads missing) as in stage 1; a stage-2 client's work is
+        # the configured M closed-form steps, so ``system.work`` does not change it
+        system=fed.system,
     )
     return Stage2Setup(
         plan=plan,
