@@ -71,6 +71,42 @@ def test_overwrite_deletes_only_what_hpcfl_wrote(tmp_path, capsys):
     assert [r["round"] for r in rows] == [1, 2] and (run / "DONE").exists()
 
 
+def test_overwrite_keeps_the_users_own_logger_folders(tmp_path, capsys):
+    """Issue 44: --overwrite deleted RUN/wandb, mlflow and tensorboard although the run never used
+    a logger; only folders hpcfl's records say it made (its marker, loggers.json) are deleted."""
+    cfg = synthetic_config(tmp_path, rounds=1)
+    run = tmp_path / "run"
+    assert main(["run", str(cfg), "--run-dir", str(run)]) == 0
+    for name in ("wandb", "mlflow", "tensorboard"):
+        (run / name).mkdir()
+        (run / name / "mine.txt").write_text(name)
+    assert main(["run", str(cfg), "--run-dir", str(run), "--overwrite"]) == 0
+    capsys.readouterr()
+    for name in ("wandb", "mlflow", "tensorboard"):
+        assert (run / name / "mine.txt").read_text() == name
+    assert (run / "DONE").exists()
+
+
+def test_a_fresh_tensorboard_log_never_deletes_a_users_folder(tmp_path, capsys):
+    """Issue 44: a fresh run with loggers: [tensorboard] deleted an existing RUN/tensorboard; now one
+    line and the folder kept. A folder hpcfl made itself is still replaced by --overwrite."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    cfg = synthetic_config(tmp_path, rounds=1, loggers=["tensorboard"])
+    run = tmp_path / "run"
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "tensorboard" / "mine.txt").write_text("mine")
+    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run)])
+    assert "tensorboard exists and hpcfl did not make it" in err
+    assert (run / "tensorboard" / "mine.txt").read_text() == "mine"
+    other = tmp_path / "other"
+    assert main(["run", str(cfg), "--run-dir", str(other)]) == 0
+    first = sorted(p.name for p in (other / "tensorboard").glob("events.out.tfevents.*"))
+    assert main(["run", str(cfg), "--run-dir", str(other), "--overwrite"]) == 0
+    capsys.readouterr()
+    second = sorted(p.name for p in (other / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(first) == len(second) == 1 and first != second  # the old events went with the run
+
+
 # 2. hpcfl status never unpickles
 
 

@@ -67,7 +67,13 @@ from hpcfl.errors import ConfigError
 from hpcfl.files import atomic_write_text
 from hpcfl.runner.client_eval import ClientEval
 from hpcfl.runner.observers import ClientMetrics, Participants, RankLoad, Timing, Traffic
-from hpcfl.runner.rundir import SWEEP_MANIFEST, SWEEP_RUNS
+from hpcfl.runner.rundir import (
+    LOGGER_MARKER,
+    SWEEP_MANIFEST,
+    SWEEP_RUNS,
+    claim_logger_dir,
+    logger_dir_is_ours,
+)
 
 STATE = "loggers.json"  # per logger: the last round written and the id of its run
 _PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
@@ -168,7 +174,13 @@ class TensorBoardLogger(Logger):
         sweep = sweep_of(run_dir)
         self.logdir = sweep[0] / "tensorboard" / run_dir.name if sweep else run_dir / "tensorboard"
         if fresh and self.logdir.exists():  # a run started over: its old events would repeat steps
+            if not logger_dir_is_ours(self.logdir, run_dir, self.name):
+                raise ConfigError(
+                    f"loggers: {self.logdir} exists and hpcfl did not make it (no {LOGGER_MARKER}); a fresh "
+                    "tensorboard log would mix with its files: move it away or choose another --run-dir"
+                )
             shutil.rmtree(self.logdir)
+        claim_logger_dir(self.logdir)
         self.writer = SummaryWriter(log_dir=str(self.logdir))
         if fresh:
             params = flat_params(config)
@@ -205,7 +217,7 @@ class MLflowLogger(Logger):
         root = (sweep[0] if sweep else run_dir) / "mlflow"
         uri = os.environ.get("MLFLOW_TRACKING_URI") or record.get("tracking_uri")
         if not uri:
-            root.mkdir(parents=True, exist_ok=True)
+            claim_logger_dir(root)
             uri = f"sqlite:///{root / 'mlflow.db'}"
         self.uri, self.client = uri, MlflowClient(tracking_uri=uri)
         experiment = sweep[1] if sweep else str(config.get("name", run_dir.name))
@@ -301,7 +313,7 @@ class WandbLogger(Logger):
         self.run_id = record.get("run_id") or secrets.token_hex(4)
         self.project = os.environ.get("WANDB_PROJECT", "hpcfl")
         self.mode = os.environ.get("WANDB_MODE", "offline")
-        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        claim_logger_dir(run_dir / "wandb")
         self.run = wandb.init(
             project=self.project,
             dir=str(run_dir),
