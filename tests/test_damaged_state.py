@@ -97,6 +97,25 @@ def test_flipped_bit_in_a_chunk_gives_one_line(tct_run, tmp_path, capsys):
     assert f"client 1 is damaged (chunk file {chunk} fails its checksum)" in err
 
 
+@pytest.mark.parametrize("offset,bit", [(0, 0x01), (-1, 0x08)])  # another class; a huge label
+def test_flipped_bit_in_the_labels_gives_one_line(tct_run, tmp_path, capsys, offset, bit):
+    """Issue 44: the labels had no checksum; a flipped bit changed a label silently (stage 2 exit 0
+    with another result) or ended in an IndexError. Now one line naming the labels file."""
+    _, src = tct_run
+    run = _copy(src, tmp_path / "run")
+    chunk = run / "features.zarr" / "labels_1" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[offset] ^= bit
+    chunk.write_bytes(bytes(data))
+    assert not verify_client(run / "features.zarr", 1) and verify_client(run / "features.zarr", 0)
+    err = _one_line_error(capsys, ["tct-stage2", str(run)])
+    assert err == (
+        f"hpcfl: error: feature store {run / 'features.zarr'}: client 1 is damaged (labels file {chunk} "
+        f"fails its checksum); delete {run / 'features.zarr' / 'client_1'} and resume with --resume to "
+        "recompute it"
+    )
+
+
 def test_truncated_chunk_and_torn_metadata_give_one_line(tct_run, tmp_path, capsys):
     _, src = tct_run
     run = _copy(src, tmp_path / "a")
