@@ -118,6 +118,30 @@ class _Exploit:
         return (os.system, (f"touch {self.target}",))
 
 
+def test_tct_stage2_never_imports_what_a_run_directory_names_unless_asked(tmp_path, capsys, monkeypatch):
+    """Issue 44: ``hpcfl tct-stage2 RUN`` imported the modules of RUN/config.yaml's ``imports:`` with
+    the current directory on the path, so code planted in a run directory ran when the command was
+    started inside it. Now nothing is imported without --imports, and with it never from the
+    current directory (``python -m`` puts it first on the path: simulated here)."""
+    import yaml
+
+    from tests.helpers import tiny_tct_config
+
+    run = tmp_path / "run"
+    assert main(["run", str(tiny_tct_config(tmp_path)), "--run-dir", str(run)]) == 0
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**saved, "imports": ["planted_issue44"]}))
+    pwned = tmp_path / "pwned"
+    (run / "planted_issue44.py").write_text(f"open({str(pwned)!r}, 'w').close()\n")
+    monkeypatch.chdir(run)
+    monkeypatch.syspath_prepend(str(run))
+    capsys.readouterr()
+    assert main(["tct-stage2", "."]) == 0
+    assert not pwned.exists()
+    err = _one_line_error(capsys, ["tct-stage2", ".", "--imports"])
+    assert "module 'planted_issue44' failed to import" in err and not pwned.exists()
+
+
 def test_status_never_unpickles_a_crafted_result(tmp_path):
     run = tmp_path / "run"
     slurm = run / "slurm"

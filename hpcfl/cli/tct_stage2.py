@@ -4,6 +4,10 @@ The features of a TCT run are the expensive part; stage-2 settings (η2, M, T2, 
 normalisation) are cheap to sweep. This command reuses ``features.zarr`` — whose attributes prove
 it was computed from this run's model, seed, p, logit and scope — and writes each sweep point to
 ``RUN_DIR/stage2/<settings>/metrics.jsonl``.
+
+The run directory may come from someone else: the modules its ``config.yaml`` names under
+``imports:`` are imported only with ``--imports`` (they run code), and never from the directory the
+command was started in.
 """
 
 from __future__ import annotations
@@ -41,11 +45,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="stage2.KEY=VALUE",
         help="stage-2 settings to change",
     )
+    p.add_argument(
+        "--imports",
+        action="store_true",
+        help="import the modules the run's config.yaml names under imports: (runs their code: only for a "
+        "run directory you trust; never from the current directory)",
+    )
     p.set_defaults(func=run)
 
 
-def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
+def _sweep_config(run_dir: Path, pairs: list[str], imports: bool = False) -> tuple[Config, str]:
     from hpcfl.config import config_from_dict, merge, parse_overrides, read_yaml  # not at parser build
+    from hpcfl.registry import import_modules
 
     if not (run_dir / "config.yaml").exists():
         raise RunDirError(f"{run_dir} holds no run (no config.yaml); pass the directory of a TCT run")
@@ -62,7 +73,19 @@ def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
         )
     # a saved config keeps stage 2 under params:, which outranks a top-level (legacy) stage2: section
     changes = {"params": {"stage2": changed}} if isinstance(saved.get("params"), dict) else overrides
-    cfg = config_from_dict(merge(saved, changes))
+    named = saved.pop("imports", None) if isinstance(saved, dict) else None
+    if imports:
+        import_modules(named, from_cwd=False)
+    try:
+        cfg = config_from_dict(merge(saved, changes))
+    except ConfigError as err:
+        if named and not imports:
+            raise ConfigError(
+                f"{err} ({run_dir / 'config.yaml'} names imports: {named}, not imported: pass --imports "
+                "if you trust this run directory)"
+            ) from None
+        raise
+    cfg.imports = list(named or [])  # as saved (imported above only with --imports)
     if cfg.algorithm != "tct":
         raise ConfigError(f"{run_dir} is a {cfg.algorithm} run; tct-stage2 needs a TCT run")
     tag = ",".join(f"{k}={v}" for k, v in sorted(changed.items())) or "as-configured"
@@ -94,7 +117,7 @@ def _sweep(args: argparse.Namespace) -> int:
     )
     from hpcfl.runner.federation import build_federation
 
-    cfg, tag = _sweep_config(args.run_dir, args.set)
+    cfg, tag = _sweep_config(args.run_dir, args.set, args.imports)
     theta_path = args.run_dir / STAGE1_MODEL
     if not theta_path.exists():
         raise RunDirError(
