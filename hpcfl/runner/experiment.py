@@ -139,15 +139,22 @@ def _check_same_partition(fed: Federation, run_dir: Path) -> None:
 
 
 def set_threads(cfg: Config, comm: Communicator) -> None:
-    """Torch threads per rank: the config's, else this node's cores shared among its ranks.
+    """Torch threads per rank: the config's (at most the cores this process may use), else this
+    node's cores shared among its ranks.
 
     Without this every rank of ``mpiexec -n R`` starts one thread per core and they oversubscribe
     the node, and spinning OpenMP threads make rounds many times slower.
     """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+        if cfg.threads > cores and comm.rank == 0:  # torch segfaults creating 100,000 threads
+            print(
+                f"hpcfl: note: threads: {cfg.threads} is more than the {cores} cores this process may use; "
+                f"using {cores}",
+                file=sys.stderr,
+            )
+        torch.set_num_threads(min(cfg.threads, cores))
     elif comm.local_size > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // comm.local_size))
 
 
@@ -323,7 +330,8 @@ def _run_locked(
     start = ckpt.round if ckpt is not None else 0
     if comm.rank == 0:
         dump_config(cfg, run_dir / "config.yaml")
-        determinism.write_record(run_dir, record)
+        if not has_state or determinism.read_record(run_dir) is None:  # what the run BEGAN with
+            determinism.write_record(run_dir, record)
         _write_partition(fed, run_dir)
     total = sum(s.rounds for s in stages)
     if comm.rank == 0 and start < total:  # only now that the checkpoint loaded: unfinished again
