@@ -319,6 +319,9 @@ class Algorithm(ABC, Generic[P, S, C]):
     logs_validation: ClassVar[bool] = True
     #: why the participants train one by one when :meth:`local_task` declares nothing
     unbatched_reason: ClassVar[str] = "its local work is not a declared local task"
+    #: the hyper-parameters (``Params`` fields) besides the learning rate whose size can make the
+    #: model NaN/inf (a server step's rate, FedDyn's α): a divergence message names them
+    divergence_params: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: P, *, layout: StateLayout, participation: Participation | None = None) -> None:
         self.params: P = params

@@ -130,6 +130,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         super().__init__(inner.params, layout=inner.layout, participation=inner.participation)
         self.name = inner.name  # type: ignore[misc]
         self.unbatched_reason = inner.unbatched_reason  # type: ignore[misc]
+        self.divergence_params = inner.divergence_params  # type: ignore[misc]
         self.inner = inner
         self.mech = mechanism
         self.population = population
@@ -283,7 +284,11 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         steps = server.dp_steps + add  # type: ignore[attr-defined]
         history = self.extend(self.history_of(server), add)
         new = self._wrap(
-            inner_state, dp_clip=clip, dp_steps=steps, dp_exhausted=self._exhausted(history), dp_history=history
+            inner_state,
+            dp_clip=clip,
+            dp_steps=steps,
+            dp_exhausted=self._exhausted(history),
+            dp_history=history,
         )
         row = dict(metrics)
         row.update(epsilon=self.epsilon(history), dp_noise_multiplier=mech.sigma, dp_clip=S)
