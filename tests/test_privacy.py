@@ -412,6 +412,22 @@ def test_refused_combinations_give_one_line(tmp_path: Path, over: dict, words: s
     assert len(lines) == 1 and words in lines[0], proc.stderr
 
 
+def test_an_unreachable_target_epsilon_is_refused_before_opacus_searches(monkeypatch) -> None:
+    """Issue 44: privacy.epsilon=1e-9 was refused only after Opacus's search had doubled σ past its
+    limit (153 s at sample level); now one accountant evaluation at the largest σ it would try."""
+    import opacus.accountants.utils
+
+    from hpcfl.errors import ConfigError
+    from hpcfl.privacy import accountant
+
+    def searched(**kwargs):
+        raise AssertionError("Opacus's search ran")
+
+    monkeypatch.setattr(opacus.accountants.utils, "get_noise_multiplier", searched)
+    with pytest.raises(ConfigError, match=r"privacy.epsilon=1e-09: no noise multiplier reaches it \(ε is "):
+        accountant.calibrate(1e-9, [(0.5, 3)], 1e-5, "rdp")
+
+
 def test_privacy_settings_without_a_level_are_refused(tmp_path: Path) -> None:
     """Issue 44: ε, δ and clip without ``level`` ran with no privacy at all (exit 0, config.yaml
     still showing ε); now one line naming privacy.level, and no run directory written."""

@@ -10,6 +10,7 @@ checkpointed with the model and a resumed run continues it exactly.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -90,8 +91,17 @@ def worst_epsilon(sigma: float, compositions: Sequence[tuple[float, int]], delta
 
 def _noise_for(target: float, q: float, steps: int, delta: float, kind: str) -> float:
     """Opacus's ``get_noise_multiplier`` for one (q, steps), its ε within 0.01 of ``target``."""
-    from opacus.accountants.utils import get_noise_multiplier
+    from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
+    # Opacus doubles σ from 20 and gives up past MAX_SIGMA (minutes of accounting at sample level):
+    # the largest σ it tries first, so an unreachable target is refused at once
+    largest = 10.0 * 2 ** math.floor(math.log2(MAX_SIGMA / 10.0))
+    if (reached := epsilon(largest, q, steps, delta, kind)) > target:
+        raise ConfigError(
+            f"privacy.epsilon={target}: no noise multiplier reaches it (ε is {reached:.3g} even at σ = "
+            f"{largest:g}, for {steps} steps at sampling rate {q:g}); raise privacy.epsilon or take fewer "
+            "rounds or steps"
+        )
     try:
         with warnings.catch_warnings():  # see epsilon()
             warnings.simplefilter("ignore", UserWarning)
