@@ -383,6 +383,8 @@ def test_budget_stop_checkpoints_exits_0_and_stays_stopped(tmp_path: Path) -> No
     rows = _rows(tmp_path / "run")
     assert rows[-1]["epsilon"] <= 6.0 < 100 and len(rows) < 10
     assert (tmp_path / "run" / "checkpoints" / "LATEST").read_text().strip().endswith(str(len(rows)))
+    status = run_cli("status", str(tmp_path / "run"))  # issue 44: status said only "finished"
+    assert status.returncode == 0 and "stopped by its privacy budget" in status.stdout, status.stdout
     again = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), "--resume")
     assert again.returncode == 0, again.stderr
     assert "privacy budget reached" in again.stderr

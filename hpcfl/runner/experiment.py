@@ -38,7 +38,7 @@ from hpcfl.runner.lock import RunLock
 from hpcfl.runner.loggers import Loggers, check_loggers, open_loggers
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
-from hpcfl.runner.rundir import DONE, FAILED, prepare_run_dir
+from hpcfl.runner.rundir import BUDGET_STOP, DONE, FAILED, prepare_run_dir
 from hpcfl.tct.pipeline import STAGE1_MODEL as STAGE1_MODEL
 from hpcfl.units import parse_memory_budget
 
@@ -351,7 +351,8 @@ def _run_locked(
         if book.loggers is not None:
             book.loggers.close(finished)
     if comm.rank == 0 and finished:
-        atomic_write_text(run_dir / DONE, f"rounds={done} seconds={time.perf_counter() - t0:.3f}\n")
+        stopped = f" stopped={BUDGET_STOP}" if book.budget_stop is not None else ""  # read by `status`
+        atomic_write_text(run_dir / DONE, f"rounds={done} seconds={time.perf_counter() - t0:.3f}{stopped}\n")
         (run_dir / FAILED).unlink(missing_ok=True)  # a point that failed before is now done
     comm.barrier()
     return RunResult(

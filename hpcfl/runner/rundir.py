@@ -25,7 +25,8 @@ from hpcfl.files import read_yaml
 if TYPE_CHECKING:  # the config imports every algorithm (torch); the markers here are read by `status`
     from hpcfl.config import Config
 
-DONE = "DONE"
+DONE = "DONE"  # "rounds=N seconds=S" (+ " stopped=BUDGET_STOP" when the privacy budget ended the run)
+BUDGET_STOP = "privacy_budget"
 SWEEP_MANIFEST = "sweep.json"  # a sweep directory's manifest (hpcfl.sweep.plan)
 SWEEP_RUNS = "runs"  # the points' run directories: SWEEP_DIR/runs/<point name>
 FAILED = "FAILED"  # a sweep point's one-line error (hpcfl.sweep.local); never beside DONE
