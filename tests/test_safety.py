@@ -107,6 +107,22 @@ def test_a_fresh_tensorboard_log_never_deletes_a_users_folder(tmp_path, capsys):
     assert len(first) == len(second) == 1 and first != second  # the old events went with the run
 
 
+def test_a_planted_checkpoint_tmp_link_never_takes_a_write_outside_the_run(tmp_path, capsys):
+    """Issue 44: a symlink planted as ``checkpoints/.round_N.tmp`` made a resume write the checkpoint
+    outside the run directory (and leave ``round_N`` a link to it)."""
+    cfg = synthetic_config(tmp_path, rounds=2, algorithm="fedavg")
+    run = tmp_path / "run"
+    assert main(["run", str(cfg), "--run-dir", str(run), "--set", "rounds=1"]) == 0
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (run / "checkpoints" / ".round_000002.tmp").symlink_to(outside, target_is_directory=True)
+    assert main(["run", str(cfg), "--run-dir", str(run), "--resume"]) == 0
+    capsys.readouterr()
+    final = run / "checkpoints" / "round_000002"
+    assert list(outside.iterdir()) == []
+    assert final.is_dir() and not final.is_symlink() and (final / "server.pt").is_file()
+
+
 # 2. hpcfl status never unpickles
 
 
