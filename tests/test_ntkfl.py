@@ -811,3 +811,17 @@ def test_a_diverging_evolution_stops_the_run_with_one_line(tmp_path: Path, capsy
     assert code not in (0, 75) and "Traceback" not in err
     assert len(lines) == 1 and lines[0].startswith(f"hpcfl: error: {words}"), err
     assert not (tmp_path / "run" / "DONE").exists()
+
+
+def test_a_grid_of_a_million_steps_is_announced_not_run_silently():
+    """Issue 44: a 10⁶-step grid ran silently for minutes a round; the cross-entropy evolution's
+    product count is named up front (the closed-form MSE evolution costs the same for any t)."""
+    from hpcfl.ntk.stage import long_evolution_note
+
+    assert long_evolution_note(NTKFLParams()) is None  # the reference grid, up to t = 2000
+    note = long_evolution_note(NTKFLParams(grid=(10, 10**6)))
+    assert note is not None and note.startswith("hpcfl: note: params.grid reaches t=1000000: ")
+    assert "1,000,000 products" in note
+    flow = long_evolution_note(NTKFLParams(grid=(10**6,), evolution="flow", ce_dt=10.0))
+    assert flow is not None and "400,000 products" in flow
+    assert long_evolution_note(NTKFLParams(grid=(10**6,), loss="mse")) is None
