@@ -172,7 +172,14 @@ def test_truncated_stage1_model_gives_one_line(tct_run, tmp_path, capsys):
     os.truncate(path, path.stat().st_size // 2)
     err = _one_line_error(capsys, ["tct-stage2", str(run)])
     assert err.startswith(f"hpcfl: error: {path} is damaged (")
-    assert err.endswith("resume the run with --resume to write it again")
+    # issue 44: tct-stage2 advised --resume, whose run then advised --overwrite; both say --overwrite
+    fix = "stage 2 cannot resume without it; rerun the run with --overwrite (stage 1 is trained again)"
+    assert err.endswith(fix)
+    cfg, _ = tct_run
+    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
+    assert err.endswith(fix)
+    assert main(["run", str(cfg), "--run-dir", str(run), "--overwrite"]) == 0
+    assert main(["tct-stage2", str(run)]) == 0
 
 
 @pytest.mark.parametrize("damage", ["truncate_server", "empty_client", "delete_client"])
