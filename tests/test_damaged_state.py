@@ -128,6 +128,14 @@ def test_truncated_chunk_and_torn_metadata_give_one_line(tct_run, tmp_path, caps
     meta.write_text(meta.read_text()[:40])
     err = _one_line_error(capsys, ["tct-stage2", str(run)])
     assert f"{meta} is damaged" in err
+    # issue 44: the advice was to delete the whole store; the client's array alone is recomputed
+    assert err.endswith(f"delete {meta.parent} and resume with --resume to recompute that client"), err
+    import shutil
+
+    shutil.rmtree(meta.parent)
+    assert main(["run", str(tct_run[0]), "--run-dir", str(run), "--resume"]) == 0
+    assert all(verify_client(run / "features.zarr", k) for k in range(5))
+    assert main(["tct-stage2", str(run)]) == 0
     run = _copy(src, tmp_path / "c")
     root = run / "features_test.zarr" / "zarr.json"
     root.write_text(root.read_text()[:30])

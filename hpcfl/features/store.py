@@ -252,9 +252,9 @@ def _array(root: zarr.Group, name: str, path: Path) -> Any:
     except KeyError:
         raise
     except Exception as err:  # noqa: BLE001 - a torn zarr.json reaches us as any of several errors
-        raise StoreError(
+        raise StoreError(  # one client's array: the other clients' features stay valid
             f"feature store {path}: {path / name / 'zarr.json'} is damaged ({err.__class__.__name__}); "
-            f"delete {path} and resume with --resume to recompute the features"
+            f"delete {path / name} and resume with --resume to recompute that client"
         ) from None
 
 
