@@ -98,6 +98,7 @@ def test_a_fresh_tensorboard_log_never_deletes_a_users_folder(tmp_path, capsys):
     err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run)])
     assert "tensorboard exists and hpcfl did not make it" in err
     assert (run / "tensorboard" / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "tensorboard"]  # refused before any run file
     other = tmp_path / "other"
     assert main(["run", str(cfg), "--run-dir", str(other)]) == 0
     first = sorted(p.name for p in (other / "tensorboard").glob("events.out.tfevents.*"))

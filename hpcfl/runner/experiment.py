@@ -307,7 +307,7 @@ def _run_locked(
     stop: StopRequest | None,
     reset: Sequence[int],
 ) -> RunResult:
-    check_loggers(cfg.loggers)  # every rank alike: a missing extra is one line before any work
+    check_loggers(cfg.loggers, run_dir)  # every rank alike: a missing extra is one line before any work
     set_threads(cfg, comm)
     has_state = _collective_check(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)

@@ -83,14 +83,32 @@ _GROUPS = {
 } | {"cka": "representation", "drift_diversity": "representation"}
 
 
-def check_loggers(names: Sequence[str]) -> None:
-    """Refuse a logger whose package is missing, in one line naming the ``pip install`` to run."""
+def check_loggers(names: Sequence[str], run_dir: Path | None = None) -> None:
+    """Refuse a logger whose package is missing, in one line naming the ``pip install`` to run, and
+    (with ``run_dir``) a tensorboard folder there that hpcfl did not make, before anything is written."""
     for name in names:
         if importlib.util.find_spec(_PACKAGES[name]) is None:
             raise ConfigError(
                 f"loggers: {name} needs the {_PACKAGES[name]} package, which is not installed: "
                 f"pip install 'hpcfl[{name}]' (or drop {name} from loggers)"
             )
+    if run_dir is not None and "tensorboard" in names:
+        _check_tensorboard_dir(tensorboard_dir(Path(run_dir)), Path(run_dir))
+
+
+def tensorboard_dir(run_dir: Path) -> Path:
+    """``RUN/tensorboard``, or ``SWEEP/tensorboard/<point>`` for a sweep's point."""
+    sweep = sweep_of(run_dir)
+    return sweep[0] / "tensorboard" / run_dir.name if sweep else run_dir / "tensorboard"
+
+
+def _check_tensorboard_dir(logdir: Path, run_dir: Path) -> None:
+    """A fresh tensorboard log replaces its folder: refuse one hpcfl's records do not say it made."""
+    if logdir.exists() and not logger_dir_is_ours(logdir, run_dir, "tensorboard"):
+        raise ConfigError(
+            f"loggers: {logdir} exists and hpcfl did not make it (no {LOGGER_MARKER}); a fresh "
+            "tensorboard log would mix with its files: move it away or choose another --run-dir"
+        )
 
 
 def scalar_names(row: Mapping[str, Any]) -> dict[str, float]:
@@ -171,14 +189,9 @@ class TensorBoardLogger(Logger):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        sweep = sweep_of(run_dir)
-        self.logdir = sweep[0] / "tensorboard" / run_dir.name if sweep else run_dir / "tensorboard"
+        self.logdir = tensorboard_dir(run_dir)
         if fresh and self.logdir.exists():  # a run started over: its old events would repeat steps
-            if not logger_dir_is_ours(self.logdir, run_dir, self.name):
-                raise ConfigError(
-                    f"loggers: {self.logdir} exists and hpcfl did not make it (no {LOGGER_MARKER}); a fresh "
-                    "tensorboard log would mix with its files: move it away or choose another --run-dir"
-                )
+            _check_tensorboard_dir(self.logdir, run_dir)
             shutil.rmtree(self.logdir)
         claim_logger_dir(self.logdir)
         self.writer = SummaryWriter(log_dir=str(self.logdir))
