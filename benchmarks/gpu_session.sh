@@ -1,90 +1,161 @@
 #!/usr/bin/env bash
-# The GPU checks and figures of one lent-GPU session, in one device call (device time is short).
+# The GPU checks and figures of one lent-GPU session, in ONE device call (device time is 15 minutes
+# a session, a machine's start included, so a call must not be wasted).
 #
-#   bash benchmarks/gpu_session.sh wheels     # HERE, online: the wheels the GPU image lacks -> .whl/,
-#                                             # Fashion-MNIST -> .data/ (carry [".whl", ".data"])
-#   bash benchmarks/gpu_session.sh run [STEPS]  # THERE; STEPS: any of "tests entk round batched" (default all,
-#                                             # in one call; split them when a call would pass 600 s)
-#   bash benchmarks/gpu_session.sh run        # THERE (device run, carry [".whl"]): tests + figures,
-#                                             # benchmarks/out/gpu_session/ (+ $OUT/gpu_session.tgz)
+#   bash benchmarks/gpu_session.sh wheels    # HERE, online: wheels the GPU image lacks -> .whl/,
+#                                            # Fashion-MNIST -> .data/ (then carry [".whl", ".data"])
+#   bash benchmarks/gpu_session.sh dry       # HERE, on the CPU: every step's command line parsed by
+#                                            # its own parser, the tests collected, the wheels and data
+#                                            # present; exit 1 on the first problem (run it before a call)
+#   bash benchmarks/gpu_session.sh run [STEP ...]  # THERE: the steps (default all, in the order below)
 #
-# The GPU image has its own PyTorch, Triton, mpi4py, numpy, matplotlib, pyyaml and tqdm, and no
-# package registry; what hpcfl needs beyond them travels as cp312 manylinux wheels. `run` installs
-# them under /tmp/site, installs hpcfl with --no-deps, then (each step logged to $OUT/gpu_session.log,
-# a failing step does not stop the next):
-#   1. pytest -m gpu: compiled Triton gathers vs references (every dtype), CKA kernel forward and
-#      gradients on CUDA, fused eNTK on CUDA vs the CPU reference, FedAvg cuda vs cpu, MPIComm on
-#      CUDA tensors, batched clients on CUDA;
-#   2. hpcfl bench entk --device cuda: resnet18 (CIFAR shape, p = 100,000; Opacus beside it when its
-#      wheel came along), simplecnn at batch 256, vgg11;
-#   3. benchmarks/round_throughput.py --device cuda: hpcfl (one by one, and client_batch auto) vs a
-#      plain PyTorch loop on the same GPU, 10 and 100 clients (target >= 0.95x);
-#   4. benchmarks/batched_clients.py --device cuda (issue 15's >= 5x target at 100 clients).
+# `run` installs the carried wheels under /tmp/site and hpcfl with --no-deps (the image has its own
+# PyTorch and Triton), then runs the steps in PRIORITY order, each under its own `timeout` and all
+# under one budget (GPU_SESSION_BUDGET seconds, default 480 = 8 minutes): a step that cannot get its
+# minimum time in what is left is skipped, and says so. After EVERY step the whole output folder is
+# archived to $OUT/gpu_session.tgz and the log copied to $OUT/gpu_session.log (only 8 files come back
+# from a device call, and what is under $OUT comes back even when the call is killed), so a call cut
+# short still returns every finished step.
+#
+# Steps (name: what; timeout / minimum seconds):
+#   tests       pytest -m gpu (compiled Triton gathers, CKA kernel, fused eNTK vs CPU reference,
+#               CUDA-vs-CPU runs of FedAvg, SCAFFOLD, FedPVR, FedDyn, NTK-FL, DP-SGD, TCT) + the
+#               CKA/Triton test files on CUDA
+#   checkpoint  a tiny device: cuda run (tests/fixtures/cuda_checkpoint.yaml) whose checkpoint files
+#               are written again from CUDA tensors (hpcfl itself now writes host copies) by
+#               tests/fixtures/make_checkpoint_cuda.py; the run directory is the CPU suite's fixture
+#               tests/fixtures/checkpoint_cuda/
+#   entk18      hpcfl bench entk, resnet18-GN CIFAR shape, p = 1e5, B = 256: fused, vmap, Opacus
+#   main        the README's main job (TCT vs FedAvg on Fashion-MNIST) with device=cuda, timed
+#   round       FedAvg round throughput at the default client_batch (auto) vs one by one vs a plain
+#               loop, K = 10, 100, 1000
+#   batched     benchmarks/batched_clients.py: groups vs one by one, simplecnn and resnet8
+#   entk        hpcfl bench entk on simplecnn, resnet8, vgg11
+#   profile     the fused eNTK batch's kernels (torch.profiler) beside plain training's: what a
+#               per-layer GPU cost model is fitted from
+#   dp          DP-SGD vs Opacus (hooks and ghost clipping) and non-private, simplecnn and resnet8-GN
+#   stage2      TCT stage 2's closed form on the GPU vs the CPU at n_k = 6,000, p = 100,000, M = 500
+#   frameworks  BlazeFL's/Flower's published setup (100 clients x 500, 5 epochs, batch 50; CNN, ResNet-18)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+OUTDIR=benchmarks/out/gpu_session
+STEPS_ALL=(tests checkpoint entk18 main round batched entk profile dp stage2 frameworks)
+
+# Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
+declare -A LIMIT=(
+    [tests]="170 60" [checkpoint]="60 20" [entk18]="90 40" [main]="120 60" [round]="120 50"
+    [batched]="80 40" [entk]="120 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60"
+)
+declare -A CMD=(
+    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py --junitxml $OUTDIR/pytest_gpu.xml"
+    [checkpoint]="python3 tests/fixtures/make_checkpoint_cuda.py $OUTDIR/checkpoint_cuda"
+    [entk18]="python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
+    [main]="python3 -m hpcfl compare --set device=cuda --out $OUTDIR/compare_cuda"
+    [round]="python3 benchmarks/round_throughput.py --device cuda --clients 10 100 1000 --rounds 2 --out $OUTDIR/round_throughput_cuda"
+    [batched]="python3 benchmarks/batched_clients.py --device cuda --models simplecnn resnet8 --clients 100 1000 --batches all auto --repeats 3 --no-yardstick --out $OUTDIR/batched_clients_cuda"
+    [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --out $OUTDIR/entk_simplecnn_cuda && python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --out $OUTDIR/entk_vgg11_cuda && python3 -m hpcfl bench entk --device cuda --model resnet8 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --out $OUTDIR/entk_resnet8_cuda"
+    [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
+    [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
+    [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda"
+    [frameworks]="python3 benchmarks/fl_frameworks_setup.py --device cuda --models simplecnn resnet18 --batches auto --out $OUTDIR/fl_frameworks_setup_cuda"
+)
+
 wheels() {
-    # zarr 3 (the version CI installs) and what it needs beyond the image; submitit (hpcfl submit); mpich (a launcher for the
-    # MPIComm test; the image's mpi4py may be built against another MPI); opacus (the eNTK baseline).
+    # zarr 3 (what CI installs) and what it needs beyond the image; submitit (hpcfl submit); mpich (a
+    # launcher for the MPIComm test); opacus (the eNTK and DP-SGD baseline).
     local platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
     local exclude
     exclude=$(git rev-parse --git-path info/exclude)
     mkdir -p "$(dirname "$exclude")"
     grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        "${platforms[@]}" -d .whl zarr==3.1.6 numcodecs==0.16.6 donfig google-crc32c submitit mpich opacus
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${platforms[@]}" -d .whl zarr==3.1.6 numcodecs==0.16.6 donfig google-crc32c submitit mpich opacus || return 1
     grep -qxF '/.data/' "$exclude" 2>/dev/null || echo '/.data/' >>"$exclude"
     mkdir -p .data && cp -r "${HPCFL_DATA:-../shared/datasets}/fashion-mnist" .data/
     du -sh .whl .data
 }
 
+dry() {
+    # Everything a call needs, checked on the CPU: syntax, wheels, data, every step's arguments
+    # through its own parser (benchmarks/_dry_parse.py), the tests' collection.
+    local py=${PYTHON:-python3} failed=0
+    bash -n "$0" || return 1
+    for w in zarr numcodecs donfig google_crc32c submitit mpich opacus; do
+        compgen -G ".whl/${w}-*.whl" >/dev/null || { echo "dry: no .whl/${w}-*.whl (run: $0 wheels)"; failed=1; }
+    done
+    [ -f .data/fashion-mnist/train-images-idx3-ubyte.gz ] || [ -f .data/fashion-mnist/train-images-idx3-ubyte ] ||
+        { echo "dry: no .data/fashion-mnist (run: $0 wheels)"; failed=1; }
+    for step in "${STEPS_ALL[@]}"; do
+        local part
+        while IFS= read -r part; do
+            eval "words=($part)"
+            [ "${words[0]}" = python3 ] || { echo "dry: $step: not a python3 command: $part"; failed=1; continue; }
+            if [ "${words[1]}" = -m ] && [ "${words[2]}" = pytest ]; then
+                "$py" -m pytest --collect-only -p no:cacheprovider "${words[@]:3}" >/tmp/gpu_session_dry.log 2>&1 ||
+                    { echo "dry: $step: pytest collection failed"; tail -5 /tmp/gpu_session_dry.log; failed=1; continue; }
+                echo "dry: $step: $(grep -E 'collected|selected' /tmp/gpu_session_dry.log | tail -1)"
+            else
+                "$py" benchmarks/_dry_parse.py "${words[@]:1}" || { echo "dry: $step: FAILED: $part"; failed=1; }
+            fi
+        done < <(echo "${CMD[$step]}" | sed 's/ && /\n/g')
+    done
+    [ -f tests/fixtures/cuda_checkpoint.yaml ] || { echo "dry: no tests/fixtures/cuda_checkpoint.yaml"; failed=1; }
+    [ $failed = 0 ] && echo "dry: every step's command line is accepted" || echo "dry: FIX the lines above"
+    return $failed
+}
+
+archive() {
+    [ -n "${OUT:-}" ] || return 0
+    tar czf "$OUT/gpu_session.tgz.part" -C "$OUTDIR" . && mv "$OUT/gpu_session.tgz.part" "$OUT/gpu_session.tgz"
+    cp "$OUTDIR/gpu_session.log" "$OUT/gpu_session.log"
+}
+
 run() {
-    # Outputs gather in one folder; under the device tool ($OUT set) they go back as ONE archive,
-    # since only 8 files come back from $OUT.
-    local out=benchmarks/out/gpu_session
-    mkdir -p "$out"
-    [ -n "${OUT:-}" ] && trap 'tar czf "$OUT/gpu_session.tgz" -C "$out" . && cp "$out/gpu_session.log" "$OUT/"' EXIT
-    exec > >(tee "$out/gpu_session.log") 2>&1
+    mkdir -p "$OUTDIR"
+    exec > >(tee "$OUTDIR/gpu_session.log") 2>&1
+    local budget=${GPU_SESSION_BUDGET:-480}
+    local deadline=$((SECONDS + budget))
     if compgen -G ".whl/*.whl" >/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .whl/*.whl || exit 1
-        export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-        export PATH=/tmp/site/bin:$PATH  # mpich's mpiexec
+            --target /tmp/site .whl/*.whl || { echo "wheels did not install"; archive; exit 1; }
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+        export PATH=/tmp/site/bin:$PATH # mpich's mpiexec
     fi
-    python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-    export PYTHONUNBUFFERED=1 HPCFL_DATA=${HPCFL_DATA:-.data}
+    python3 -m pip install -q --no-deps --no-build-isolation -e . ||
+        echo "hpcfl did not install as a package: imported from the checkout (PYTHONPATH) instead"
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONUNBUFFERED=1 HPCFL_DATA=${HPCFL_DATA:-$PWD/.data}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-
-    local steps=${1:-tests entk round batched}
-
-    [[ " $steps " == *" tests "* ]] && echo "== 1. pytest -m gpu (+ the CUDA-aware CKA and Triton gather tests)" &&
-    python3 -m pytest -q -p no:cacheprovider -m "gpu or not slow" \
-        tests/test_gpu.py tests/test_cka.py tests/test_triton_kernels.py tests/test_batched_clients.py \
-        --junitxml "$out/pytest_gpu.xml"
-
-    [[ " $steps " == *" entk "* ]] && echo "== 2. eNTK throughput on the GPU" &&
-    for spec in "resnet18 256" "simplecnn 256" "vgg11 256"; do
-        set -- $spec
-        python3 -m hpcfl bench entk --device cuda --model "$1" --batch "$2" --p 100000 \
-            --out "$out/entk_$1_cuda"
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    local steps=("$@")
+    [ ${#steps[@]} -gt 0 ] || steps=("${STEPS_ALL[@]}")
+    for step in "${steps[@]}"; do
+        [ -n "${CMD[$step]:-}" ] || { echo "== $step: no such step (${STEPS_ALL[*]})"; continue; }
+        read -r limit minimum <<<"${LIMIT[$step]}"
+        local left=$((deadline - SECONDS))
+        if [ $left -lt "$minimum" ]; then
+            echo "== $step: SKIPPED ($left s left of the budget, it needs $minimum)"
+            continue
+        fi
+        [ $left -lt "$limit" ] && limit=$left
+        echo "== $step (at most $limit s): ${CMD[$step]}"
+        local t0=$SECONDS
+        timeout --kill-after=5 "$limit" bash -c "${CMD[$step]}"
+        echo "== $step: exit $? after $((SECONDS - t0)) s ($((deadline - SECONDS)) s of the budget left)"
+        archive
     done
-
-    [[ " $steps " == *" round "* ]] && echo "== 3. FedAvg round throughput on the GPU vs a plain loop" &&
-    python3 benchmarks/round_throughput.py --device cuda --clients 10 100 --rounds 3 \
-        --out "$out/round_throughput_cuda"
-
-    [[ " $steps " == *" batched "* ]] && echo "== 4. batched clients on the GPU" &&
-    python3 benchmarks/batched_clients.py --device cuda --models simplecnn resnet8 \
-        --clients 10 100 1000 --repeats 3 --out "$out/batched_clients_cuda"
+    echo "== done after $SECONDS s"
+    archive
 }
 
 case "${1:-}" in
 wheels) wheels ;;
-run) run "${*:2}" ;;
+dry) dry ;;
+run) run "${@:2}" ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh wheels|run" >&2
+    echo "usage: bash benchmarks/gpu_session.sh wheels | dry | run [STEP ...]   (steps: ${STEPS_ALL[*]})" >&2
     exit 2
     ;;
 esac

@@ -213,7 +213,8 @@ def main() -> None:
         worker(args)
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)  # prepended: keep deps
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     runs = {}
     for r in args.ranks:
         result = args.out / f"ranks{r}.json"

@@ -49,7 +49,10 @@ def _run(cfg: dict[str, Any], run_dir: Path, ranks: int) -> list[dict[str, Any]]
     if ranks > 1:
         launcher = Path(sys.executable).parent / "mpiexec"
         cmd = [str(launcher), "-n", str(ranks), *cmd]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

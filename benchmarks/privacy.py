@@ -65,14 +65,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--batch", type=int, default=256)
     p.add_argument(
-        "--steps", type=int, default=30, help="timed steps per mode (after 3 warm-up steps), in 10 interleaved rounds"
+        "--steps",
+        type=int,
+        default=30,
+        help="timed steps per mode (after 3 warm-up steps), in 10 interleaved rounds",
     )
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="throughput's models")
     p.add_argument(
-        "--allocators", nargs="+", choices=ALLOCATORS, default=list(ALLOCATORS), help="throughput's malloc settings"
+        "--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="throughput's models"
+    )
+    p.add_argument(
+        "--allocators",
+        nargs="+",
+        choices=ALLOCATORS,
+        default=list(ALLOCATORS),
+        help="throughput's malloc settings",
     )
     p.add_argument("--sessions", type=int, default=3, help="throughput: sets of fresh worker processes")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="throughput's device (cuda: one GPU; timed to a sync)",
+    )
     p.add_argument("--rounds", type=int, default=30, help="rounds of every client-level accuracy run")
     p.add_argument(
         "--sample-rounds", type=int, help="rounds of every sample-level accuracy run (default: --rounds)"
@@ -105,31 +120,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- 1. throughput -----------------------------------------------------------------------------
 
 
-def _model(name: str) -> nn.Module:
+def _model(name: str, device: str = "cpu") -> nn.Module:
     from hpcfl.models import build_model
 
     torch.manual_seed(0)
-    return build_model(name.split("-")[0], (1, 28, 28), 10, **MODELS[name])
+    return build_model(name.split("-")[0], (1, 28, 28), 10, **MODELS[name]).to(device)
 
 
 MODES = ("nonprivate", "hpcfl", "opacus_hooks", "opacus_ghost")
 
 
-def _step(mode: str, name: str, batch: int) -> Callable[[], None]:
+def _step(mode: str, name: str, batch: int, device: str = "cpu") -> Callable[[], None]:
     """One full training step of ``mode`` on one fixed batch of Fashion-MNIST's shape (see the module
     docstring), its model, optimiser and data built here."""
     import torch.nn.functional as F
 
-    from hpcfl.privacy.sgd import clipped_grad_sum
+    from hpcfl.privacy.sgd import clipped_grad_sum, noise_source
     from hpcfl.training.flat import FlatModel
     from hpcfl.training.sgd import LocalSchedule, cross_entropy_loss, sgd_step
 
     torch.manual_seed(1)
-    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    x, y = torch.randn(batch, 1, 28, 28).to(device), torch.randint(0, 10, (batch,)).to(device)
     clip, sigma, lr = 1.0, 1.0, 0.05
     schedule = LocalSchedule(lr=lr, batch_size=batch, weight_decay=0.0)
     if mode == "nonprivate":
-        flat = FlatModel(_model(name))
+        flat = FlatModel(_model(name, device))
 
         def plain() -> None:
             flat.grad.zero_()
@@ -138,13 +153,13 @@ def _step(mode: str, name: str, batch: int) -> Callable[[], None]:
 
         return plain
     if mode == "hpcfl":
-        flat = FlatModel(_model(name))
+        flat = FlatModel(_model(name, device))
         total = torch.empty_like(flat.grad)
-        gen = torch.Generator().manual_seed(0)
+        gen = noise_source(torch.Generator().manual_seed(0), total)  # dp_local_sgd's: on the device
 
         def hpcfl_dp() -> None:
             clipped_grad_sum(flat.model, cross_entropy_loss, x, y, clip, total)
-            noise = torch.randn(total.shape, generator=gen) * (sigma * clip)
+            noise = torch.randn(total.shape, generator=gen, device=total.device) * (sigma * clip)
             sgd_step(flat.params, (total + noise) / batch, schedule, None, None)
 
         return hpcfl_dp
@@ -152,7 +167,7 @@ def _step(mode: str, name: str, batch: int) -> Callable[[], None]:
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
 
-        hooked = GradSampleModule(_model(name))
+        hooked = GradSampleModule(_model(name, device))
         opt = DPOptimizer(
             torch.optim.SGD(hooked.parameters(), lr=lr), noise_multiplier=sigma, max_grad_norm=clip,
             expected_batch_size=batch,
@@ -168,7 +183,9 @@ def _step(mode: str, name: str, batch: int) -> Callable[[], None]:
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-    ghost = GradSampleModuleFastGradientClipping(_model(name), max_grad_norm=clip, use_ghost_clipping=True)
+    ghost = GradSampleModuleFastGradientClipping(
+        _model(name, device), max_grad_norm=clip, use_ghost_clipping=True
+    )
     gopt = DPOptimizerFastGradientClipping(
         torch.optim.SGD(ghost.parameters(), lr=lr), noise_multiplier=sigma, max_grad_norm=clip,
         expected_batch_size=batch,
@@ -191,7 +208,9 @@ times the computation rather than page faults (what jemalloc/tcmalloc do, as PyT
 guide recommends)."""
 
 
-def _spawn(target: Callable[..., None], args: tuple, allocator: str) -> tuple[mp.process.BaseProcess, Connection]:
+def _spawn(
+    target: Callable[..., None], args: tuple, allocator: str
+) -> tuple[mp.process.BaseProcess, Connection]:
     """A fresh ``spawn`` worker running ``target(*args, conn)`` under ``allocator``'s malloc setting
     (glibc reads it when the process starts), and the parent's end of its pipe."""
     from hpcfl.bench.entk import KEEP_FREED_MEMORY
@@ -210,7 +229,7 @@ def _spawn(target: Callable[..., None], args: tuple, allocator: str) -> tuple[mp
     return proc, parent
 
 
-def _serve(mode: str, name: str, batch: int, threads: int, conn: Connection) -> None:
+def _serve(mode: str, name: str, batch: int, threads: int, device: str, conn: Connection) -> None:
     """A worker process for one mode: build its step, warm up 3 steps, then on each request of k
     steps run them and answer (seconds, minor page faults, system seconds) per step (None ends it)."""
     import resource
@@ -218,24 +237,29 @@ def _serve(mode: str, name: str, batch: int, threads: int, conn: Connection) -> 
 
     warnings.filterwarnings("ignore", message="Full backward hook")
     torch.set_num_threads(threads)
-    step = _step(mode, name, batch)
+    step = _step(mode, name, batch, device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(3):
         step()
+    sync()
     conn.send("ready")
     while (k := conn.recv()) is not None:
         r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         for _ in range(k):
             step()
+        sync()
         seconds, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
         conn.send((seconds / k, (r1.ru_minflt - r0.ru_minflt) / k, (r1.ru_stime - r0.ru_stime) / k))
 
 
-def _session(name: str, batch: int, per: int, threads: int, allocator: str, repeats: int) -> dict[str, list]:
+def _session(
+    name: str, batch: int, per: int, threads: int, allocator: str, repeats: int, device: str = "cpu"
+) -> dict[str, list]:
     """One set of fresh worker processes, one per mode, driven round-robin for ``repeats`` rounds of
     ``per`` steps each: every mode's (seconds, faults, system seconds) per step, per round."""
     conns, procs = {}, []
     for mode in MODES:
-        proc, conns[mode] = _spawn(_serve, (mode, name, batch, threads), allocator)
+        proc, conns[mode] = _spawn(_serve, (mode, name, batch, threads, device), allocator)
         procs.append(proc)
     rounds: dict[str, list] = {mode: [] for mode in MODES}
     try:
@@ -254,7 +278,15 @@ def _session(name: str, batch: int, per: int, threads: int, allocator: str, repe
 
 
 def throughput(
-    name: str, batch: int, steps: int, threads: int, *, sessions: int, allocator: str, repeats: int = 10
+    name: str,
+    batch: int,
+    steps: int,
+    threads: int,
+    *,
+    sessions: int,
+    allocator: str,
+    repeats: int = 10,
+    device: str = "cpu",
 ) -> dict[str, float]:
     """Samples/s of each mode (see the module docstring) and the ratios: ``sessions`` sets of fresh
     worker processes, one per mode, each set driven INTERLEAVED (``repeats`` rounds in which each
@@ -269,12 +301,14 @@ def throughput(
     per = max(1, steps // repeats)
     rounds: dict[str, list] = {mode: [] for mode in MODES}
     for _ in range(sessions):
-        for mode, values in _session(name, batch, per, threads, allocator, repeats).items():
+        for mode, values in _session(name, batch, per, threads, allocator, repeats, device).items():
             rounds[mode] += values
     seconds = {mode: statistics.median(r[0] for r in v) for mode, v in rounds.items()}
     row = {f"{mode}_samples_per_s": batch / s for mode, s in seconds.items()}
     row.update({f"{mode}_faults_per_step": statistics.median(r[1] for r in v) for mode, v in rounds.items()})
-    row.update({f"{mode}_system_s_per_step": statistics.median(r[2] for r in v) for mode, v in rounds.items()})
+    row.update(
+        {f"{mode}_system_s_per_step": statistics.median(r[2] for r in v) for mode, v in rounds.items()}
+    )
     row["hpcfl_vs_opacus_hooks"] = seconds["opacus_hooks"] / seconds["hpcfl"]
     row["hpcfl_vs_opacus_ghost"] = seconds["opacus_ghost"] / seconds["hpcfl"]
     row["hpcfl_vs_opacus_fastest"] = min(seconds["opacus_hooks"], seconds["opacus_ghost"]) / seconds["hpcfl"]
@@ -303,7 +337,9 @@ def _plain_layer_ms(layer: Any) -> float:
     if isinstance(m, nn.Conv2d):
         ap, pad = ghost._padded(m, a)
         bias = m.bias is not None and m.bias.requires_grad
-        return _median_ms(lambda: (ghost._weight_grad(m, ap, g, pad, per_sample=False), bias and g.sum((0, 2, 3))))
+        return _median_ms(
+            lambda: (ghost._weight_grad(m, ap, g, pad, per_sample=False), bias and g.sum((0, 2, 3)))
+        )
     if isinstance(m, nn.Linear):
         return _median_ms(lambda: (g.T @ a, g.sum(0)))
     mean, rstd = layer.stats
@@ -339,7 +375,10 @@ def _floor(name: str, batch: int, threads: int, conn: Connection) -> None:
         if isinstance(m, nn.Conv2d):
             cost = ghost.conv_form_costs(m, layer.grad[0, 0].numel(), tuple(layer.grad.shape[2:]))
             forms = [f for f, v in cost.items() if v <= 8 * min(cost.values())]
-        dp = {f or type(m).__name__: _median_ms(lambda f=f, layer=layer: ghost.layer_part(layer, f)[1](c)) for f in forms}
+        dp = {
+            f or type(m).__name__: _median_ms(lambda f=f, layer=layer: ghost.layer_part(layer, f)[1](c))
+            for f in forms
+        }
         plain = _plain_layer_ms(layer)
         rows.append({"layer": names[m], "input": list(layer.input.shape[1:]), "output": list(layer.grad.shape[1:]),
                      "dp_ms": dp, "plain_ms": plain, "extra_ms": max(0.0, min(dp.values()) - plain)})  # fmt: skip
@@ -511,7 +550,9 @@ def accuracy(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]
 
     for level, rounds in (("client", args.rounds), ("sample", args.sample_rounds)):
         last = final(level, None, rounds, f"{level}_nonprivate")
-        out[level] = {"nonprivate": {"accuracy": last["test_accuracy"], "rounds": rounds, "lr": last.get("lr")}}
+        out[level] = {
+            "nonprivate": {"accuracy": last["test_accuracy"], "rounds": rounds, "lr": last.get("lr")}
+        }
         for eps in args.epsilons:
             last = final(level, eps, rounds, f"{level}_eps{eps:g}")
             out[level][f"{eps:g}"] = {
@@ -567,7 +608,13 @@ def main(argv: list[str] | None = None) -> int:
             results["throughput"][allocator] = {}
             for name in args.models:
                 r = throughput(
-                    name, args.batch, args.steps, args.threads, sessions=args.sessions, allocator=allocator
+                    name,
+                    args.batch,
+                    args.steps,
+                    args.threads,
+                    sessions=args.sessions,
+                    allocator=allocator,
+                    device=args.device,
                 )
                 results["throughput"][allocator][name] = r
                 faults = ", ".join(f"{r[f'{mode}_faults_per_step'] / 1000:.0f}k" for mode in MODES)

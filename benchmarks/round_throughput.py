@@ -102,6 +102,17 @@ if comm.rank == 0:
 """
 
 
+def child_env(threads: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a benchmark subprocess: ``environ`` (default this process's) with
+    ``OMP_NUM_THREADS`` set and the repository PREPENDED to ``PYTHONPATH``, so this checkout's hpcfl
+    is imported and a dependency installed through ``PYTHONPATH`` (the GPU image's /tmp/site) stays
+    importable (replacing ``PYTHONPATH`` crashed the first GPU run, issue 39)."""
+    env = dict(os.environ if environ is None else environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def allreduce_cost(floats: int, ranks: int = 2, reps: int = 300) -> dict:
     """Seconds per allreduce of the round buffer in float32 and float64 (``reduction``) at 2 ranks."""
     cmd = [
@@ -114,8 +125,7 @@ def allreduce_cost(floats: int, ranks: int = 2, reps: int = 300) -> dict:
         str(floats),
         str(reps),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=True, env=child_env(1), capture_output=True, text=True)
     return ast.literal_eval(proc.stdout.strip().splitlines()[-1])  # {"float32": s, "float64": s}
 
 
@@ -158,8 +168,7 @@ def hpcfl_run(
     cmd = [sys.executable, "-m", "hpcfl", "run", str(path), "--run-dir", str(run_dir), "--overwrite"]
     if ranks > 1:
         cmd = [str(BIN / "mpiexec"), "-n", str(ranks), *cmd]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
-    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    subprocess.run(cmd, check=True, env=child_env(threads), capture_output=True, text=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]  # eval_every = rounds: one row, the last (steady-state) round's time split
     train_s = last["compute_s"] + last["allreduce_s"]

@@ -1,6 +1,7 @@
 """TCT stage 2 on one client at the paper's size: closed form vs the primal M-step reference.
 
     python benchmarks/stage2_solver.py --n 6000 --p 100000 --classes 10 --local-steps 500
+    python benchmarks/stage2_solver.py --device cuda   # the same on the GPU (issue 40: GPU vs CPU)
 
 What is measured, and why. A TCT stage-2 round runs M = 500 local SCAFFOLD steps
 W ← W − η((1/n)Z̃ᵀ(Z̃W − Y) − h) on each client's standardised eNTK features Z̃ (n_k × (p+1), the
@@ -33,6 +34,11 @@ buys:
    Supplementary rows time both solvers with their Zᵀ-products written as (RᵀZ)ᵀ: MKL runs
    ``Z.T @ R`` several times slower than that for these tall-skinny shapes (see
    benchmarks/README.md), and both hpcfl solvers use the slow form.
+
+``--device cuda`` runs both solvers (setup, equivalence rounds, timed rounds) on the GPU: the
+synthetic features are drawn on the host from the seeded generator (the same numbers on every
+device) and moved to the device once; every timed section ends with ``torch.cuda.synchronize``.
+Run it once per device (a separate ``--out``) to compare the closed form on the GPU and the CPU.
 
 Writes ``stage2_solver.{csv,json}`` to ``--out`` (default benchmarks/out/stage2_solver/) and prints
 a table. Memory: the float32 features (n·(p+1)·4 bytes) plus the closed form's float64 copy (×2):
@@ -100,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--noise", type=float, default=1.0, help="isotropic noise σ of the features (1.0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (0)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="where the solvers run: cpu | cuda | cuda:N (default cpu)")
     p.add_argument(
         "--out", type=Path, default=Path("benchmarks/out/stage2_solver"), help="CSV + JSON directory"
     )
@@ -117,8 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # data
 
 
-def make_clients(args: argparse.Namespace) -> dict[int, LinearProblem]:
-    """Two clients' standardised float32 design matrices [Z, 1] and centred one-hot targets."""
+def make_clients(args: argparse.Namespace, device: torch.device) -> dict[int, LinearProblem]:
+    """Two clients' standardised float32 design matrices [Z, 1] and centred one-hot targets, drawn
+    on the host (the seeded generator gives the same data whatever the device) and moved to
+    ``device`` once per client."""
     g = torch.Generator().manual_seed(args.seed)
     r, p, C = args.rank, args.p, args.classes
     scale = 3.0 * torch.arange(1, r + 1, dtype=torch.float32).pow(-0.5)
@@ -149,9 +158,16 @@ def make_clients(args: argparse.Namespace) -> dict[int, LinearProblem]:
     for k in sizes:
         z[k][:, -1] = 1.0
         logits = latent[k] @ readout + 0.5 * torch.randn(sizes[k], C, generator=g)
-        labels = logits.argmax(1)
-        problems[k] = LinearProblem(z[k], centred_one_hot(labels, C, torch.float32), labels)
+        labels = logits.argmax(1).to(device)
+        problems[k] = LinearProblem(z[k].to(device), centred_one_hot(labels, C, torch.float32), labels)
+        del z[k]  # the host copy, once it is on the device (a no-op move on the CPU keeps it)
     return problems
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a timed section measures it (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,8 +208,10 @@ class TimedSolver:
         self.seconds: list[float] = []
 
     def local_steps(self, w0: torch.Tensor, h: torch.Tensor, lr: float, steps: int) -> torch.Tensor:
+        synchronize(w0.device)
         t0 = time.perf_counter()
         w = self.inner.local_steps(w0, h, lr, steps)
+        synchronize(w.device)
         self.seconds.append(time.perf_counter() - t0)
         return w
 
@@ -207,8 +225,10 @@ def timed_eigh(record: list[float]) -> Iterator[None]:
     original = torch.linalg.eigh
 
     def wrapper(*a: Any, **kw: Any) -> Any:
+        synchronize(a[0].device)
         t0 = time.perf_counter()
         out = original(*a, **kw)
+        synchronize(a[0].device)
         record.append(time.perf_counter() - t0)
         return out
 
@@ -236,10 +256,11 @@ def run_stage2(
         data={k: ClientData(k, pr.z, pr.y) for k, pr in problems.items()}.__getitem__,
         trainer=None,
         population=Population(tuple(problems[k].n for k in sorted(problems))),
-        generator=lambda rnd, k: torch.Generator(),
+        generator=lambda rnd, k: torch.Generator(),  # host: stage 2 draws nothing
         evaluate=lambda server, joint: {},
     )
-    server = algo.init_server(torch.zeros(shape[0] * shape[1], dtype=dtype))
+    device = problems[MAIN].z.device
+    server = algo.init_server(torch.zeros(shape[0] * shape[1], dtype=dtype, device=device))
     clients = MemoryStates(lambda k: algo.init_client(k, server))
     states: list[torch.Tensor] = []
 
@@ -262,19 +283,24 @@ def rel_diffs(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("stage2_solver: error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     print(
-        f"stage 2 solver benchmark: n={args.n} p={args.p} C={args.classes} M={args.local_steps}, "
-        f"{torch.get_num_threads()} threads, load average {load_start[0]:.1f}",
+        f"stage 2 solver benchmark on {device}: n={args.n} p={args.p} C={args.classes} "
+        f"M={args.local_steps}, {torch.get_num_threads()} threads, load average {load_start[0]:.1f}",
         flush=True,
     )
 
     t0 = time.perf_counter()
-    problems = make_clients(args)
+    problems = make_clients(args, device)
+    synchronize(device)
     gen_s = time.perf_counter() - t0
     print(f"synthetic features: {gen_s:.1f} s", flush=True)
 
@@ -283,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with timed_eigh(eigh_s):
         closed_main = ClosedFormSolver(problems[MAIN], form="kernel")
+    synchronize(device)
     setup_s = time.perf_counter() - t0
     closed = {MAIN: closed_main, PARTNER: ClosedFormSolver(problems[PARTNER], form="kernel")}
     print(
@@ -320,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     # per-round timing at the full M, interleaved; w and h are realistic but do not affect the cost
     M = args.local_steps
     w64 = psi_closed[-1]
+    # host: seeded draw, the same h on every device
     h64 = 1e-3 * torch.randn(w64.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    h64 = h64.to(device)
     w32, h32 = w64.float(), h64.float()
     primal, fast_primal = PrimalSolver(problems[MAIN]), FastPrimalSolver(problems[MAIN])
     full = check_step_s * M <= args.max_primal_seconds
@@ -336,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
             ("primal", lambda: primal.local_steps(w32, h32, lr, steps)),
             ("primal_fast", lambda: fast_primal.local_steps(w32, h32, lr, steps)),
         ):
+            synchronize(device)
             t0 = time.perf_counter()
             fn()
+            synchronize(device)
             sec = time.perf_counter() - t0
             times[name].append(sec if name.startswith("closed") else sec * M / steps)
         print(
@@ -358,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             "check_primal": args.check_primal,
             "partner_n": args.partner_n,
             "features": f"synthetic rank-{args.rank} + noise {args.noise}, standardised, float32 + bias",
+            "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(),
@@ -436,7 +469,8 @@ def print_table(res: dict[str, Any]) -> None:
         )
     width = max(len(a) for a, _ in rows)
     print(
-        f"\nn={c['n']} p={c['p']} C={c['classes']} M={M}, η2 = {res['stage2_lr']:.4g}, {c['threads']} threads, "
+        f"\n{c['device']}: n={c['n']} p={c['p']} C={c['classes']} M={M}, η2 = {res['stage2_lr']:.4g}, "
+        f"{c['threads']} threads, "
         f"medians of {c['timing_repetitions']} interleaved repetitions"
     )
     for a, b in rows:

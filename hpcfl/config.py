@@ -82,7 +82,9 @@ class Config:
     participation_weighting: str = "uniform"  # uniform | size (probability proportional to n_k)
     reduction: str = "float64"  # float64: the round's sum is placement-independent | float32: half the bytes
     client_state_memory: str = "auto"  # auto | memory | disk | a byte budget, e.g. 2GB
-    client_batch: str = "1"  # participants trained as one vectorised step: 1 (one by one) | N | auto
+    client_batch: str = (
+        "auto"  # participants as one vectorised step: auto (1 on a CPU, sized on a GPU) | 1 | N
+    )
     client_eval: float = 0.0  # share of each client's data held out (seeded) for per-client accuracy
     client_eval_clients: int | None = None  # evaluate a seeded sample of M clients per row (None: all)
     finetune_eval: FinetuneEval = field(default_factory=lambda: FinetuneEval())  # personalised accuracy
@@ -109,11 +111,14 @@ def _plain(value: Any) -> Any:
 
 
 def legacy_sections() -> dict[str, str]:
-    """Config sections written before ``params:`` existed → the built-in algorithm owning each
+    """Config sections that hold one built-in algorithm's params → that algorithm: a section named
+    after the algorithm (``tct: {stage2: {p: 2000}}``: the base config of a sweep over several
+    algorithms scopes each one's params so, as the grid's ``tct.stage2.p`` axes do; the sections of
+    the other algorithms are validated and dropped), and those written before ``params:`` existed
     (declared by the algorithms, :attr:`hpcfl.algorithms.Algorithm.legacy_sections`)."""
-    return {
-        section: name for name in ALGORITHMS.builtin_names() for section in ALGORITHMS[name].legacy_sections
-    }
+    names = ALGORITHMS.builtin_names()
+    own = {name: name for name in names}
+    return own | {section: name for name in names for section in ALGORITHMS[name].legacy_sections}
 
 
 def _legacy_target(owner: str, key: str) -> tuple[type, bool]:
@@ -240,6 +245,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         full = f"{prefix}{key}"
         if key not in hints:
             valid = [f"{prefix}{n}" for n in names]
+            if not valid:
+                raise ConfigError(f"unknown config key {full!r}: {prefix.rstrip('.')} takes no keys")
             raise ConfigError(
                 f"unknown config key {full!r}{suggest(full, valid)}; valid keys: {', '.join(valid)}"
             )
@@ -279,10 +286,12 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge; ``extra`` wins."""
+    """Recursive dict merge; ``extra`` wins, and an empty mapping in ``extra`` clears the section
+    (``--set params={}`` drops the YAML file's params: the algorithm's defaults apply)."""
     out = dict(base)
     for k, v in extra.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        nested = isinstance(v, dict) and v and isinstance(out.get(k), dict)
+        out[k] = merge(out[k], v) if nested else v
     return out
 
 
@@ -302,6 +311,11 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     raw = data.get("params") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config key 'params' must be a mapping of {cfg.algorithm} hyper-parameters")
+    if raw and not dataclasses.fields(ALGORITHMS[cfg.algorithm].Params):
+        raise ConfigError(
+            f"config key 'params' must be empty: {cfg.algorithm} takes no hyper-parameters, got "
+            f"{', '.join(map(str, raw))} (--set params={{}} clears a config file's params)"
+        )
     cfg.params = _build(ALGORITHMS[cfg.algorithm].Params, raw, prefix="params.")
     validate(cfg)
     return cfg

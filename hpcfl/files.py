@@ -58,21 +58,70 @@ def atomic_write_text(path: Path, text: str) -> None:
     _atomic(path, lambda fh: fh.write(text.encode()))
 
 
-def atomic_torch_save(path: Path, obj: Any) -> None:
-    """``torch.save`` through a temp file and a rename."""
-    import torch  # here, not at the top: the commands that only read files never import torch
+def host_copy(obj: Any) -> Any:
+    """``obj`` with every tensor in it (through dicts, lists and tuples) as a host tensor.
 
-    _atomic(path, lambda fh: torch.save(obj, fh))
-
-
-def load_torch_file(path: Path, fix: str) -> Any:
-    """``torch.load(path, weights_only=True)``, a damaged or missing file as one line naming ``fix``."""
+    What a saved file holds must not name a device: ``torch.save`` records each storage's device
+    (``cuda:0``) and a plain ``torch.load`` puts it back there, so a GPU rank's file would load onto
+    another rank's GPU, or fail on a CPU node. Host tensors are returned as they are (a CPU run's
+    files are unchanged, byte for byte); each device storage is copied once, and tensors that were
+    views of one storage stay views of its copy, as ``torch.save`` would have kept them.
+    """
     import torch
 
+    copies: dict[tuple[str, int], Any] = {}  # (device, data_ptr) -> host storage
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key not in copies:
+            copies[key] = storage.cpu()
+        view = torch.empty((0,), dtype=t.dtype)  # host: deliberately, the file's copy
+        return view.set_(copies[key], t.storage_offset(), t.size(), t.stride())
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return host(o)
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [walk(v) for v in o]
+        if isinstance(o, tuple):
+            return tuple(walk(v) for v in o)
+        return o
+
+    return walk(obj)
+
+
+def atomic_torch_save(path: Path, obj: Any) -> None:
+    """``torch.save`` of :func:`host_copy` ``(obj)`` through a temp file and a rename: the file names
+    no device, and :func:`read_torch` puts it on the device of the rank that reads it."""
+    import torch  # here, not at the top: the commands that only read files never import torch
+
+    data = host_copy(obj)
+    _atomic(path, lambda fh: torch.save(data, fh))
+
+
+def read_torch(path: Path, *, device: Any) -> Any:
+    """``torch.load(path, weights_only=True)`` with every tensor onto ``device`` (the reading rank's).
+
+    ``map_location`` makes any file device-free on reading, including one written from GPU tensors
+    before :func:`atomic_torch_save` copied to the host: rank r > 0 gets its own GPU, not ``cuda:0``,
+    and a CPU node (``hpcfl tct-stage2`` on a login node, a resume with ``device: cpu``) opens it.
+    """
+    import torch
+
+    return torch.load(path, map_location=device, weights_only=True)
+
+
+def load_torch_file(path: Path, fix: str, *, device: Any) -> Any:
+    """:func:`read_torch` onto ``device``, a damaged or missing file as one line naming ``fix``."""
     from hpcfl.errors import RunDirError
 
     try:
-        return torch.load(path, weights_only=True)
+        return read_torch(path, device=device)
     except FileNotFoundError:
         raise RunDirError(f"{path} is missing; {fix}") from None
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:

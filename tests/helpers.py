@@ -20,6 +20,13 @@ MPIEXEC = (
 )
 
 
+def repo_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the checkout PREPENDED to ``PYTHONPATH`` (a dependency that
+    came through ``PYTHONPATH``, as on the GPU image's /tmp/site, stays importable in the child)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def write_config(path: Path, **keys) -> Path:
     """Write a YAML config with the given keys."""
     path.write_text(yaml.safe_dump(keys, sort_keys=False))
@@ -55,7 +62,7 @@ def hpcfl_cmd(*args: str) -> list[str]:
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python -m hpcfl ARGS`` as a user would, capturing output."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = repo_env(**(env or {}))
     return subprocess.run(hpcfl_cmd(*args), capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
@@ -78,7 +85,7 @@ def run_mpi_program(name: str, ranks: int = 2, timeout: float = 120) -> str:
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=repo_env(),
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("OK") == ranks, proc.stdout
@@ -173,9 +180,7 @@ def kill_after_rows(cfg: Path, run: Path, rows: int, timeout: float = 240) -> No
     import signal
     import time
 
-    proc = subprocess.Popen(
-        hpcfl_cmd("run", str(cfg), "--run-dir", str(run)), env={**os.environ, "PYTHONPATH": str(REPO)}
-    )
+    proc = subprocess.Popen(hpcfl_cmd("run", str(cfg), "--run-dir", str(run)), env=repo_env())
     deadline = time.time() + timeout
     metrics = run / "metrics.jsonl"
     while time.time() < deadline:

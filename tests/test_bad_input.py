@@ -137,3 +137,46 @@ def test_cli_subprocess_bad_input_exit_code(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("hpcfl: error: unknown model 'nope'")
     assert "Traceback" not in proc.stderr
+
+
+def test_set_params_empty_clears_the_config_files_params(tmp_path):
+    """Issue 45 item 7: ``--set params={}`` drops the YAML's params (the algorithm's defaults apply),
+    also when switching to another algorithm; any other ``--set params.k=v`` still merges."""
+    from hpcfl.algorithms.fedprox import FedProxParams
+    from hpcfl.config import load_config
+    from hpcfl.registry import ALGORITHMS
+
+    cfg = synthetic_config(tmp_path, algorithm="fedprox", params={"mu": 0.5, "weighting": "uniform"})
+    assert load_config(cfg).params == FedProxParams(mu=0.5, weighting="uniform")
+    assert load_config(cfg, ["params={}"]).params == FedProxParams()
+    assert load_config(cfg, ["params.mu=0.2"]).params == FedProxParams(mu=0.2, weighting="uniform")
+    assert load_config(cfg, ["algorithm=fedavg", "params={}"]).params == ALGORITHMS["fedavg"].Params()
+
+
+def test_params_for_an_algorithm_without_hyper_parameters_is_one_line_without_an_empty_key_list(
+    tmp_path, capsys
+):
+    cfg = synthetic_config(tmp_path, algorithm="fedprox", params={"mu": 0.5})
+    argv = ["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", "algorithm=fednova"]
+    line = _fails_cleanly(capsys, argv, "fednova takes no hyper-parameters, got mu", "--set params={}")
+    assert "valid keys" not in line
+    assert main([*argv, "params={}", "rounds=1"]) == 0  # cleared: it runs
+
+
+def test_a_section_named_after_an_algorithm_holds_its_params_for_its_runs_only(tmp_path, capsys):
+    """Issue 45 item 7: configs/fmnist_sweep.yaml scopes TCT's params in a ``tct:`` section (as a
+    grid's ``tct.stage2.p`` axis does): TCT's points get them, the FedAvg/SCAFFOLD points their
+    defaults; a typo inside another algorithm's section is still one line."""
+    from hpcfl.config import load_config
+    from hpcfl.registry import ALGORITHMS
+
+    sweep = REPO / "configs" / "fmnist_sweep.yaml"
+    tct = load_config(sweep, ["algorithm=tct"]).params
+    assert (tct.stage1.rounds, tct.stage2.p, tct.stage2.rounds, tct.stage2.local_steps) == (5, 2000, 5, 500)
+    for algorithm in ("fedavg", "scaffold"):
+        assert load_config(sweep, [f"algorithm={algorithm}"]).params == ALGORITHMS[algorithm].Params()
+    cfg = synthetic_config(tmp_path, algorithm="fedavg", fedprox={"mu": 0.3}, params={})
+    assert load_config(cfg, ["algorithm=fedprox"]).params.mu == 0.3
+    assert load_config(cfg, ["algorithm=fedprox", "params.mu=0.2"]).params.mu == 0.2  # params: wins
+    argv = ["run", str(sweep), "--run-dir", str(tmp_path / "r"), "--set", "tct.stage2.pp=3"]
+    _fails_cleanly(capsys, argv, "unknown config key 'tct.stage2.pp'", "did you mean 'tct.stage2.p'")

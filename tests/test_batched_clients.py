@@ -5,6 +5,7 @@ stay per client; a resumed batched run is bit-identical to an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -186,16 +187,17 @@ def test_algorithms_without_a_local_task_fall_back_with_one_line(tmp_path: Path,
     assert len(lines) == 1 and "moon" in lines[0] and "previous" in lines[0], lines
 
 
-def test_auto_on_the_cpu_trains_one_by_one_and_says_so(tmp_path: Path, caplog) -> None:
-    """Batching does not pay on the CPU (grouped convolutions): ``auto`` is the sequential path."""
+def test_auto_on_the_cpu_trains_one_by_one_silently(tmp_path: Path, caplog) -> None:
+    """Batching does not pay on the CPU (grouped convolutions): ``auto``, the default, is the
+    sequential path there, bit for bit, with no line about it (determinism.json records the 1)."""
     finals = {}
     with caplog.at_level(logging.WARNING, logger="hpcfl.runner"):
         for n in ("1", "auto"):
             cfg = _config(tmp_path, algorithm="scaffold", client_batch=n)
             finals[n] = run_experiment(cfg, tmp_path / f"r{n}").server.x
     assert torch.equal(finals["auto"], finals["1"])
-    lines = [r.getMessage() for r in caplog.records if "client_batch auto:" in r.getMessage()]
-    assert len(lines) == 1 and "auto: groups of 1" in lines[0] and "CPU" in lines[0], lines
+    assert not [r for r in caplog.records if "client_batch" in r.getMessage()]
+    assert json.loads((tmp_path / "rauto" / "determinism.json").read_text())["client_batch_used"] == 1
 
 
 @pytest.mark.parametrize("store", ["memory", "disk"])
@@ -300,3 +302,26 @@ def test_batched_on_cuda_equals_sequential_on_cuda_and_auto_groups() -> None:
         assert _rel(W[k], ref) < RTOL, (k, _rel(W[k], ref))
     n, why = auto_client_batch(Trainer(flat, schedule), jobs[0].x[:1], 64, memory_share=AUTO_MEMORY_SHARE)
     assert n > 1, why
+
+
+def test_a_non_finite_loss_is_reported_at_the_step_it_happened_on_both_paths() -> None:
+    """Neither path reads the device during the round, yet both report a client whose loss turns
+    non-finite as an early stop would: ``finite=False`` and the steps taken before it (the step
+    whose mini-batch first holds the sample with an inf, found by replaying its generator)."""
+    from hpcfl.training.sgd import batch_indices, local_sgd
+
+    shape = (1, 12, 12)
+    torch.manual_seed(0)
+    flat = FlatModel(build_model("mlp", shape, 10))
+    schedule = LocalSchedule(lr=0.05, batch_size=4, epochs=2, momentum=0.9)
+    jobs = _jobs(flat, [16, 16], shape, "linear")
+    jobs[1].x[9] = float("inf")
+    fresh = _regenerate(jobs)
+    replay = batch_indices(16, schedule, _regenerate(jobs)[1].generator)
+    expected = next(s for s, b in enumerate(replay) if 9 in b.tolist())
+    _W, results = batched_local_sgd(flat, jobs, schedule, cross_entropy_loss)
+    assert (results[1].finite, results[1].steps) == (False, expected)
+    assert results[0].finite and results[0].steps == len(replay)
+    flat.load(fresh[1].x0)
+    alone = local_sgd(flat, fresh[1].x, fresh[1].y, schedule, fresh[1].generator)
+    assert (alone.finite, alone.steps) == (False, expected)

@@ -15,8 +15,10 @@ plugged in, is checked without its author editing this file:
 - 1 rank and 2 ranks (``mpiexec``) end bit-identical (float64 reduction);
 - ``client_batch`` 3 equals one-by-one training (to 1e-5 relative where the algorithm declares a
   batched local task, bit for bit where it falls back);
-- its final state matches the golden hash recorded for it (``tests/golden/contract_hashes.json``;
-  record one with ``python tests/test_contract.py --record NAME``).
+- its final state matches the golden hash recorded for it and this CPU capability (a built-in's in
+  ``tests/golden/contract_hashes.json``; a plugin's in ``hpcfl_contract_hashes.json`` beside the
+  module that defines its class, a file the plugin owns and ships); record one with
+  ``python tests/test_contract.py --record NAME`` (see :func:`_record` for other capabilities).
 
 The subprocess parts run once for all algorithms (one ``mpiexec`` start; one process forking a
 child per killed run), so the suite stays small.
@@ -43,6 +45,8 @@ from hpcfl.runner import RunResult, StopRequest, run_experiment
 from tests.helpers import MPIEXEC, REPO, final_state, plugin_env, write_config
 
 GOLDEN = REPO / "tests" / "golden" / "contract_hashes.json"
+#: the file name of a plugin's own golden hashes, beside the module that defines its algorithm
+PLUGIN_GOLDEN = "hpcfl_contract_hashes.json"
 PROGRAMS = REPO / "tests" / "contract_programs"
 NAMES = list(ALGORITHMS)
 
@@ -137,18 +141,88 @@ def test_name_and_params_agree_with_the_class(name: str) -> None:
     assert config_from_dict(contract_config(name)).params == params  # survives the YAML round trip
 
 
+def golden_file(cls: type[Algorithm]) -> Path | None:
+    """Where the golden hashes of algorithm ``cls`` live: hpcfl's ``tests/golden`` for a built-in;
+    for a plugin, :data:`PLUGIN_GOLDEN` beside the module that defines the class (the plugin owns
+    and ships it), or None where that module has no file (a class defined in a notebook)."""
+    if cls.name in ALGORITHMS.builtin_names() and ALGORITHMS[cls.name] is cls:
+        return GOLDEN
+    file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return Path(file).resolve().with_name(PLUGIN_GOLDEN) if file else None
+
+
+def _read_hashes(path: Path) -> dict[str, dict[str, str]]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def golden_hash(name: str, capability: str) -> str:
+    """The golden hash of algorithm ``name`` for ``capability``; a missing one fails for a built-in
+    (hpcfl records all of them) and skips for a plugin or a capability nobody recorded, saying how
+    to record it and where it goes."""
+    cls = ALGORITHMS[name]
+    path = golden_file(cls)
+    record = f"PYTHONPATH={REPO} python {REPO / 'tests' / 'test_contract.py'} --record {name}"
+    if path is None:
+        pytest.skip(
+            f"plugin algorithm {name!r} is defined in {cls.__module__!r}, which has no file: "
+            f"define it in a module to keep its golden hash beside it"
+        )
+    hashes = _read_hashes(path).get(name)
+    if hashes is None and path == GOLDEN:
+        pytest.fail(f"no golden hash for {name!r}: record it with {record}")
+    if hashes is None:
+        pytest.skip(
+            f"plugin algorithm {name!r} has no golden hash: record it with {record} "
+            f"(writes {path}, beside the plugin's module; ship that file with the plugin)"
+        )
+    if capability not in hashes:
+        pytest.skip(f"no {name} hash for CPU capability {capability}: {record} (writes {path})")
+    return hashes[capability]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_golden_final_state(runs: Runs, name: str) -> None:
-    capability = torch.backends.cpu.get_cpu_capability()
-    golden = json.loads(GOLDEN.read_text())
-    assert name in golden, (
-        f"no golden hash for {name!r}: record it with python tests/test_contract.py --record {name}"
+    expected = golden_hash(name, torch.backends.cpu.get_cpu_capability())
+    assert sha256(runs.reference(name).server.x) == expected
+
+
+def test_builtin_hashes_cover_avx2_and_avx512_and_hold_no_plugin() -> None:
+    golden = _read_hashes(GOLDEN)
+    assert set(golden) == set(ALGORITHMS.builtin_names())
+    assert all({"AVX2", "AVX512"} <= set(hashes) for hashes in golden.values()), golden
+
+
+def test_a_plugins_golden_hash_is_the_plugins_file_and_record_writes_only_there(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example plugin's hashes sit beside its module; ``--record`` of a plugin algorithm writes
+    beside the plugin's module and leaves hpcfl's own golden file byte-identical."""
+    from hpcfl.registry import register_algorithm
+
+    example = golden_file(ALGORITHMS["example_slr"])
+    assert example is not None and example.parent.name == "hpcfl_example" and example.is_file()
+    assert {"AVX2", "AVX512"} <= set(_read_hashes(example)["example_slr"])
+
+    (tmp_path / "my_method.py").write_text(
+        "from hpcfl.algorithms.fedavg import FedAvg\n\n\nclass Mine(FedAvg):\n    name = 'contract_tmp'\n"
     )
-    if capability not in golden[name]:
-        pytest.skip(
-            f"no {name} hash for CPU capability {capability}: python tests/test_contract.py --record {name}"
-        )
-    assert sha256(runs.reference(name).server.x) == golden[name][capability]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_method  # type: ignore[import-not-found]
+
+    register_algorithm(my_method.Mine)
+    try:
+        assert golden_file(my_method.Mine) == tmp_path / PLUGIN_GOLDEN
+        with pytest.raises(pytest.skip.Exception, match="beside the plugin's module"):
+            golden_hash("contract_tmp", "AVX2")
+        before = GOLDEN.read_bytes()
+        _record(["contract_tmp"])
+        assert GOLDEN.read_bytes() == before
+        capability = torch.backends.cpu.get_cpu_capability()
+        recorded = _read_hashes(tmp_path / PLUGIN_GOLDEN)["contract_tmp"][capability]
+        assert golden_hash("contract_tmp", capability) == recorded
+        assert recorded == sha256(runs.reference("fedavg").server.x)  # FedAvg's steps, FedAvg's state
+    finally:
+        del ALGORITHMS._registered["contract_tmp"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -322,17 +396,33 @@ def test_client_batch_equals_one_by_one(runs: Runs, tmp_path: Path, name: str) -
 
 
 def _record(names: list[str]) -> None:
-    """Store this CPU capability's final-state hash of each named algorithm's contract run."""
+    """Store this CPU capability's final-state hash of each named algorithm's contract run, in the
+    file :func:`golden_file` names (a plugin's beside its own module, never hpcfl's tests/golden).
+
+    The capability is ``torch.backends.cpu.get_cpu_capability()``. An AVX-512 machine records the
+    AVX2 hashes of a machine without AVX-512 when PyTorch, oneDNN and MKL are all held to AVX2::
+
+        ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
+            PYTHONPATH=. python tests/test_contract.py --record all
+
+    (held so, this machine reproduces the 7 hashes of ``final_state_hashes.json`` that were recorded
+    on a real AVX2 machine; ``ATEN_CPU_CAPABILITY`` alone misses moon's and fedcka's).
+    """
     import tempfile
 
-    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
     capability = torch.backends.cpu.get_cpu_capability()
     for name in names:
+        path = golden_file(ALGORITHMS[name])
+        if path is None:
+            raise SystemExit(f"{name}: its class is not defined in a module file; nowhere to record it")
         with tempfile.TemporaryDirectory() as tmp:
             x = run_experiment(config_from_dict(contract_config(name)), Path(tmp) / "run").server.x
+        golden = _read_hashes(path)
         golden.setdefault(name, {})[capability] = sha256(x)
-        print(name, capability, golden[name][capability], flush=True)
-    GOLDEN.write_text(json.dumps(dict(sorted(golden.items())), indent=1) + "\n")
+        tmp_path = path.with_name(f".{path.name}.tmp")
+        tmp_path.write_text(json.dumps(dict(sorted(golden.items())), indent=1) + "\n")
+        tmp_path.replace(path)
+        print(name, capability, golden[name][capability], path, flush=True)
 
 
 if __name__ == "__main__":  # PYTHONPATH=. python tests/test_contract.py --record NAME [NAME ...] | all

@@ -27,7 +27,8 @@ def test_run_records_the_threads_of_every_rank(tmp_path):
     assert read_record(run) == {
         "threads_per_rank": [2],
         "reduction": "float64",
-        "client_batch": "1",
+        "client_batch": "auto",  # the default: one by one on the CPU, recorded as the size used
+        "client_batch_used": 1,
         "device": "cpu",
     }
 
@@ -39,6 +40,8 @@ def test_resume_names_each_setting_that_differs(tmp_path, capsys):
     capsys.readouterr()
     assert main(["run", str(cfg), "--run-dir", str(run), "--resume", "--set", "rounds=2"]) == 0
     assert "note" not in capsys.readouterr().err  # the same settings: nothing to say
+    assert main(["run", str(cfg), "--run-dir", str(run), "--resume", "--set", "client_batch=1"]) == 0
+    assert "note" not in capsys.readouterr().err  # auto is 1 on the CPU: the same training
     argv = ["run", str(cfg), "--run-dir", str(run), "--resume", "--set", "threads=2", "client_batch=2"]
     assert main(argv) == 0
     notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hpcfl: note:")]

@@ -3,6 +3,7 @@ torch nor zarr (issue 27 item 5), and the lazy package surface keeps every publi
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,3 +97,49 @@ def test_lazy_names_resolve_to_the_objects_they_name_even_after_a_same_named_sub
         timeout=120,
     )
     assert proc.stdout.strip() == "OK", proc.stderr[-2000:]
+
+
+#: ``python -c`` body: hpcfl's command with submitit unimportable (as without the slurm extra)
+_NO_SUBMITIT = "import sys\nsys.modules['submitit'] = None\nfrom hpcfl.cli.main import main\nsys.exit(main(sys.argv[1:]))"
+
+
+def _status(*args: str, submitit: bool) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-c", _NO_SUBMITIT] if not submitit else [sys.executable, "-m", "hpcfl"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([*argv, "status", *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_status_of_local_runs_and_sweeps_needs_no_slurm_extra(finished_run: Path, tmp_path: Path) -> None:
+    """Issue 45 item 3: with submitit unimportable, ``hpcfl status`` of a local run and of a sweep
+    prints what it prints with submitit; only a submitted job's record asks for the extra, in one line."""
+    from hpcfl.launch.records import JOBS_FILE, SLURM_DIR
+    from hpcfl.sweep.grid import parse_grid_arg
+    from hpcfl.sweep.plan import plan_sweep
+
+    cfg = synthetic_config(tmp_path, rounds=1, dataset_options={"n_train": 200, "n_test": 50, "seed": 3})
+    plan_sweep(cfg, [], None, [parse_grid_arg("lr=0.05,0.1")], tmp_path / "sweep", name="s").write()
+    for target, says in ((finished_run, "FINISHED"), (tmp_path / "sweep", "not started")):
+        blocked, reference = _status(str(target), submitit=False), _status(str(target), submitit=True)
+        assert blocked.returncode == reference.returncode == 0, blocked.stderr[-2000:]
+        assert blocked.stdout == reference.stdout and says in blocked.stdout, blocked.stdout
+
+    submitted = tmp_path / "submitted"
+    (submitted / SLURM_DIR).mkdir(parents=True)
+    (submitted / "config.yaml").write_text((finished_run / "config.yaml").read_text())
+    record = dict(
+        job_id="123",
+        executor="local",
+        folder=str(submitted / SLURM_DIR),
+        submitted="now",
+        ranks=1,
+        nodes=1,
+        partition=None,
+        command="hpcfl run",
+    )
+    (submitted / SLURM_DIR / JOBS_FILE).write_text(json.dumps(record) + "\n")
+    proc = _status(str(submitted), submitit=False)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "hpcfl: error: hpcfl status of the submitted job 123 needs submitit, the slurm extra: "
+        "pip install 'hpcfl[slurm]'"
+    ]

@@ -137,7 +137,7 @@ def test_a_new_metric_is_an_observer_the_loop_carries_without_knowing_it() -> No
 def test_every_column_of_a_real_run_is_declared_by_its_observer_in_row_order(tmp_path: Path) -> None:
     """A run with partial participation, CKA and drift diversity: its rows are round, stage, the
     evaluation, then exactly the declared columns of each observer, in observer order (FedAvg's
-    server step reports nothing); with the chosen observers off, the final model is bit-identical."""
+    server step reports nothing), then the run's wall clock ``wall_s``; with the chosen observers off, the final model is bit-identical."""
     from hpcfl.config import load_config
     from hpcfl.runner import run_experiment
     from hpcfl.runner.federation import build_federation, model_plan
@@ -159,7 +159,7 @@ def test_every_column_of_a_real_run_is_declared_by_its_observer_in_row_order(tmp
     declared = [c for obs in observers for c in obs.columns]
     assert "cka" in declared and "drift_diversity" in declared
     for row in watched.metrics:
-        assert list(row) == ["round", "stage", "test_accuracy", "test_loss", *declared]
+        assert list(row) == ["round", "stage", "test_accuracy", "test_loss", *declared, "wall_s"]
     assert [o.group for o in observers] == [
         "train",
         "server",

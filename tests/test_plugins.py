@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -223,3 +224,97 @@ def test_register_in_a_script_reaches_run_experiment(tmp_path: Path, reference: 
     cfg = {**PLUGIN_RUN, "algorithm": "renamed_slr", "model": "renamed_linear", "dataset": "renamed_blobs"}
     hpcfl.run_experiment(config_from_dict(cfg), tmp_path / "run")
     assert _accuracies(tmp_path / "run") == reference
+
+
+def test_the_example_algorithm_imports_only_from_hpcfl_algorithms_config_error_included() -> None:
+    """Issue 45 item 7: a plugin's algorithm needs nothing but ``hpcfl.algorithms``: ConfigError,
+    its one-line error for a bad hyper-parameter, is re-exported there (the same class)."""
+    import ast
+
+    import hpcfl.algorithms
+    import hpcfl.errors
+    from tests.helpers import PLUGIN_DIR
+
+    tree = ast.parse((PLUGIN_DIR / "hpcfl_example" / "algorithm.py").read_text())
+    sources = {
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and "hpcfl" in (n.module or "")
+    }
+    assert sources == {"hpcfl.algorithms"}
+    assert hpcfl.algorithms.ConfigError is hpcfl.errors.ConfigError
+    assert "ConfigError" in hpcfl.algorithms.__all__
+    with pytest.raises(ConfigError, match="server_lr"):
+        ALGORITHMS["example_slr"].Params(server_lr=2.0)
+
+
+def _readme_robust_aggregation() -> str:
+    """The README's robust-aggregation block (``robust_agg.py`` there)."""
+    import re
+
+    from tests.helpers import REPO
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n### Robust aggregation (trimmed mean, median)\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return code
+
+
+def test_readme_robust_aggregation_is_a_trimmed_mean_and_median_that_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 45 item 7: the README's trimmed-mean algorithm, run as written: its server step equals a
+    sorted-and-cut reference (trim 0.5: torch's median for odd counts, the mean of the middle two for
+    even ones) and ignores a wild model; trim 0 over a real run equals FedAvg with uniform weights
+    (to float rounding: sorted vs unsorted summation), with every model gathered and counted."""
+    import numpy as np
+
+    from hpcfl.algorithms import Aggregate, ServerState, StateLayout
+    from hpcfl.registry import ALGORITHMS as REG
+
+    (tmp_path / "robust_agg.py").write_text(_readme_robust_aggregation())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        # as the README says: a config naming the module in imports: registers the algorithm
+        base = dict(
+            imports=["robust_agg"],
+            dataset="synthetic",
+            dataset_options={"n_train": 300, "n_test": 100, "seed": 3, "input_shape": [1, 8, 8], "num_classes": 4},
+            partition="dir:0.5", num_clients=5, model="mlp", rounds=2, local_steps=3, lr=0.05,
+            batch_size=16, seed=0, threads=1, progress=False,
+        )  # fmt: skip
+        robust = hpcfl.run_experiment(
+            config_from_dict({**base, "algorithm": "trimmed_mean", "params": {"trim": 0.0}}), tmp_path / "t"
+        )
+        mean = hpcfl.run_experiment(
+            config_from_dict({**base, "algorithm": "fedavg", "params": {"weighting": "uniform"}}),
+            tmp_path / "f",
+        )
+        assert torch.allclose(robust.server.x, mean.server.x, rtol=1e-5, atol=1e-6)
+        nbytes = robust.server.x.numel() * robust.server.x.element_size()
+        assert [r["bytes_up"] for r in robust.metrics] == [5 * nbytes] * 2  # every model gathered
+
+        cls = REG["trimmed_mean"]
+        g = torch.Generator().manual_seed(0)
+        for m in (5, 6):
+            models = torch.randn(m, 50, generator=g)
+            models[0] = 1e6  # one wild participant
+            agg = Aggregate(sums={}, weight=float(m), count=m, gathered={"x": list(models)})
+            layout = StateLayout.vector(50)
+            for trim, cut in ((0.2, 1), (0.5, (m - 1) // 2)):
+                algo = cls(cls.Params(trim=trim), layout=layout)
+                state, metrics = algo.server_update(ServerState(x=torch.zeros(50)), agg, None)
+                x = state.x
+                ref = np.sort(models.numpy(), axis=0)[cut : m - cut].mean(axis=0)
+                assert np.allclose(x.numpy(), ref, rtol=1e-6, atol=1e-6) and metrics["trimmed"] == 2 * cut
+                assert x.abs().max() < 10  # the wild model is cut off
+            if m % 2:
+                median = (
+                    cls(cls.Params(trim=0.5), layout=layout)
+                    .server_update(ServerState(x=torch.zeros(50)), agg, None)[0]
+                    .x
+                )
+                assert torch.equal(median, models.median(dim=0).values)
+        with pytest.raises(ConfigError, match="params.trim"):
+            cls.Params(trim=0.6)
+    finally:
+        REG._registered.pop("trimmed_mean", None)
+        sys.modules.pop("robust_agg", None)

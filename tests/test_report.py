@@ -229,3 +229,118 @@ def test_the_form_a_run_recorded_is_shown_over_its_configured_auto(tmp_path: Pat
         (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5, **extra}) + "\n")
         summary = summarise(run)
         assert summary.form == want and summary.label == f"scaffold ({want})"
+
+
+def _tiny_tct(**extra: object) -> dict:
+    """A TCT run of a few seconds: 2 FedAvg rounds, then 2 closed-form stage-2 rounds on p = 50."""
+    return dict(
+        name="tct",
+        dataset="synthetic",
+        dataset_options={"n_train": 240, "n_test": 60, "seed": 3, "input_shape": [1, 8, 8], "num_classes": 4},
+        partition="dir:0.5",
+        num_clients=4,
+        model="mlp",
+        algorithm="tct",
+        local_steps=2,
+        lr=0.05,
+        batch_size=16,
+        seed=0,
+        threads=1,
+        progress=False,
+        params={"stage1": {"rounds": 2}, "stage2": {"p": 50, "rounds": 2, "local_steps": 20}},
+        **extra,
+    )
+
+
+def _stop_after_rows(metrics: Path, rows: int):
+    """A stop request raised once ``rows`` metrics rows are written (a signal during that round)."""
+    from hpcfl.runner import StopRequest
+
+    class StopAfterRows(StopRequest):
+        @property  # type: ignore[override]
+        def requested(self) -> bool:
+            return metrics.exists() and len(metrics.read_text().splitlines()) >= rows
+
+        @requested.setter
+        def requested(self, value: bool) -> None:
+            pass
+
+    return StopAfterRows()
+
+
+def test_report_times_every_stage_with_tcts_extraction_and_the_runs_wall_time(tmp_path: Path) -> None:
+    """Issue 45 item 4: stage 2's first row carries its setup (the eNTK extraction), every row the
+    run's wall clock, continued across a resume; the report's stage times, setup included, add up
+    to the run's wall time."""
+    from hpcfl.config import config_from_dict
+    from hpcfl.report import write_report
+    from hpcfl.runner import run_experiment
+
+    cfg = config_from_dict(_tiny_tct())
+    run_dir = tmp_path / "tct"
+    stopped = run_experiment(cfg, run_dir, stop=_stop_after_rows(run_dir / "metrics.jsonl", 3))
+    assert (stopped.rounds_done, stopped.finished) == (3, False)  # checkpointed inside stage 2
+    before = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert run_experiment(cfg, run_dir, resume=True).finished
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[:3] == before  # the resume kept the checkpointed rows as they were
+
+    walls = [r["wall_s"] for r in rows]
+    assert all(a < b for a, b in zip(walls, walls[1:], strict=False)), walls  # one clock over both processes
+    assert [("stage_setup_s" in r) for r in rows] == [False, False, True, True]  # entered, re-entered
+    assert [r["stage"] for r in rows] == ["stage1", "stage1", "stage2", "stage2"]
+
+    runs = write_report([run_dir], tmp_path / "rep")
+    summary = runs[0]
+    assert summary.wall_seconds == walls[-1]
+    assert sum(summary.stage_seconds.values()) == pytest.approx(walls[-1], rel=1e-12)
+    assert summary.stage_seconds["stage2"] == pytest.approx(walls[3] - walls[1], rel=1e-12)
+    setup = rows[2]["stage_setup_s"] + rows[3]["stage_setup_s"]
+    assert summary.setup_seconds == {"stage2": pytest.approx(setup, rel=1e-12)}
+    assert summary.stage_seconds["stage2"] > setup > 0  # the extraction is counted inside stage 2
+    table = next(csv.DictReader((tmp_path / "rep" / "report.csv").open()))
+    assert float(table["wall_seconds"]) == walls[-1] and table["setup_seconds"].startswith("stage2:")
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "wall time of the run (s)" in md and f"{walls[-1]:.1f}" in md and "(setup " in md
+
+
+def test_last_k_labels_say_the_k_really_averaged() -> None:
+    """Issue 45 item 7: at the default --last 5, 3-round runs are labelled last-3 (the mean is over
+    their 3 rounds), runs of 3 and 7 rounds last-3–5, and runs of 7 rounds last-5."""
+    from hpcfl.report.methods import group_methods, method_markdown
+    from hpcfl.report.protocol import Protocol, last_k_mean
+
+    three, seven = _run("a", "fedavg", [0.1, 0.2, 0.3]), _run("b", "fedavg", [0.1] * 6 + [0.5])
+    protocol = Protocol()
+    assert protocol.label([three.rows]) == "3" and last_k_mean(three.rows, 5) == pytest.approx(0.2)
+    assert protocol.label([three.rows, seven.rows]) == "3–5"
+    assert protocol.label([seven.rows]) == "5" and protocol.label([]) == "5"
+    assert protocol.describe([three.rows]).startswith(
+        "last-3: the mean test accuracy of a run's last 3 evaluated rounds (all of its evaluated rounds "
+        "where it has fewer than --last 5)"
+    )
+    table = method_markdown(group_methods([three]), protocol, target=0.2)
+    assert "| last-3 test acc. (%) |" in table and "last-5" not in table
+
+
+def test_tcts_stage_1_curve_leaves_fedavgs_visible_in_the_accuracy_plot() -> None:
+    """Issue 45 item 7: TCT's stage 1 retraces FedAvg's curve; the run drawn first (FedAvg in the
+    comparison) is wider, with larger hollow markers, under the later one, in another style."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hpcfl.report.plots import draw_accuracy
+
+    fedavg = _run("fedavg", "fedavg", [0.1, 0.2, 0.3, 0.32])
+    tct = _run("tct", "tct", [0.1, 0.2, 0.3, 0.6])
+    fig, ax = plt.subplots()
+    try:
+        under, over = draw_accuracy(ax, [fedavg, tct])
+    finally:
+        plt.close(fig)
+    assert list(under.get_ydata()[:3]) == list(over.get_ydata()[:3])  # the coinciding stretch
+    assert under.get_linewidth() > over.get_linewidth() and under.get_markersize() > over.get_markersize()
+    assert under.get_zorder() < over.get_zorder() and under.get_markerfacecolor() == "none"
+    assert under.get_marker() != over.get_marker() and under.get_linestyle() != over.get_linestyle()

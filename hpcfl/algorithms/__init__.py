@@ -8,7 +8,8 @@ contexts (:class:`ClientContext`, :class:`ServerContext`), declared local work (
 stage contract of :mod:`hpcfl.algorithms.stage_types`: :class:`StageInput`, :class:`FederationView`,
 :class:`StagePlan`, :class:`RoundPlan`, round :class:`Observer` and its event types), the state
 layout and participation rule, the shared server optimisers (:mod:`hpcfl.algorithms.server_opt`) and
-:func:`register_algorithm`. A plugin's algorithm imports only from here.
+:func:`register_algorithm`, and :class:`ConfigError` (:mod:`hpcfl.errors`' one-line error for a
+bad hyper-parameter). A plugin's algorithm imports only from here.
 
 Stability: these names and their documented fields and signatures are public. Within a 0.x release
 series they change only additively (new optional fields and keyword arguments with defaults); a
@@ -60,6 +61,7 @@ from hpcfl.algorithms.stage_types import (
     StageInput,
     StagePlan,
 )
+from hpcfl.errors import ConfigError
 from hpcfl.registry import ALGORITHMS, register_algorithm
 from hpcfl.training.layout import StateLayout
 
@@ -82,6 +84,7 @@ __all__ = [
     "ClientContext",
     "ClientData",
     "ClientState",
+    "ConfigError",
     "Evaluator",
     "Exchange",
     "FederationView",

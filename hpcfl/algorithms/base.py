@@ -118,7 +118,7 @@ class SumSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.length * torch.empty((), dtype=self.dtype).element_size()
+        return self.length * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,11 @@ class Stage:
 
 
 class Algorithm(ABC, Generic[P, S, C]):
-    """Base class: subclasses set ``name`` and ``Params`` and implement :meth:`client_update`.
+    """Base class: subclasses set ``name`` and ``Params`` and implement :meth:`local_task` (the
+    participant's local training declared as a :class:`LocalTask`, which the runner trains alone or
+    batched with others; every built-in and the example plugin do this) or, where the local work is
+    not such a task, override :meth:`client_update` itself; :meth:`server_update` when the server
+    step is not the weighted average.
 
     Defaults: the exchange is the model state (weighted by n_k), everyone participates (or the
     run's ``clients_per_round`` sample), the server takes the weighted average, one stage.

@@ -76,6 +76,7 @@ class CPNTKFLParams(NTKFLParams):
 def projection_matrix(d_in: int, d_out: int, seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """P (d_in, d_out) with N(0, 1/d_out) entries from ``seed`` (the same on every client and rank)."""
     g = torch.Generator().manual_seed(int(seed))
+    # host: seeded on every rank alike; moved by its user
     return torch.randn(d_in, d_out, generator=g, dtype=torch.float64).div_(math.sqrt(d_out)).to(dtype)
 
 
@@ -141,6 +142,7 @@ class CPNTKFL(NTKFL):
         m = max(1, math.ceil(self.params.beta * n))
         if m >= n:
             return data.x, data.y
+        # host: the client's CPU generator
         pick = torch.randperm(n, generator=ctx.generator)[:m].sort().values.to(data.y.device)
         return data.x[pick], data.y[pick]
 
@@ -158,5 +160,6 @@ class CPNTKFL(NTKFL):
         rows = super().rows(aggregate, ctx)
         if not self.params.shuffle:
             return rows
+        # host: a seeded row order
         perm = torch.randperm(rows.total, generator=shuffle_generator(self.params.shuffle_seed, ctx.round))
         return permute_rows(rows, perm)

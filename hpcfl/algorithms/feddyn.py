@@ -140,9 +140,10 @@ class ClippedDynCorrection:
         if self.pull:
             assert self.anchor is not None
             v.sub_(self.anchor, alpha=self.pull)
-        coef = self.max_norm / (float(v.norm()) + 1e-6)
-        if coef < 1.0:
-            v.mul_(coef)
+        # on the device (no host read per step); in float64 then rounded, as the Python-float
+        # coefficient it replaces, so the step is bit for bit the same
+        coef = (self.max_norm / (v.norm().double() + 1e-6)).clamp(max=1.0)
+        v.mul_(coef.to(v.dtype))
         if self.pull + self.weight_decay:
             v.add_(w, alpha=self.pull + self.weight_decay)
         d.copy_(v)

@@ -230,6 +230,7 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
                 f"params.validation_clients: {V} leaves no client to train among {population.size}"
             )
         seed = np.random.SeedSequence([self.params.validation_seed, 0x7A1]).generate_state(1)[0]
+        # host: seeded client ids
         order = torch.randperm(population.size, generator=torch.Generator().manual_seed(int(seed)))
         return sorted(int(k) for k in order[:V])
 

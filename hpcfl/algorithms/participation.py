@@ -53,8 +53,8 @@ class Participation:
             return list(range(K))
         assert self.count is not None
         if self.weighting == "size":
-            w = torch.tensor(population.sizes, dtype=torch.float64)
+            w = torch.tensor(population.sizes, dtype=torch.float64)  # host: sampling weights
             pick = torch.multinomial(w, self.count, replacement=False, generator=generator)
         else:
-            pick = torch.randperm(K, generator=generator)[: self.count]
+            pick = torch.randperm(K, generator=generator)[: self.count]  # host: seeded client ids
         return sorted(int(k) for k in pick)

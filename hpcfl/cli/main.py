@@ -45,6 +45,7 @@ _COMMANDS = (
     "report",
     "submit",
     "status",
+    "listing",
     "bench",
 )
 

@@ -5,6 +5,11 @@ normalisation) are cheap to sweep. This command reuses ``features.zarr`` — who
 it was computed from this run's model, seed, p, logit and scope — and writes each sweep point to
 ``RUN_DIR/stage2/<settings>/metrics.jsonl``.
 
+``--set device=cpu`` re-solves the stage 2 of a GPU run on a machine without one (a login node):
+the stores and ``stage1_model.pt`` are device-free, so only the solver's device changes (and the
+results then agree with the GPU's to float rounding, not bit for bit); the device joins the tag so
+the two sweep points do not overwrite each other.
+
 The run directory may come from someone else: the modules its ``config.yaml`` names under
 ``imports:`` are imported only with ``--imports`` (they run code), and never from the directory the
 command was started in.
@@ -32,9 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Re-run TCT stage 2 on the features a TCT run stored, without recomputing them. "
             "Only solver settings may change: stage2.lr, auto_lr, local_steps, rounds, solver, "
-            "variant, loss, normalize."
+            "variant, loss, normalize; and device (device=cpu re-solves a GPU run on a CPU node)."
         ),
-        epilog="example: hpcfl tct-stage2 runs/tct --set stage2.lr=1e-4 stage2.local_steps=100",
+        epilog="example: hpcfl tct-stage2 runs/tct --set stage2.lr=1e-4 stage2.local_steps=100 device=cpu",
     )
     p.add_argument("run_dir", type=Path, help="directory of a TCT run whose stage 1 finished")
     p.add_argument(
@@ -43,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="extend",
         default=[],
         metavar="stage2.KEY=VALUE",
-        help="stage-2 settings to change",
+        help="stage-2 settings to change (and device=cpu|cuda)",
     )
     p.add_argument(
         "--imports",
@@ -62,9 +67,9 @@ def _sweep_config(run_dir: Path, pairs: list[str], imports: bool = False) -> tup
         raise RunDirError(f"{run_dir} holds no run (no config.yaml); pass the directory of a TCT run")
     saved = read_yaml(run_dir / "config.yaml")
     overrides = parse_overrides(pairs)
-    extra = set(overrides) - {"stage2"}
+    extra = set(overrides) - {"stage2", "device"}
     if extra:
-        raise ConfigError(f"tct-stage2 changes only stage2.* keys, not {', '.join(sorted(extra))}")
+        raise ConfigError(f"tct-stage2 changes only stage2.* keys and device, not {', '.join(sorted(extra))}")
     changed = overrides.get("stage2", {})
     frozen = [k for k in changed if k in FEATURE_KEYS]
     if frozen:
@@ -72,24 +77,38 @@ def _sweep_config(run_dir: Path, pairs: list[str], imports: bool = False) -> tup
             f"stage2.{frozen[0]} changes the features themselves; run `hpcfl run` with it instead of tct-stage2"
         )
     # a saved config keeps stage 2 under params:, which outranks a top-level (legacy) stage2: section
-    changes = {"params": {"stage2": changed}} if isinstance(saved.get("params"), dict) else overrides
-    named = saved.pop("imports", None) if isinstance(saved, dict) else None
+    changes = {"params": {"stage2": changed}} if isinstance(saved.get("params"), dict) else dict(overrides)
+    if "device" in overrides:
+        changes["device"] = overrides["device"]
+    modules = saved.pop("imports", None) if isinstance(saved, dict) else None
     if imports:
-        import_modules(named, from_cwd=False)
+        import_modules(modules, from_cwd=False)
     try:
         cfg = config_from_dict(merge(saved, changes))
     except ConfigError as err:
-        if named and not imports:
+        if modules and not imports:
             raise ConfigError(
-                f"{err} ({run_dir / 'config.yaml'} names imports: {named}, not imported: pass --imports "
+                f"{err} ({run_dir / 'config.yaml'} names imports: {modules}, not imported: pass --imports "
                 "if you trust this run directory)"
             ) from None
         raise
-    cfg.imports = list(named or [])  # as saved (imported above only with --imports)
+    cfg.imports = list(modules or [])  # as saved (imported above only with --imports)
     if cfg.algorithm != "tct":
         raise ConfigError(f"{run_dir} is a {cfg.algorithm} run; tct-stage2 needs a TCT run")
-    tag = ",".join(f"{k}={v}" for k, v in sorted(changed.items())) or "as-configured"
+    if cfg.device != "cpu" and "device" not in overrides and not _cuda_visible():
+        raise ConfigError(
+            f"{run_dir} ran with device: {cfg.device} but no CUDA GPU is visible here; "
+            "add --set device=cpu to re-solve its stage 2 on the CPU"
+        )
+    named = {**changed, **({"device": overrides["device"]} if "device" in overrides else {})}
+    tag = ",".join(f"{k}={v}" for k, v in sorted(named.items())) or "as-configured"
     return cfg, tag
+
+
+def _cuda_visible() -> bool:
+    import torch  # not at parser build
+
+    return torch.cuda.is_available()
 
 
 def run(args: argparse.Namespace) -> int:

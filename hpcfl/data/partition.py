@@ -350,7 +350,7 @@ def partition(
             parts = _classes(
                 y, num_clients, param, rng, spec, num_classes, balanced=kind == "balanced-classes"
             )
-    return [torch.from_numpy(np.sort(p).astype(np.int64)) for p in parts]
+    return [torch.from_numpy(np.sort(p).astype(np.int64)) for p in parts]  # host: index bookkeeping
 
 
 def partition_stats(labels: torch.Tensor, parts: Sequence[torch.Tensor], num_classes: int) -> np.ndarray:

@@ -100,7 +100,7 @@ def load_partition(path: str | os.PathLike[str]) -> SavedPartition:
                 raise ValueError(f"client entry {k} is inconsistent")
             if int(row.sum()) != idx.size:
                 raise ValueError(f"client {k}: counts sum to {int(row.sum())}, size is {idx.size}")
-            parts.append(torch.from_numpy(idx))
+            parts.append(torch.from_numpy(idx))  # host: index bookkeeping
             rows.append(row)
         counts = np.stack(rows) if rows else np.zeros((0, num_classes), dtype=np.int64)
         return SavedPartition(

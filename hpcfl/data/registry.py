@@ -55,13 +55,15 @@ def canonical_name(name: str) -> str:
 def _normalise(images: np.ndarray, name: str) -> torch.Tensor:
     """uint8 (N, C, H, W) → float32 (x/255 − mean)/std per channel."""
     mean, std = NORMALIZATION[name]
+    # host: data loading
     x = torch.tensor(images).to(torch.float32)  # (N, C, H, W); 5x faster than numpy's astype here
-    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
-    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255.0  # host: data loading
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255.0  # host: data loading
     return x.sub_(m).div_(s)
 
 
 def _split(images: np.ndarray, labels: np.ndarray, name: str) -> Split:
+    # host: data loading
     return Split(x=_normalise(images, name), y=torch.from_numpy(labels.astype(np.int64)))
 
 
@@ -91,12 +93,12 @@ def _load_femnist(name: str, root: Path, download: bool) -> Dataset:
     x_tr, y_tr, x_te, y_te, idx_tr, idx_te = load_femnist_arrays(root)
     return Dataset(
         name=name,
-        train=Split(x=torch.from_numpy(x_tr), y=torch.from_numpy(y_tr)),
-        test=Split(x=torch.from_numpy(x_te), y=torch.from_numpy(y_te)),
+        train=Split(x=torch.from_numpy(x_tr), y=torch.from_numpy(y_tr)),  # host: data loading
+        test=Split(x=torch.from_numpy(x_te), y=torch.from_numpy(y_te)),  # host: data loading
         num_classes=FEMNIST_CLASSES,
         input_shape=(1, 28, 28),
-        natural_clients=[torch.from_numpy(i) for i in idx_tr],
-        natural_test_clients=[torch.from_numpy(i) for i in idx_te],
+        natural_clients=[torch.from_numpy(i) for i in idx_tr],  # host: index bookkeeping
+        natural_test_clients=[torch.from_numpy(i) for i in idx_te],  # host: index bookkeeping
     )
 
 

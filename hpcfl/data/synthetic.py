@@ -47,7 +47,7 @@ def make_synthetic(
         y = rng.permutation(np.arange(n, dtype=np.int64) % num_classes)
         x = rng.standard_normal((n, dim), dtype=np.float32)  # (N, D) noise
         x += means[y]
-        return Split(x=torch.from_numpy(x).reshape(n, *shape), y=torch.from_numpy(y))
+        return Split(x=torch.from_numpy(x).reshape(n, *shape), y=torch.from_numpy(y))  # host: data loading
 
     train = split(n_train)
     test = split(n_test)

@@ -68,6 +68,7 @@ def coordinate_set(num_params: int, p: int, seed: int) -> Tensor:
             f"eNTK feature dimension p={p} must be between 1 and the parameter count {num_params}"
         )
     gen = torch.Generator().manual_seed(int(seed))
+    # host: a seeded subset, moved by its user
     return torch.randperm(num_params, generator=gen)[:p].sort().values  # (p,)
 
 
@@ -100,7 +101,7 @@ class ParamColumns:
 
 def param_columns(named: list[tuple[str, nn.Parameter]], coords: Tensor) -> list[ParamColumns]:
     """Split sorted ``coords`` into per-parameter column slices (one entry per parameter)."""
-    sizes = torch.tensor([t.numel() for _, t in named], dtype=torch.int64)
+    sizes = torch.tensor([t.numel() for _, t in named], dtype=torch.int64)  # host: index bookkeeping
     ends = torch.cumsum(sizes, 0)  # (K,)
     starts = ends - sizes
     cuts = torch.searchsorted(coords, torch.cat([starts[:1], ends])).tolist()  # (K+1,)

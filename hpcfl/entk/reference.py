@@ -26,6 +26,46 @@ page here); within that bound, larger chunks are faster (fewer ops). Measured on
 chunk of 256)."""
 
 
+VMAP_GPU_FREE_FRACTION = 0.5
+"""Share of a GPU's free memory (the driver's free memory plus what PyTorch's allocator holds
+unallocated) that one vmap chunk may fill: the stated budget of :func:`vmap_chunk` on a GPU, where
+the host's cache-sized chunk (165 MB peak for resnet18 on a 141 GB H200, issue 39) starves vmap."""
+
+VMAP_GPU_COPIES = 3
+"""A chunk's memory per sample on a GPU in parameter-vector sizes: the per-sample gradients, the
+backward's temporaries of their size and the gathered copy (a stated bound: ``hpcfl bench entk``
+records the chunk and its peak memory, which checks it)."""
+
+
+def vmap_memory_budget(device: torch.device) -> int | None:
+    """Bytes a vmap chunk may use on ``device``: None on the host (the cache-sized rule of
+    :func:`vmap_chunk`), on a GPU :data:`VMAP_GPU_FREE_FRACTION` of its free memory (one query,
+    once per call: a host sync outside any step)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(VMAP_GPU_FREE_FRACTION * (free + cached))
+
+
+def vmap_chunk(
+    batch_size: int, param_elems: int, largest_bytes: int, elem_size: int, *, memory_budget: int | None
+) -> int:
+    """Samples per ``vmap`` chunk, at least 1 and at most ``batch_size``.
+
+    On the host (``memory_budget`` None) the chunk is cache-sized: at most
+    :data:`VMAP_BUDGET_ELEMS` per-sample gradient elements and a largest per-parameter block of
+    :data:`VMAP_BLOCK_BYTES` (glibc's reused heap). With a budget (a GPU, see
+    :func:`vmap_memory_budget`) it is the largest that fits: :data:`VMAP_GPU_COPIES` parameter
+    vectors of ``param_elems × elem_size`` bytes per sample.
+    """
+    if memory_budget is None:
+        cap = min(VMAP_BUDGET_ELEMS // max(1, param_elems), VMAP_BLOCK_BYTES // max(1, largest_bytes))
+    else:
+        cap = memory_budget // max(1, VMAP_GPU_COPIES * param_elems * elem_size)
+    return max(1, min(batch_size, cap))
+
+
 def _cast(x: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
     """Inputs to the model's device; floating inputs also to its dtype."""
     return x.to(device=device, dtype=dtype if x.is_floating_point() else None)
@@ -83,8 +123,8 @@ def vmap_features(
     batch_size: int,
     progress: bool,
 ) -> Tensor:
-    """``vmap(grad(f))`` over ``functional_call`` in chunks of samples (see ``VMAP_BUDGET_ELEMS`` and
-    ``VMAP_BLOCK_BYTES``).
+    """``vmap(grad(f))`` over ``functional_call`` in chunks of samples (:func:`vmap_chunk`: cache-sized
+    on the host, the largest that fits a share of free memory on a GPU).
 
     Each chunk's per-sample gradients are indexed parameter by parameter straight into the output
     columns, so the (chunk, P) concatenation is never formed.
@@ -94,7 +134,8 @@ def vmap_features(
     fixed = _fixed(model, named)
     total = sum(t.numel() for t in params.values())
     largest = max((t.numel() * t.element_size() for t in params.values()), default=1)
-    chunk = max(1, min(batch_size, VMAP_BUDGET_ELEMS // max(1, total), VMAP_BLOCK_BYTES // max(1, largest)))
+    elem = max((t.element_size() for t in params.values()), default=4)
+    chunk = vmap_chunk(batch_size, total, largest, elem, memory_budget=vmap_memory_budget(device))
     locals_ = [c.local.to(device) for c in columns]
 
     def f(theta: dict[str, Tensor], x: Tensor) -> Tensor:

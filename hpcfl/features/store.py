@@ -137,8 +137,9 @@ def _encode(block: Tensor, meta: FeatureMeta) -> np.ndarray:
 
 def _decode(array: np.ndarray, meta: FeatureMeta) -> Tensor:
     if meta.dtype == "bfloat16":
+        # host: read from Zarr
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(array))
+    return torch.from_numpy(np.ascontiguousarray(array))  # host: read from Zarr
 
 
 class ClientWriter:
@@ -395,7 +396,7 @@ class FeatureStoreReader:
         """All of client ``k``: features (n_k, p) in the store's dtype and int64 labels (n_k,)."""
         data = self._read_verified(k)
         labels = _read_labels(self.path, self._root, k)
-        return _decode(data, self.meta), torch.from_numpy(labels)
+        return _decode(data, self.meta), torch.from_numpy(labels)  # host: read from Zarr
 
 
 def open_feature_store(path: str | Path, *, expect: FeatureMeta | None) -> FeatureStoreReader:

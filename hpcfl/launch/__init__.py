@@ -1,17 +1,12 @@
 """SLURM through submitit: ``hpcfl submit`` queues a run, ``hpcfl status`` reports on it.
 
-Needs the ``slurm`` extra (``pip install 'hpcfl[slurm]'``); importing this package without submitit
-raises a :class:`~hpcfl.errors.ConfigError` that says so.
+Submitting, and reading a submitted job, need the ``slurm`` extra (``pip install 'hpcfl[slurm]'``):
+the modules that do (:mod:`~hpcfl.launch.job`, :mod:`~hpcfl.launch.submit`, a job record read by
+:mod:`~hpcfl.launch.status`) raise a :class:`~hpcfl.errors.ConfigError` that says so without it.
+``hpcfl status`` of a local run or sweep never imports submitit.
 """
 
 from __future__ import annotations
-
-try:
-    import submitit as _submitit  # noqa: F401
-except ImportError as err:  # pragma: no cover - the dev environment has it
-    from hpcfl.errors import ConfigError
-
-    raise ConfigError("hpcfl submit/status need submitit: pip install 'hpcfl[slurm]'") from err
 
 from hpcfl._lazy import lazy_exports
 

@@ -20,14 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import submitit
-from submitit.core.job_environment import SignalHandler
-from submitit.core.utils import DelayedSubmission
-
 from hpcfl.comm import finalize_mpi
 from hpcfl.config import config_from_dict
 from hpcfl.errors import ConfigError, StoppedError
-from hpcfl.launch.records import error_path
+from hpcfl.launch.records import error_path, missing_slurm_extra
+
+try:
+    import submitit
+    from submitit.core.job_environment import SignalHandler
+    from submitit.core.utils import DelayedSubmission
+except ImportError as err:
+    raise missing_slurm_extra("a SLURM job of hpcfl") from err
+
 from hpcfl.runner import StopRequest, run_experiment
 from hpcfl.runner.checkpoint import latest_round
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcfl.errors import ConfigError
+
 #: Sub-directory of the run directory that holds submitit's files and the job records.
 SLURM_DIR = "slurm"
 JOBS_FILE = "jobs.jsonl"
@@ -40,6 +42,14 @@ def read_job_records(run_dir: Path) -> list[JobRecord]:
         except TypeError:  # a row of another version, or edited by hand: not a record
             continue
     return records
+
+
+def missing_slurm_extra(what: str) -> ConfigError:
+    """The one-line error of a command that needs submitit (the ``slurm`` extra) where it is absent.
+
+    Only submitting and reading a submitted job need it: ``hpcfl status`` of a local run or sweep
+    never imports submitit."""
+    return ConfigError(f"{what} needs submitit, the slurm extra: pip install 'hpcfl[slurm]'")
 
 
 def error_path(folder: Path, job_id: str, rank: int = 0) -> Path:

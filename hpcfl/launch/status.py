@@ -282,7 +282,12 @@ def run_status(run_dir: Path, views: dict[str, SlurmView] | None = None) -> RunS
     else:
         _slurm_state(record.job_id, status, views)
     status.error = _job_error(folder, record.job_id)
-    from submitit.core.utils import JobPaths
+    from hpcfl.launch.records import missing_slurm_extra
+
+    try:  # a submitted job: its log path is submitit's
+        from submitit.core.utils import JobPaths
+    except ImportError as err:
+        raise missing_slurm_extra(f"hpcfl status of the submitted job {record.job_id}") from err
 
     status.log = str(JobPaths(folder, job_id=record.job_id, task_id=0).stderr)
     return status

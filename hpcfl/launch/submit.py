@@ -24,14 +24,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import submitit
-from submitit.core.utils import FailedJobError
-
 from hpcfl.config import Config, config_differences, read_yaml
 from hpcfl.errors import CommError, ConfigError, RunDirError
 from hpcfl.files import append_jsonl
+from hpcfl.launch.records import JOBS_FILE, SLURM_DIR, JobRecord, missing_slurm_extra
+
+try:
+    import submitit
+    from submitit.core.utils import FailedJobError
+except ImportError as err:
+    raise missing_slurm_extra("hpcfl submit") from err
+
 from hpcfl.launch.job import HpcflJob
-from hpcfl.launch.records import JOBS_FILE, SLURM_DIR, JobRecord
 
 EXECUTORS = ("slurm", "local")
 PMI_CHOICES = ("pmi2", "pmix", "pmi1", "none", "default")

@@ -34,7 +34,7 @@ def calibration_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor,
     """A seeded random split of ``n`` points into (calibration, evaluation) index tensors, the
     calibration part ⌊fraction·n⌋ points (at least 1 on each side)."""
     n_cal = min(max(int(fraction * n), 1), n - 1)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))  # host: a seeded index split
     return order[:n_cal].sort().values, order[n_cal:].sort().values
 
 
@@ -87,6 +87,7 @@ def conformal_metrics(
     probs = probs.to(torch.float64)
     labels = labels.to(torch.long)
     cal, ev = calibration_split(probs.shape[0], calibration_fraction, seed)
+    # host: probs come back to the host
     u = torch.rand(probs.shape[0], generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
     out: dict[str, float] = {}
     for method in methods:

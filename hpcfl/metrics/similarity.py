@@ -77,6 +77,7 @@ class LayerSimilarity:
         if test_x.shape[0] < 4:
             raise ConfigError("cka_metrics needs a test set of at least 4 samples")
         gen = torch.Generator().manual_seed(fed.cfg.seed)
+        # host: a seeded probe index
         pick = torch.randperm(test_x.shape[0], generator=gen)[:PROBE_SIZE].sort().values
         return cls(fed.flat, test_x[pick].to(fed.device), len(fed.parts))
 

@@ -161,14 +161,14 @@ def _seeded_default_init(layer: nn.Linear, seed: int) -> None:
     in float32, copied into the layer's tensors (in place; views of them stay valid)."""
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int(seed))
-    weight = torch.empty(layer.weight.shape, dtype=torch.float32)
+    weight = torch.empty(layer.weight.shape, dtype=torch.float32)  # host: seeded CPU init, copied in
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=gen)
     with torch.no_grad():
         layer.weight.copy_(weight)
         if layer.bias is not None:
             fan_in = layer.weight.shape[1]
             bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-            bias = torch.empty(layer.bias.shape, dtype=torch.float32)
+            bias = torch.empty(layer.bias.shape, dtype=torch.float32)  # host: seeded CPU init, copied in
             nn.init.uniform_(bias, -bound, bound, generator=gen)
             layer.bias.copy_(bias)
 

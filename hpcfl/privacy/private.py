@@ -152,6 +152,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         """Client level: Poisson sampling, each client with q = M/K (what the accountant assumes)."""
         if self.mech.level == "sample":
             return self.inner.participants(rnd, population, generator)
+        # host: seeded client sampling
         take = torch.rand(population.size, generator=generator, dtype=torch.float64) < self.mech.rate
         return [int(k) for k in torch.nonzero(take).flatten()]
 
@@ -173,6 +174,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
             out = history.clone()
             out[-1, 1:] += add
             return out
+        # host: accountant bookkeeping
         row = torch.cat([torch.tensor([sigma], dtype=torch.float64), add.to(torch.float64)])
         return torch.cat([history, row[None]])
 
@@ -182,13 +184,13 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         history = getattr(server, "dp_history", None)
         if history is not None:
             return history
-        empty = torch.zeros(0, 1 + self.units, dtype=torch.float64)
+        empty = torch.zeros(0, 1 + self.units, dtype=torch.float64)  # host: accountant bookkeeping
         steps = getattr(server, "dp_steps", None)
         return empty if steps is None or not float(steps.sum()) > 0 else self.extend(empty, steps)
 
     def round_steps(self, who: Sequence[int]) -> torch.Tensor:
         """Steps one round adds to each unit: 1 (client level), or each participant's local steps."""
-        add = torch.zeros(self.units, dtype=torch.float64)
+        add = torch.zeros(self.units, dtype=torch.float64)  # host: accountant bookkeeping
         if self.mech.level == "client":
             add[0] = 1.0
         else:
@@ -219,7 +221,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         if limits:
             eps = self.epsilon(self.extend(history, self.round_steps(range(self.population.size))))
             flag = next((code for limit, code in sorted(limits) if eps > limit), 0.0)
-        return torch.tensor([flag], dtype=torch.float64)
+        return torch.tensor([flag], dtype=torch.float64)  # host: accountant bookkeeping
 
     # -- states --------------------------------------------------------------------------------
     def _wrap(self, inner_state: ServerState, **dp: torch.Tensor) -> ServerState:
@@ -229,9 +231,9 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         return cls(**values)
 
     def init_server(self, x0: torch.Tensor) -> ServerState:
-        steps = torch.zeros(self.units, dtype=torch.float64)
-        history = torch.zeros(0, 1 + self.units, dtype=torch.float64)
-        clip = torch.tensor([self.mech.clip], dtype=torch.float64)
+        steps = torch.zeros(self.units, dtype=torch.float64)  # host: accountant bookkeeping
+        history = torch.zeros(0, 1 + self.units, dtype=torch.float64)  # host: accountant bookkeeping
+        clip = torch.tensor([self.mech.clip], dtype=torch.float64)  # host: the clip, read as a float
         return self._wrap(
             self.inner.init_server(x0),
             dp_clip=clip,
@@ -271,12 +273,15 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         if mech.level == "client":
             expected = mech.rate * self.population.size  # qK: the fixed denominator
             gen = noise_generator(mech.seed, ctx.round)
+            # host: seeded, moved once a round
             noise = torch.randn(self.state_size, generator=gen, dtype=torch.float64) * (mech.update_sigma * S)
             summed = aggregate.sums["x"]
             total = summed + noise.to(device=summed.device, dtype=summed.dtype)
             if mech.adaptive is not None:
+                # host: read as a float
                 count_noise = float(torch.randn(1, generator=gen, dtype=torch.float64)) * mech.count_stddev
                 below = (float(aggregate.sums["dp_below"][0]) + count_noise) / expected
+                # host: the clip, read as a float
                 clip = torch.tensor([adaptive_clip_step(S, below, mech.adaptive)], dtype=torch.float64)
             aggregate = Aggregate(sums={"x": server.x + total / expected}, weight=1.0, count=aggregate.count)
         inner_state, metrics = self.inner.server_update(server, aggregate, ctx)

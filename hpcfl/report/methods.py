@@ -110,11 +110,12 @@ def group_methods(runs: list[RunSummary]) -> list[Cell]:
 def method_markdown(methods: list[Cell], protocol: Protocol, target: float) -> str:
     """The headline table: last-k mean ± std and rounds/MB to target per method."""
     k, w, pct = protocol.last_k, protocol.window, f"{100 * target:g}%"
+    rows = [r.rows for m in methods for r in m.runs]
     lines = [
-        f"Per method, mean ± sample std over seeds ({protocol.describe()}; target {pct}; (r/n): only "
+        f"Per method, mean ± sample std over seeds ({protocol.describe(rows)}; target {pct}; (r/n): only "
         "r of n seeds reached it). The final single-round accuracy is secondary.",
         "",
-        f"| method | partition | seeds | last-{k} test acc. (%) | rounds to {pct} (mean of {w}) "
+        f"| method | partition | seeds | last-{protocol.label(rows)} test acc. (%) | rounds to {pct} (mean of {w}) "
         f"| MB to {pct} | final test acc. (%) |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]

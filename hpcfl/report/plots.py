@@ -21,23 +21,17 @@ def _pyplot() -> Any:
     return plt
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINES = ("-", "--", "-.", ":")
+
+
 def plot_accuracy(
     runs: list[RunSummary], path: Path, *, title: str = "test accuracy vs communication round"
 ) -> Path:
     """One curve per run; TCT's stage boundary is marked."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in runs:
-        ax.plot(
-            [row["round"] for row in r.rows],
-            [100 * row["test_accuracy"] for row in r.rows],
-            marker="o",
-            ms=3,
-            label=r.name,
-        )
-        stage2 = [row["round"] for row in r.rows if row.get("stage") == "stage2"]
-        if stage2:
-            ax.axvline(stage2[0] - 0.5, color="grey", ls=":", lw=1)
+    draw_accuracy(ax, runs)
     ax.set_xlabel("communication round")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(title)
@@ -45,6 +39,33 @@ def plot_accuracy(
     ax.legend()
     fig.tight_layout()
     return save_figure(fig, path, dpi=120)
+
+
+def draw_accuracy(ax: Any, runs: list[RunSummary]) -> list[Any]:
+    """One curve per run on ``ax`` (returned in run order), each with its own marker and line style;
+    a run drawn earlier is wider, with larger hollow markers, under the later ones, so curves that
+    coincide stay visible (TCT's stage 1 is FedAvg: it retraces FedAvg's curve of the same seed)."""
+    lines = []
+    n = len(runs)
+    for i, r in enumerate(runs):
+        under = (n - 1 - i) / max(n - 1, 1)  # 1 for the first run drawn, 0 for the last
+        (line,) = ax.plot(
+            [row["round"] for row in r.rows],
+            [100 * row["test_accuracy"] for row in r.rows],
+            marker=_MARKERS[i % len(_MARKERS)],
+            ls=_LINES[i % len(_LINES)],
+            lw=1.2 + 2.4 * under,
+            ms=3.5 + 4.5 * under,
+            mfc="none" if i < n - 1 else None,
+            alpha=0.85,
+            zorder=2 + i,
+            label=r.name,
+        )
+        lines.append(line)
+        stage2 = [row["round"] for row in r.rows if row.get("stage") == "stage2"]
+        if stage2:
+            ax.axvline(stage2[0] - 0.5, color="grey", ls=":", lw=1)
+    return lines
 
 
 def drift_runs(runs: list[RunSummary]) -> list[RunSummary]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hpcfl.errors import ConfigError
@@ -48,10 +48,26 @@ class Protocol:
                 f"--window must be a whole number of evaluated rounds >= 1, got {self.window!r}"
             )
 
-    def describe(self) -> str:
-        """One sentence for a report's header."""
+    def label(self, runs: Iterable[Sequence[dict]] = (), key: str = TEST) -> str:
+        """The K a last-K mean over ``runs`` (their metrics rows) really averages: ``last_k``, fewer
+        where the runs have fewer evaluated rounds (``3`` for 3-round runs at ``--last 5``), a range
+        ``2–5`` where they differ; ``last_k`` when no run is given."""
+        used = {min(self.last_k, len(evaluated(rows, key))) for rows in runs} - {0}
+        if not used:
+            return str(self.last_k)
+        lo, hi = min(used), max(used)
+        return str(lo) if lo == hi else f"{lo}–{hi}"
+
+    def describe(self, runs: Iterable[Sequence[dict]] = ()) -> str:
+        """One sentence for a report's header, with the K the runs' last-K means really average."""
+        k = self.label(runs)
+        fewer = (
+            f" (all of its evaluated rounds where it has fewer than --last {self.last_k})"
+            if k != str(self.last_k)
+            else ""
+        )
         return (
-            f"last-{self.last_k}: the mean test accuracy of a run's last {self.last_k} evaluated rounds; "
+            f"last-{k}: the mean test accuracy of a run's last {k} evaluated rounds{fewer}; "
             f"rounds to target: the first round whose running mean over the last {self.window} "
             "evaluated rounds reaches the target"
         )

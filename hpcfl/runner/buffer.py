@@ -47,4 +47,4 @@ class BufferLayout:
         return torch.zeros(self.size, dtype=dtype, device=device)
 
     def nbytes(self, dtype: torch.dtype) -> int:
-        return self.size * torch.empty((), dtype=dtype).element_size()
+        return self.size * dtype.itemsize

@@ -3,7 +3,10 @@
 Layout: ``checkpoints/round_000010/{server.pt, clients/client_3.pt, ...}`` plus ``checkpoints/LATEST``
 naming the newest complete one. Each rank writes the clients it owns into a temporary directory;
 after a barrier rank 0 points LATEST at it and renames it into place, so a crash mid-write leaves
-the previous checkpoint as the latest, and a crash between the two is rolled forward on resume. Client files are per client, so a run can resume on another rank count.
+the previous checkpoint as the latest, and a crash between the two is rolled forward on resume.
+Client files are per client, so a run can resume on another rank count. The files name no device
+(:func:`hpcfl.files.atomic_torch_save` writes host copies and :func:`load_checkpoint` maps every
+tensor to the loading rank's device), so a run resumes on another rank→GPU assignment or a CPU node.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import shutil
 import sys
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ import torch
 
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import RunDirError
-from hpcfl.files import atomic_torch_save, atomic_write_text
+from hpcfl.files import atomic_torch_save, atomic_write_text, read_torch
 
 KEEP = 2  # complete checkpoints kept on disk
 
@@ -33,6 +36,24 @@ class Checkpoint:
     server: dict[str, Any]
     clients: dict[int, dict[str, Any]]
     extra: dict[str, Any]
+
+
+def placed_state(fresh: Any, data: Mapping[str, Any], device: torch.device | str | None = None) -> Any:
+    """A state of ``type(fresh)`` from saved ``data`` (a dict of its fields), each tensor where this run keeps it.
+
+    A field goes to the device of the same field of ``fresh``, a state as this run initialises it
+    (so host bookkeeping such as DP's step counts stays on the host while the model vectors are on
+    the rank's GPU); a field ``fresh`` leaves unset goes to ``device`` (the rank's), or stays where
+    it was loaded when ``device`` is None (:func:`load_checkpoint` maps it to the rank's device).
+    Where the file's tensors were written plays no part. A tensor already in place is kept, not copied.
+    """
+    placed = dict(data)
+    for name, value in data.items():
+        like = getattr(fresh, name, None)
+        target = like.device if isinstance(like, torch.Tensor) else device
+        if isinstance(value, torch.Tensor) and target is not None:
+            placed[name] = value.to(target)
+    return type(fresh)(**placed)
 
 
 def _round_dir(root: Path, rnd: int) -> Path:
@@ -131,7 +152,7 @@ def _damage(d: Path, client_ids: list[int]) -> str | None:
     head = _zip_damage(d, d / "server.pt")
     if head is not None:
         return head
-    saved = torch.load(d / "server.pt", weights_only=True)["extra"].get("clients")
+    saved = read_torch(d / "server.pt", device="cpu")["extra"].get("clients")  # metadata: the host
     if saved is not None:  # only the clients that had a state were saved
         client_ids = sorted(set(client_ids) & set(saved))
     for path in [d / "clients" / f"client_{k}.pt" for k in client_ids]:
@@ -156,9 +177,18 @@ def _zip_damage(d: Path, path: Path) -> str | None:
 
 
 def load_checkpoint(
-    root: Path, client_ids: list[int], *, all_clients: list[int] | None = None, reset: Sequence[int] = ()
+    root: Path,
+    client_ids: list[int],
+    *,
+    device: torch.device | str,
+    all_clients: list[int] | None = None,
+    reset: Sequence[int] = (),
 ) -> Checkpoint | None:
     """Load the newest sound checkpoint (server + the given clients), or None if there is none.
+
+    Every tensor comes back on ``device``, the loading rank's (``Federation.device``), whatever
+    device the files were written from: checkpoints are written from host copies and read with
+    ``map_location``, so a run resumes on another rank→GPU assignment or on a CPU node.
 
     A damaged newest checkpoint (checked by :func:`_damage` over ``all_clients``, default
     ``client_ids``) falls back to the older complete one with a note on stderr; when none is sound
@@ -179,7 +209,7 @@ def load_checkpoint(
         if damage is None:
             if (
                 first_damage is not None
-                and "client_map" in torch.load(d / "server.pt", weights_only=True)["extra"]
+                and "client_map" in read_torch(d / "server.pt", device="cpu")["extra"]  # metadata
             ):
                 raise RunDirError(
                     f"cannot resume: {first_damage}, and the older checkpoint {d.name} cannot be used because "
@@ -191,7 +221,7 @@ def load_checkpoint(
                     f"resuming from the older complete checkpoint {d.name}",
                     file=sys.stderr,
                 )
-            return _load(d, client_ids)
+            return _load(d, client_ids, device)
         first_damage = first_damage or damage
     raise RunDirError(
         f"cannot resume: {first_damage} and no older complete checkpoint is sound; "
@@ -207,9 +237,9 @@ def _reset_hint(damage: str | None) -> str:
     return ""
 
 
-def _load(d: Path, client_ids: list[int]) -> Checkpoint:
-    head = torch.load(d / "server.pt", weights_only=True)
+def _load(d: Path, client_ids: list[int], device: torch.device | str) -> Checkpoint:
+    head = read_torch(d / "server.pt", device=device)
     saved = head["extra"].get("clients")  # ids whose state was saved (clients never trained have none)
     wanted = client_ids if saved is None else sorted(set(client_ids) & set(saved))
-    clients = {k: torch.load(d / "clients" / f"client_{k}.pt", weights_only=True) for k in wanted}
+    clients = {k: read_torch(d / "clients" / f"client_{k}.pt", device=device) for k in wanted}
     return Checkpoint(round=head["round"], server=head["server"], clients=clients, extra=head["extra"])

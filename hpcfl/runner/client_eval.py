@@ -189,7 +189,7 @@ class ClientEval(Observer):
         start = end.work.start
         self._ids = ids = sampled_clients(len(self.held_sizes), self.sample, self.seed, start.round)
         self._tuned = tune = self.tune is not None and (not self.last_only or start.final)
-        table = torch.zeros(len(ids), 5 if tune else 3, dtype=torch.float64)
+        table = torch.zeros(len(ids), 5 if tune else 3, dtype=torch.float64)  # host: per-client floats
         at = {k: i for i, k in enumerate(ids)}
         x = end.server.evaluated()[""]  # the reported model, as test_accuracy is
         for k in self.place(ids):

@@ -75,6 +75,7 @@ from zarr.errors import ContainsArrayError, ContainsGroupError
 from hpcfl.chunks import chunk_file_problem, crc32
 from hpcfl.errors import ConfigError, RunDirError, StoreError
 from hpcfl.node import memory_share
+from hpcfl.runner.checkpoint import placed_state
 
 if TYPE_CHECKING:
     from hpcfl.runner.checkpoint import Checkpoint
@@ -133,7 +134,7 @@ def _storage(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype a torch dtype is stored as (bfloat16: its raw bits, zarr has no bf16)."""
     if dtype == torch.bfloat16:
         return np.dtype(np.uint16)
-    return torch.empty((), dtype=dtype).numpy().dtype
+    return torch.empty((), dtype=dtype).numpy().dtype  # host: a dtype query
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -153,8 +154,8 @@ def _encode(t: Tensor) -> np.ndarray:
 def _decode(a: np.ndarray, dtype: torch.dtype) -> Tensor:
     a = np.array(a, copy=True, order="C")
     if dtype == torch.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # host: read from Zarr
+    return torch.from_numpy(a)  # host: read from Zarr
 
 
 def _syncfs(path: Path) -> bool:
@@ -508,7 +509,11 @@ class ClientStates:
     The store is created on the spill with the dataclass's field names; each field's array when its
     first non-None value is written (its shape and dtype then fixed). A stored tensor comes back on
     ``device`` if given, else on the device type (``cpu``, ``cuda`` = the current device) its field
-    was last put from; a state from :meth:`get` in store mode is a fresh copy: :meth:`put` changes.
+    written from: the device of the same field of a fresh ``init`` state, or ``device`` (the run's,
+    default the host) where a fresh state leaves the field unset (see
+    :func:`~hpcfl.runner.checkpoint.placed_state`), so a store written on rank 0's GPU or on a CPU
+    node restores onto the reading rank's device; a state from :meth:`get` in store mode is a
+    fresh copy: :meth:`put` changes.
     """
 
     def __init__(
@@ -518,7 +523,7 @@ class ClientStates:
         num_clients: int,
         budget_bytes: int | None,
         path: Path | None,
-        device: torch.device | str | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
@@ -528,15 +533,14 @@ class ClientStates:
         self.num_clients = int(num_clients)
         self.budget_bytes = budget_bytes
         self.path = Path(path) if path is not None else None
-        self.device = torch.device(device) if device is not None else None
-        self._cls: type | None = None
+        self.device = torch.device(device)
+        self._fresh: Any = None  # init(k) of the first client asked for: where each field lives
         self._mem: dict[int, Any] = {}  # memory mode: client -> state
         self._held = 0  # bytes of tensors in _mem
         self._store: ClientStateStore | None = None
         self._disk = False
         self._ckpt = np.full(self.num_clients, -1, dtype=np.int8)  # slot_of as of the last checkpoint
         self._live = np.full(self.num_clients, -1, dtype=np.int8)  # slot to read now
-        self._devices: dict[str, str] = {}  # field -> device type of its last put
         self._expect: dict[int, Record] = {}  # client -> what its live slot holds, where known
 
     @property
@@ -561,9 +565,12 @@ class ClientStates:
         return k
 
     def _state_cls(self, k: int) -> type:
-        if self._cls is None:
-            self._cls = type(self._init(k))
-        return self._cls
+        return type(self._fresh_state(k))
+
+    def _fresh_state(self, k: int) -> Any:
+        if self._fresh is None:
+            self._fresh = self._init(k)
+        return self._fresh
 
     def get(self, k: int) -> Any:
         """Client ``k``'s state: the last one put (or restored), else ``init(k)``."""
@@ -578,19 +585,13 @@ class ClientStates:
         if expect is None:  # written by another rank since the checkpoint: its own record
             expect = self._record(store, k, slot)
         data = store.read(k, slot, expect)
-        for name, value in data.items():
-            if value is not None:
-                dev = self.device or torch.device(self._devices.get(name, "cpu"))
-                data[name] = value.to(dev)
-        return self._state_cls(k)(**data)
+        return placed_state(self._fresh_state(k), data, self.device)
 
     def put(self, k: int, state: Any) -> None:
         """Set client ``k``'s state (a dataclass of ``Tensor | None`` fields)."""
         k = self._check(k)
         if not dataclasses.is_dataclass(state) or isinstance(state, type):
             raise TypeError(f"a client state must be a dataclass instance, got {type(state)}")
-        if self._cls is None:
-            self._cls = type(state)
         if not self._disk:
             new_held = self._held - state_nbytes(self._mem.get(k)) + state_nbytes(state)
             if self.budget_bytes is None or new_held <= self.budget_bytes:
@@ -624,9 +625,6 @@ class ClientStates:
     def _write(self, k: int, state: Any) -> None:
         store = self._open_store(k)
         data = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-        for name, value in data.items():
-            if isinstance(value, Tensor):
-                self._devices[name] = value.device.type
         slot = 0 if self._ckpt[k] < 0 else 1 - int(self._ckpt[k])
         self._expect[k] = store.write(k, slot, data)
         self._live[k] = slot
@@ -656,7 +654,7 @@ class ClientStates:
         Memory mode: ``{"mode": "memory", "clients": {k: {"state": {field: tensor|None}}}}`` (the
         tensors themselves, not copies: save before changing them in place). Store mode: the
         written chunks are fsynced and ``{"mode": "disk", "clients": {k: {"slot": 0|1, "crc32":
-        [per field: CRC-32 or None]}}, "devices": ...}`` (what a resume checks the store against;
+        [per field: CRC-32 or None]}}}`` (what a resume checks the store against;
         for a client another rank wrote, read from the slot's ``crc32`` chunk); the live slots of
         these clients become the checkpointed ones, so call this only to
         write a checkpoint, and put nothing between this call and the checkpoint's completion.
@@ -683,7 +681,7 @@ class ClientStates:
                 assert self._store is not None
                 self._expect[k] = self._record(self._store, k, slot)
             slots[k] = {"slot": slot, "crc32": list(self._expect[k])}
-        return {**head, "mode": "disk", "clients": slots, "devices": dict(self._devices)}
+        return {**head, "mode": "disk", "clients": slots}
 
     def checkpoint(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
         """The store's part of a round checkpoint: no per-client files, the slot map in the server
@@ -726,7 +724,8 @@ class ClientStates:
             if k not in dropped
         }
         self._expect = {}
-        self._devices.update(dict(cmap.get("devices", {})))
+        # older maps also hold "devices" (each field's device type when written): no longer read,
+        # a stored state comes back where this run keeps it (see get)
         self._mem, self._held = {}, 0
         self._ckpt.fill(-1)
         self._live.fill(-1)

@@ -26,16 +26,20 @@ if TYPE_CHECKING:  # `hpcfl report` reads records: no torch, no config (which im
 RECORD = "determinism.json"
 
 
-def collect(cfg: Config, comm: Communicator) -> dict[str, Any]:
-    """This run's record (collective: every rank reports its thread count)."""
+def collect(cfg: Config, comm: Communicator, *, client_batch_used: int | None = None) -> dict[str, Any]:
+    """This run's record (collective: every rank reports its thread count). ``client_batch_used``:
+    the group size the setting resolved to (``auto`` chooses by device and memory)."""
     import torch
 
-    return {
+    record: dict[str, Any] = {
         "threads_per_rank": [int(t) for t in comm.allgather(torch.get_num_threads())],
         "reduction": cfg.reduction,
         "client_batch": str(cfg.client_batch),
         "device": cfg.device,
     }
+    if client_batch_used is not None:
+        record["client_batch_used"] = int(client_batch_used)
+    return record
 
 
 def read_record(run_dir: Path) -> dict[str, Any] | None:
@@ -69,9 +73,18 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     if set(ta) != set(tb) or (float32 and len(ta) != len(tb)):
         out.append(f"threads {_threads(a)} vs {_threads(b)}")
     for key in ("reduction", "client_batch", "device"):
-        if a.get(key) != b.get(key):
+        if key == "client_batch" and {"client_batch_used"} <= a.keys() & b.keys():
+            if a["client_batch_used"] != b["client_batch_used"]:  # auto and 1 on a CPU are the same
+                out.append(f"client_batch {_client_batch(a)} vs {_client_batch(b)}")
+        elif a.get(key) != b.get(key):
             out.append(f"{key} {a.get(key)} vs {b.get(key)}")
     return out
+
+
+def _client_batch(record: dict[str, Any]) -> str:
+    """``client_batch`` as set, with the group size it chose where that is not the setting itself."""
+    setting, used = str(record.get("client_batch")), record.get("client_batch_used")
+    return setting if used is None or setting == str(used) else f"{setting} ({used})"
 
 
 def resume_note(run_dir: Path, now: dict[str, Any]) -> str | None:

@@ -1,7 +1,8 @@
 """How a rank trains its participants of a round: one by one, or in vectorised groups.
 
-``client_batch: 1`` (the default) calls :meth:`~hpcfl.algorithms.Algorithm.client_update` for each
-participant in turn, the reference every other setting is tested against. ``client_batch: N`` takes
+``client_batch: 1`` calls :meth:`~hpcfl.algorithms.Algorithm.client_update` for each participant in
+turn, the reference every other setting is tested against (and what the default, ``auto``, means
+on the CPU). ``client_batch: N`` takes
 the participants in groups of N: each declares its :class:`~hpcfl.algorithms.base.LocalTask`, the
 group trains as one vectorised step per local step (:func:`~hpcfl.training.batched.batched_local_sgd`),
 and each task's ``finish`` makes its upload. Results equal the sequential ones to float32 rounding
@@ -130,6 +131,19 @@ def _one(
     except NonFiniteLoss:
         return data.k, None, None
     return data.k, upload, new
+
+
+def resolve_client_batch(
+    setting: int | str, trainer: Trainer, sample: torch.Tensor, largest: int, *, rank: int = 0
+) -> int:
+    """The run's group size: ``setting``, or with ``auto`` what :func:`auto_client_batch` chooses for
+    ``sample`` (1, ...) on the trainer's device (logged once, by rank 0, when it groups clients)."""
+    if setting != "auto":
+        return int(setting)
+    size, why = auto_client_batch(trainer, sample, largest, memory_share=AUTO_MEMORY_SHARE)
+    if rank == 0 and size > 1:
+        log.warning("hpcfl: client_batch auto: groups of %d (%s)", size, why)
+    return size
 
 
 def auto_client_batch(

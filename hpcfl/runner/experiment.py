@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hpcfl.algorithms import ServerState
-from hpcfl.algorithms.base import Stage, resolve_hook, state_from_dict, state_to_dict
+from hpcfl.algorithms.base import Stage, resolve_hook, state_to_dict
 from hpcfl.algorithms.stage_types import StageInput, StagePlan
 from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config
@@ -30,7 +30,7 @@ from hpcfl.errors import ConfigError, HpcflError, RunDirError
 from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.privacy.build import budget_line
 from hpcfl.runner import determinism
-from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, placed_state, save_checkpoint
 from hpcfl.runner.client_eval import CLIENT_ROWS
 from hpcfl.runner.client_states import ClientStates
 from hpcfl.runner.federation import Federation, build_federation, model_plan
@@ -178,11 +178,24 @@ CLIENT_METRICS = "client_metrics.jsonl"  # per-client evaluation, one line per e
 
 class _Bookkeeper:
     """Metrics rows (per-client values into ``client_metrics.jsonl``), checkpoints, the loggers'
-    views, progress and stop requests after each round (the loop's hook)."""
+    views, progress and stop requests after each round (the loop's hook).
+
+    Every row gets ``wall_s``: the run's wall seconds up to that row, from ``started`` (the process's
+    start of the run, data loading included) plus, on a resume, the ``wall_s`` of the last row the
+    checkpoint kept; so the last row's ``wall_s`` is the whole run's wall time (less the work a
+    killed process did after its last checkpoint, which the resume redid and counted)."""
 
     def __init__(
-        self, cfg: Config, comm: Communicator, run_dir: Path, stop: StopRequest, start: int, total: int
+        self,
+        cfg: Config,
+        comm: Communicator,
+        run_dir: Path,
+        stop: StopRequest,
+        start: int,
+        total: int,
+        started: float | None = None,
     ) -> None:
+        self.started = time.perf_counter() if started is None else started
         self.cfg, self.comm, self.run_dir, self.stop = cfg, comm, run_dir, stop
         self.metrics_path = run_dir / "metrics.jsonl"
         self.clients_path = run_dir / CLIENT_METRICS
@@ -198,6 +211,7 @@ class _Bookkeeper:
                 )
         self.total = total
         self.note: dict[str, Any] = {}  # columns for the next metrics row (a resume's resets)
+        self.wall_before = float(self.rows[-1].get("wall_s", 0.0)) if self.rows else 0.0
         self.progress = Progress(total=total, initial=start, enabled=cfg.progress and comm.rank == 0)
         self.budget_stop: str | None = None  # set when privacy.epsilon_budget ends the run
 
@@ -215,7 +229,8 @@ class _Bookkeeper:
         def after_round(done: int, srv: ServerState, states: Any, row: dict[str, Any] | None) -> bool:
             done += offset
             if row is not None and self.comm.rank == 0:
-                row, self.note = {**row, **self.note}, {}
+                wall = self.wall_before + time.perf_counter() - self.started
+                row, self.note = {**row, **self.note, "wall_s": wall}, {}
                 if (per_client := row.pop(CLIENT_ROWS, None)) is not None:
                     append_jsonl(
                         self.clients_path, {"round": row["round"], "stage": stage, "clients": per_client}
@@ -224,7 +239,7 @@ class _Bookkeeper:
                 self.rows.append(row)
             self.progress.update(done, row)
             # a signal may reach any rank: agree on it so every rank checkpoints the same round
-            flag = torch.tensor([float(self.stop.requested)], dtype=torch.float64)
+            flag = torch.tensor([float(self.stop.requested)], dtype=torch.float64)  # host: a stop flag
             halt = bool(self.comm.allreduce(flag).item())
             # the privacy budget: the server state (identical on every rank) says the next round
             # would exceed it
@@ -251,6 +266,7 @@ class RecordingBook:
     def __init__(self, run_dir: Path, comm: Communicator) -> None:
         self.run_dir, self.comm, self.stop = run_dir, comm, StopRequest()
         self.rows: list[dict[str, Any]] = []
+        self.note: dict[str, Any] = {}  # dropped: benchmarks time rounds, not stage entries
         self.budget_stop: str | None = None
 
     def hook(self, stage: str, offset: int, last: int) -> RoundHook:
@@ -307,6 +323,7 @@ def _run_locked(
     stop: StopRequest | None,
     reset: Sequence[int],
 ) -> RunResult:
+    started = time.perf_counter()  # the run's wall clock (metrics rows' wall_s) includes loading
     check_loggers(cfg.loggers, run_dir)  # every rank alike: a missing extra is one line before any work
     set_threads(cfg, comm)
     has_state = _collective_check(
@@ -321,11 +338,15 @@ def _run_locked(
             _collective_check(comm, lambda stage=stage: resolve_hook(stage.check)(fed, run_dir))
     held = fed.owned if comm.size > 1 else list(range(len(fed.parts)))  # states this rank may train
     every = list(range(len(fed.parts)))  # every rank checks all client files, so all pick one round
-    record = determinism.collect(cfg, comm)  # collective: the threads every rank uses
+    record = determinism.collect(
+        cfg, comm, client_batch_used=fed.client_batch
+    )  # collective: the threads every rank uses
     if comm.rank == 0 and has_state and (note := determinism.resume_note(run_dir, record)) is not None:
         print(note, file=sys.stderr)
-    ckpt = (
-        load_checkpoint(run_dir / "checkpoints", held, all_clients=every, reset=reset) if has_state else None
+    ckpt = (  # onto this rank's device, whichever device wrote it
+        load_checkpoint(run_dir / "checkpoints", held, device=fed.device, all_clients=every, reset=reset)
+        if has_state
+        else None
     )
     start = ckpt.round if ckpt is not None else 0
     if comm.rank == 0:
@@ -336,7 +357,7 @@ def _run_locked(
     total = sum(s.rounds for s in stages)
     if comm.rank == 0 and start < total:  # only now that the checkpoint loaded: unfinished again
         (run_dir / DONE).unlink(missing_ok=True)
-    book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total)
+    book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total, started)
     if reset and ckpt is not None:
         book.note["reset_client_states"] = reset
     if cfg.loggers:
@@ -398,7 +419,10 @@ def drive_stages(
         if si > resume_at and stage.rounds == 0:
             continue
         resumed_here = ckpt is not None and si == resume_at
+        entered = time.perf_counter()
         entry = enter_stage(fed, stage, first_index + si, run_dir, server, book.stop, sweep=sweep)
+        if stage.enter is not None:  # its own setup (TCT: eNTK extraction), on the stage's first row
+            book.note["stage_setup_s"] = time.perf_counter() - entered
         form = None
         if resumed_here:
             assert ckpt is not None
@@ -406,7 +430,7 @@ def drive_stages(
         srv, states = entry.server, client_states(fed, entry, book.run_dir, stage.name, resumed_form=form)
         if resumed_here:
             assert ckpt is not None
-            srv = state_from_dict(type(srv), ckpt.server)
+            srv = placed_state(srv, ckpt.server)  # each field where a fresh state keeps it
             states.restore(ckpt, reset)
         if done < hi and (line := budget_line(srv)) is not None:
             server, book.budget_stop = srv, line  # spent before this stage's next round
@@ -489,6 +513,7 @@ def client_states(
         num_clients=entry.plan.population.size,
         budget_bytes=0,
         path=run_dir / f"client_states_{stage}.zarr",
+        device=fed.device,  # stored states come back on this rank's device, not the writer's
     )
 
 

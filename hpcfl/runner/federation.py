@@ -26,6 +26,7 @@ from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.models import build_model
 from hpcfl.registry import MODEL_SPECS
+from hpcfl.runner.executor import resolve_client_batch
 from hpcfl.runner.observers import Drift, LayerCKA
 from hpcfl.training.evaluate import JointCounts, accuracy_loss, shard_counts, with_probs
 from hpcfl.training.flat import FlatModel
@@ -50,6 +51,7 @@ class Federation:
     flat: FlatModel
     algorithm: Algorithm
     trainer: Trainer
+    client_batch: int = 1  # participants per vectorised group: ``client_batch`` with ``auto`` resolved
     _cache: dict[int, ClientData] = field(default_factory=dict, repr=False)
 
     @property
@@ -229,7 +231,7 @@ def model_plan(fed: Federation) -> RoundPlan:
         lr_hint=f" (lr is {fed.cfg.lr})",
         divergence_hint=divergence_hint(fed),
         observers=chosen_observers(fed),
-        client_batch=parse_client_batch(fed.cfg.client_batch),
+        client_batch=fed.client_batch,
     )
 
 
@@ -285,7 +287,7 @@ def hold_out(
     the clients never train on it, and it is drawn from the training split, never the test set.
     """
     kept, held = split_clients(parts, fraction, seed, salt=0x76616C)  # "val"
-    return kept, torch.cat(held) if held else torch.empty(0, dtype=torch.long)
+    return kept, torch.cat(held) if held else torch.empty(0, dtype=torch.long)  # host: index bookkeeping
 
 
 #: The seed salt of ``client_eval``'s held-out shares ("cev"), apart from validation's.
@@ -305,7 +307,7 @@ def split_clients(
         m = min(n - 1, max(1, round(fraction * n)))
         chosen = np.zeros(n, dtype=bool)
         chosen[rng.permutation(n)[:m]] = True
-        mask = torch.from_numpy(chosen)
+        mask = torch.from_numpy(chosen)  # host: index bookkeeping
         kept.append(part[~mask])
         held.append(part[mask])
     return kept, held
@@ -343,6 +345,13 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         from hpcfl.privacy.build import make_private
 
         algorithm, trainer = make_private(cfg, algorithm, trainer, model, population)
+    client_batch = resolve_client_batch(
+        parse_client_batch(cfg.client_batch),
+        trainer,
+        dataset.train.x[:1].to(device),
+        max(population.sizes, default=1),
+        rank=comm.rank,
+    )
     return Federation(
         cfg=cfg,
         comm=comm,
@@ -355,4 +364,5 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         flat=flat,
         algorithm=algorithm,
         trainer=trainer,
+        client_batch=client_batch,
     )

@@ -80,7 +80,7 @@ _PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 _SPLITS = ("test", "val", "train")  # evaluator columns: test_accuracy -> test/accuracy
 _GROUPS = {
     c: obs.group for obs in (Participants, RankLoad, Traffic, Timing, ClientEval) for c in obs.columns
-} | {"cka": "representation", "drift_diversity": "representation"}
+} | {"cka": "representation", "drift_diversity": "representation", "wall_s": "time", "stage_setup_s": "time"}
 
 
 def check_loggers(names: Sequence[str], run_dir: Path | None = None) -> None:

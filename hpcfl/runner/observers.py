@@ -151,7 +151,7 @@ class ClientMetrics(Observer):
 
     def client(self, start: RoundStart, k: int, upload: Upload) -> dict[str, Value]:
         values = [float(upload.metrics.get(n, 0.0)) for n in self.names]
-        return {"metrics": torch.tensor(values, dtype=torch.float64)}
+        return {"metrics": torch.tensor(values, dtype=torch.float64)}  # host: per-client floats
 
     def row(self, end: RoundEnd, slots: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         table = slots["metrics"].view(len(end.work.start.who), len(self.names)).to(torch.float64)

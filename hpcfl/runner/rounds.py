@@ -41,7 +41,6 @@ from hpcfl.algorithms.base import (
     ServerContext,
     SumSpec,
     Upload,
-    state_from_dict,
     state_to_dict,
 )
 from hpcfl.algorithms.stage_types import (
@@ -54,6 +53,7 @@ from hpcfl.algorithms.stage_types import (
 from hpcfl.comm.placement import place_round
 from hpcfl.errors import DivergenceError
 from hpcfl.runner.buffer import BufferLayout
+from hpcfl.runner.checkpoint import placed_state
 from hpcfl.runner.executor import ClientExecutor
 from hpcfl.runner.observers import RoundWatch, observer_segments, with_standard_observers
 from hpcfl.runner.observers import _nbytes as _nbytes  # tests/test_ntkfl.py reads it here
@@ -111,8 +111,8 @@ class MemoryStates:
         """Take the checkpoint's per-client files (a zip CRC-checked by the loader), ``reset`` aside."""
         if "client_map" in ckpt.extra:
             raise RuntimeError("a checkpoint with a client-state store must restore into ClientStates")
-        dropped, cls = set(reset), type(self.init(0))
-        self.states.update({k: state_from_dict(cls, d) for k, d in ckpt.clients.items() if k not in dropped})
+        dropped, fresh = set(reset), self.init(0)  # fresh: where this run keeps each field
+        self.states.update({k: placed_state(fresh, d) for k, d in ckpt.clients.items() if k not in dropped})
 
 
 class StateIO:

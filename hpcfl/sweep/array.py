@@ -22,14 +22,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from submitit.core.utils import FailedJobError
-
 from hpcfl.errors import ConfigError
 from hpcfl.files import append_jsonl
 from hpcfl.launch.job import HpcflJob
-from hpcfl.launch.submit import (
+from hpcfl.launch.submit import (  # FailedJobError is submitit's; without submitit: one ConfigError line
     JOBS_FILE,
     SLURM_DIR,
+    FailedJobError,
     JobRecord,
     SubmitOptions,
     _sbatch_reason,

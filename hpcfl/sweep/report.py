@@ -125,9 +125,11 @@ def protocol_markdown(
     ``target`` on the running mean, final and best single-round accuracy, the form each method ran
     in (where its runs record one) and, with ``search`` (the searched key), the chosen values."""
     k, w, pct = protocol.last_k, protocol.window, f"{100 * target:g}%"
+    rows = [r.rows for c in cells for r in c.runs]
+    shown = protocol.label(rows)  # the K really averaged: fewer where the runs have fewer rounds
     md = [
-        f"Last-{k} test accuracy (%): each seed's mean over its last {k} evaluated rounds, then mean ± "
-        "std over seeds:",
+        f"Last-{shown} test accuracy (%): each seed's mean over its last {shown} evaluated rounds, then "
+        "mean ± std over seeds:",
         "",
         *_grid(cells, lambda c: _fmt(c.last_k(k))),
         "",
@@ -152,7 +154,8 @@ def protocol_markdown(
         md += [
             "",
             f"Worst-10 % client accuracy (client_acc_p10, %: the mean accuracy of the worst 10 % of clients "
-            f"on their held-out shares, each seed's mean over its last {k} evaluated rounds, then mean ± std "
+            f"on their held-out shares, each seed's mean over its last {protocol.label(rows, CLIENT_P10)} "
+            "evaluated rounds, then mean ± std "
             "over seeds), beside the test accuracy:",
             "",
             *_grid(cells, lambda c: f"{_fmt(c.last_k(k, CLIENT_P10))} (test {_fmt(c.last_k(k))})"),
@@ -161,7 +164,12 @@ def protocol_markdown(
         md += ["", "Form each method ran in (as its runs record it):", ""]
         md += _grid(cells, lambda c: ", ".join(c.forms) or "—")
     if search:
-        md += ["", f"Chosen {search} (mean last-{k} validation accuracy over seeds, %):", ""]
+        md += [
+            "",
+            f"Chosen {search} (mean last-{protocol.label(rows, VALIDATION)} validation accuracy over "
+            "seeds, %):",
+            "",
+        ]
         md += _grid(
             cells,
             lambda c: f"{_show(c.choice.value)} ({100 * c.choice.val_mean:.2f})" if c.choice else "—",
@@ -188,13 +196,13 @@ def write_sweep_report(
         "",
         f"Mean ± sample standard deviation over seeds ({'/'.join(map(str, seeds))} finished seeds per cell)"
         + (f"; {missing} points not finished (failed or still to run) left out." if missing else "."),
-        f"Protocol: {protocol.describe()}.",
+        f"Protocol: {protocol.describe([r.rows for r in runs])}.",
     ]
     search = sweep.search["key"] if sweep.search else None
     if sweep.search:
         md.append(
             f"Each cell uses the {search} chosen by the mean validation accuracy of the last "
-            f"{protocol.last_k} evaluated rounds (mean over seeds) on a "
+            f"{protocol.label([r.rows for r in runs], VALIDATION)} evaluated rounds (mean over seeds) on a "
             f"{100 * sweep.search['validation']:g}% split of the clients' training data (selection.csv); "
             "the test set played no part in the choice."
         )

@@ -107,7 +107,9 @@ def _last_layer(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def compute_features(
     model: nn.Module, x: torch.Tensor, cfg2: Stage2Section, meta: FeatureMeta
 ) -> Iterator[torch.Tensor]:
-    """Features of ``x`` in blocks of :data:`EXTRACT_ROWS` rows (model must already be convexified)."""
+    """Features of ``x`` in blocks of :data:`EXTRACT_ROWS` rows (model must already be convexified),
+    computed on the model's device and copied to the host block by block for the store (the only
+    host transfer of the extraction: no flag or count is read per block)."""
     for start in range(0, x.shape[0], EXTRACT_ROWS):
         xb = x[start : start + EXTRACT_ROWS]
         if cfg2.features == "last_layer":
@@ -192,7 +194,7 @@ def ensure_store(
         if stopped:
             break
         writer.finish(labels.cpu())
-    flag = comm.allreduce(torch.tensor([float(stopped)], dtype=torch.float64))
+    flag = comm.allreduce(torch.tensor([float(stopped)], dtype=torch.float64))  # host: a stop flag
     if bool(flag.item()):
         raise ExtractionStopped(
             f"stopped by a signal during the feature extraction into {path} (finished clients are kept)"
@@ -228,7 +230,7 @@ def check_features_fit(
             )
     rows = sum(int(part.numel()) for part in fed.parts) + int(fed.dataset.test.y.numel())
     rows += sum(int(share.numel()) for share in fed.client_eval or ())
-    itemsize = torch.empty((), dtype=getattr(torch, cfg2.dtype)).element_size()
+    itemsize = torch.empty((), dtype=getattr(torch, cfg2.dtype)).element_size()  # host: a dtype's size
     need = rows * p * itemsize
     for name in ("features.zarr", "features_test.zarr", HELD_OUT_STORE):
         store = run_dir / name

@@ -30,7 +30,7 @@ from hpcfl.algorithms.participation import Population
 from hpcfl.algorithms.tct_params import Stage2Section
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import StoreError
-from hpcfl.features import open_feature_store
+from hpcfl.features import FeatureStoreReader, open_feature_store
 from hpcfl.files import atomic_torch_save, load_torch_file
 from hpcfl.tct.features import (
     HELD_OUT_STORE,
@@ -57,10 +57,12 @@ class Stage2Setup:
     dtype: torch.dtype
     lr: float  # η2 actually used (differs from the config with auto_lr)
     lambda_max: dict[int, float]
+    device: torch.device  # the run's device (fed.device), where the problems live
 
     def initial_server(self) -> ServerState:
-        """ψ₀ = 0 (Algorithm 2)."""
-        return self.plan.algorithm.init_server(torch.zeros(self.shape[0] * self.shape[1], dtype=self.dtype))
+        """ψ₀ = 0 (Algorithm 2), on the run's device."""
+        x = torch.zeros(self.shape[0] * self.shape[1], dtype=self.dtype, device=self.device)
+        return self.plan.algorithm.init_server(x)
 
 
 def _dtype(cfg2: Stage2Section) -> torch.dtype:
@@ -92,7 +94,9 @@ def prepare_stage2(
     # 2. features of every owned client and test shard, into Zarr (reused when complete)
     K = len(fed.parts)
     shards = test_shards(ds.test.y.numel(), K, comm)
-    held = _held_out_items(fed)  # client_eval's held-out shares of this rank's clients
+    items = {k: (d.x, d.y) for k, d in fed.clients.items()}  # this rank's clients, on the device
+    owned = list(items)
+    held = _held_out_items(fed, owned)  # client_eval's held-out shares of this rank's clients
     if not extract:
         for name in ("features.zarr", "features_test.zarr", *((HELD_OUT_STORE,) if held is not None else ())):
             open_feature_store(run_dir / name, expect=meta)  # StoreError names what differs
@@ -109,7 +113,7 @@ def prepare_stage2(
     ensure_store(
         run_dir / "features.zarr",
         meta,
-        {k: (d.x, d.y) for k, d in fed.clients.items()},
+        items,
         list(range(K)),
         model,
         cfg2,
@@ -138,24 +142,29 @@ def prepare_stage2(
             comm,
             stop=stop,
         )
+    device = fed.device  # stage 2 runs where the run does; the stores decode on the host
     train = open_feature_store(run_dir / "features.zarr", expect=meta)
     test = open_feature_store(run_dir / "features_test.zarr", expect=meta)
-    raw = {k: train.read_client(k) for k in fed.clients}
+    del items  # the images are done with; the features replace them
+    raw = {k: _read_to(train, k, device) for k in owned}
     # 3. standardise with ONE allreduce of (Σz, Σz², n) over all clients' training features
     moments = (
-        federated_moments({k: z for k, (z, _) in raw.items()}, comm, p=meta.p, clients=K)
+        federated_moments({k: z for k, (z, _) in raw.items()}, comm, p=meta.p, clients=K, device=device)
         if cfg2.normalize
         else None
     )
     dtype, C = _dtype(cfg2), ds.num_classes
-    problems = {
-        k: LinearProblem(design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y)
-        for k, (z, y) in raw.items()
-    }
-    del raw
+    # each client's raw block is freed as soon as its design matrix exists: the device then holds
+    # the design matrices and one raw block, not both sets (at p = 1e5, 24 GB of float32 features
+    # beside 48 GB of float64 ones for Fashion-MNIST's 60,000 samples)
+    problems: dict[int, LinearProblem] = {}
+    for k in list(raw):
+        z, y = raw.pop(k)
+        problems[k] = LinearProblem(design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y)
+        del z
     test_problems = []
     for s in shards:
-        z, y = test.read_client(s)
+        z, y = _read_to(test, s, device)
         test_problems.append(
             LinearProblem(design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y)
         )
@@ -163,7 +172,7 @@ def prepare_stage2(
     if held is not None:  # the held-out shares' features, standardised like the training ones
         store = open_feature_store(run_dir / HELD_OUT_STORE, expect=meta)
         for k in held:
-            z, y = store.read_client(k)
+            z, y = _read_to(store, k, device)
             held_problems[k] = LinearProblem(
                 design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y
             )
@@ -187,17 +196,30 @@ def prepare_stage2(
         data=data.__getitem__,  # stage 2's clients stay on the rank that extracted their features
         trainer=None,
         population=Population(tuple(n for _, n in (every[k] for k in range(K)))),
-        generator=lambda rnd, k: torch.Generator(),  # stage 2 is deterministic full-batch
+        # host: stage 2 is deterministic full-batch and draws nothing; the loop still asks for a generator
+        generator=lambda rnd, k: torch.Generator(),
         seed=fed.seed,
         reduction=fed.reduction,
-        evaluate=_evaluator(problems, test_problems, shape, comm),
+        evaluate=_evaluator(problems, test_problems, shape, comm, device),
         eval_every=1,
         lr_hint=f" (stage-2 η is {lr:g})",
         observers=_client_evaluation(fed, problems, held_problems, solvers, shape, lr),
     )
     return Stage2Setup(
-        plan=plan, shape=shape, dtype=dtype, lr=lr, lambda_max={k: v[0] for k, v in every.items()}
+        plan=plan,
+        shape=shape,
+        dtype=dtype,
+        lr=lr,
+        lambda_max={k: v[0] for k, v in every.items()},
+        device=device,
     )
+
+
+def _read_to(store: FeatureStoreReader, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Array ``k`` of a feature store (features, labels), decoded on the host and moved to ``device``
+    in one block each: stage 2 works on the run's device."""
+    z, y = store.read_client(k)
+    return z.to(device), y.to(device)
 
 
 STAGE1_MODEL = "stage1_model.pt"  # θ_T1, the bootstrapped model stage 2 is built from
@@ -206,8 +228,8 @@ STAGE1_MODEL = "stage1_model.pt"  # θ_T1, the bootstrapped model stage 2 is bui
 def keep_stage1_model(entry: StageInput) -> None:
     """Stage 1 is done: keep θ_T1 in the run directory (stage 2 and ``hpcfl tct-stage2`` start from it)."""
     assert entry.previous is not None
-    if entry.comm.rank == 0:
-        atomic_torch_save(entry.run_dir / STAGE1_MODEL, entry.previous.x)
+    if entry.comm.rank == 0:  # a host copy: the file opens on any device (tct-stage2 on a login node)
+        atomic_torch_save(entry.run_dir / STAGE1_MODEL, entry.previous.x.cpu())
     entry.comm.barrier()
 
 
@@ -221,7 +243,7 @@ def enter_stage2(entry: StageInput) -> StagePlan:
         # the same advice from tct-stage2 and a resume: once stage 1 is done only --overwrite writes
         # θ_T1 again (a resume pointed at by tct-stage2 answered "rerun with --overwrite": a runaround)
         fix = "stage 2 cannot resume without it; rerun the run with --overwrite (stage 1 is trained again)"
-        theta = load_torch_file(run_dir / STAGE1_MODEL, fix)
+        theta = load_torch_file(run_dir / STAGE1_MODEL, fix, device=fed.device)
     # a sweep reads the run's features as they are (a damaged store is named, not recomputed), except
     # after stage2.rounds: 0, where the run stopped before computing them
     extract = not entry.sweep or not (run_dir / "features.zarr").exists()
@@ -233,25 +255,30 @@ def enter_stage2(entry: StageInput) -> StagePlan:
     return StagePlan(plan=setup.plan, server=server, init_client=lambda k: algo.init_client(k, server))
 
 
-def _held_out_items(fed: FederationView) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+def _held_out_items(
+    fed: FederationView, owned: list[int]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
     """{client: (x, labels)} of the held-out shares (``client_eval``) of the clients this rank owns
-    (those whose training features it extracts), empty shares left out; None without client_eval."""
+    (``owned``: those whose training features it extracts), empty shares left out; None without
+    client_eval. Host tensors: the extraction moves each block to the model's device."""
     if fed.client_eval is None:
         return None
     train = fed.dataset.train
     return {
         k: (train.x[fed.client_eval[k]], train.y[fed.client_eval[k]])
-        for k in fed.clients
+        for k in owned
         if fed.client_eval[k].numel()
     }
 
 
 def linear_scores(pr: LinearProblem, w: torch.Tensor) -> tuple[float, float]:
     """Accuracy of argmax(Z̃W) on one problem and its mean squared error ½‖Z̃W − Y‖² / n (stage 2's
-    test columns, for one client)."""
+    test columns, for one client); one host read."""
     out = pr.z @ w.to(pr.z.dtype)
-    correct = float((out.argmax(1) == pr.labels).sum())
-    return correct / pr.n, float(0.5 * ((out - pr.y) ** 2).sum(1).sum()) / pr.n
+    correct = (out.argmax(1) == pr.labels).sum()
+    loss = 0.5 * ((out - pr.y) ** 2).sum(1).sum()
+    correct, loss = torch.stack([correct.double(), loss.double()]).tolist()  # exact in float64
+    return correct / pr.n, loss / pr.n
 
 
 def _client_evaluation(
@@ -285,11 +312,15 @@ def _client_evaluation(
     return () if obs is None else (obs,)
 
 
-def _evaluator(problems, test_problems, shape, comm):
-    """Train/test accuracy of argmax(Z̃W) and the mean squared error, one allreduce."""
+def _evaluator(problems, test_problems, shape, comm, device):
+    """Train/test accuracy of argmax(Z̃W) and the mean squared error, one allreduce.
+
+    The counts are summed on ``device`` (the problems' device) and copied to the host once per
+    evaluation, where they join the observers' host table (:class:`JointCounts`) in one allreduce.
+    """
 
     def evaluate_linear(server: ServerState, joint: JointCounts) -> dict[str, float]:
-        stats = torch.zeros(6, dtype=torch.float64)
+        stats = torch.zeros(6, dtype=torch.float64, device=device)  # test, train: correct, loss sum, n
         for offset, group in ((0, test_problems), (3, list(problems.values()))):
             for pr in group:
                 w = server.x.view(shape).to(pr.z.dtype)
@@ -297,7 +328,8 @@ def _evaluator(problems, test_problems, shape, comm):
                 stats[offset] += (out.argmax(1) == pr.labels).sum()
                 stats[offset + 1] += 0.5 * ((out - pr.y) ** 2).sum(1).sum()
                 stats[offset + 2] += pr.n
-        (stats,) = joint.reduce(comm, [stats])
+        # host: one copy per evaluation, the counts join the observers' host table
+        (stats,) = joint.reduce(comm, [stats.cpu()])
         return {
             "test_accuracy": float(stats[0] / stats[2]),
             "test_loss": float(stats[1] / stats[2]),

@@ -50,21 +50,25 @@ def mse_gradient(problem: LinearProblem, w: torch.Tensor) -> torch.Tensor:
 def ce_gradient(problem: LinearProblem, w: torch.Tensor) -> torch.Tensor:
     """(1/n)·Z̃ᵀ(softmax(Z̃W) − onehot): the cross-entropy variant of stage 2."""
     probs = torch.softmax(problem.z @ w, dim=1)
-    probs[torch.arange(problem.n), problem.labels.long()] -= 1.0
+    probs[torch.arange(problem.n, device=probs.device), problem.labels.long()] -= 1.0
     return zt_times(problem.z, probs) / problem.n
 
 
 def power_lambda_max(z: torch.Tensor, *, iters: int = 1000, tol: float = 1e-10, seed: int = 0) -> float:
-    """λ_max(Z̃ᵀZ̃) by power iteration with matrix-vector products only (no n×n or p×p matrix)."""
+    """λ_max(Z̃ᵀZ̃) by power iteration with matrix-vector products only (no n×n or p×p matrix), on
+    z's device; one host read per iteration (the Rayleigh quotient and the norm together), set-up
+    work once per client."""
+    # the start vector is drawn from a seeded CPU generator, so λ_max (and the iteration count) do
+    # not depend on where z lives, and moved to z's device once
     g = torch.Generator().manual_seed(seed)
-    v = torch.randn(z.shape[1], generator=g, dtype=z.dtype)
+    v = torch.randn(z.shape[1], generator=g, dtype=z.dtype).to(z.device)  # host: seeded draw; (d,)
     v /= v.norm()
     lam = 0.0
     for _ in range(iters):
         w = z.T @ (z @ v)
-        new = float(v @ w)
         norm = w.norm()
-        if norm == 0:
+        new, norm_value = torch.stack([v @ w, norm]).tolist()
+        if norm_value == 0:
             return 0.0
         v = w / norm
         if abs(new - lam) <= tol * max(abs(new), 1.0):

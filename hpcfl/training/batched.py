@@ -133,7 +133,8 @@ def batched_local_sgd(
     """Train every job's client from its ``x0`` as ``local_sgd`` would, in vectorised steps.
 
     Returns the ``(K, S)`` matrix of final state vectors and each client's :class:`LocalResult`
-    (``finite=False`` for a client whose loss became NaN/inf; its row is then meaningless). The
+    (``finite=False`` for a client whose loss became NaN/inf; its row is then meaningless). Nothing is
+    read back from the device until the end: one read for the whole group. The
     shared ``flat.model`` only lends its structure: its own tensors are not changed.
     """
     K = len(jobs)
@@ -142,15 +143,14 @@ def batched_local_sgd(
     slots = _Slots.of(flat)
     P = flat.num_params
     W = torch.stack([j.x0 for j in jobs])  # (K, S)
-    batches = [batch_indices(j.x.shape[0], schedule, j.generator) for j in jobs]
     # every client's samples in one tensor, so a step gathers its mini-batches with one index
     X = torch.cat([j.x for j in jobs])  # (Σn, ...)
     Y = torch.cat([j.y for j in jobs])  # (Σn,)
-    starts = torch.tensor([0] + [j.x.shape[0] for j in jobs[:-1]]).cumsum(0).tolist()
-    steps = [len(b) for b in batches]
-    finite = [True] * K
+    plan = _RoundPlan.build(jobs, schedule, W.device)
     momentum: torch.Tensor | None = None
     loss_sum = torch.zeros(K, dtype=torch.float64, device=W.device)
+    alive = torch.ones(K, dtype=torch.bool, device=W.device)  # no non-finite loss yet
+    finite_steps = torch.zeros(K, dtype=torch.int64, device=W.device)  # steps before the first one
     shifts, pulls, anchor = _linear_form([j.correction for j in jobs], W)
     wrapped = _Loss(model, loss_fn)
 
@@ -158,63 +158,109 @@ def batched_local_sgd(
         return functional_call(wrapped, tensors, (xb, yb))
 
     batched_loss = vmap(client_loss)
-    for step in range(max(steps, default=0)):
-        by_size: dict[int, list[int]] = {}
-        for i in range(K):
-            if step < steps[i] and finite[i]:
-                by_size.setdefault(int(batches[i][step].numel()), []).append(i)
-        for rows in by_size.values():
-            every = len(rows) == K
-            state = W if every else W[rows]  # (G, S): a view when every client steps, else a copy
-            idx = torch.stack([batches[i][step] + starts[i] for i in rows]).to(X.device)  # (G, b)
+    for step, groups in enumerate(plan.steps):
+        for group in groups:
+            rows, every = group.rows, group.every
+            state = W if every else W[group.rows_dev]  # (G, S): a view when every client steps, else a copy
             tensors, leaves, buffers = slots.tensors(state)
-            losses = batched_loss(tensors, X[idx], Y[idx])  # (G,)
-            ok = torch.isfinite(losses.detach())
-            keep = None
-            if not bool(ok.all()):
-                for j in torch.nonzero(~ok).flatten().tolist():
-                    finite[rows[j]] = False
-                    steps[rows[j]] = step
-                keep = torch.nonzero(ok).flatten()
-                if keep.numel() == 0:
-                    continue
-            total = losses.sum() if keep is None else losses[keep].sum()
-            grads = torch.autograd.grad(total, leaves)
+            losses = batched_loss(tensors, X[group.idx], Y[group.idx])  # (G,)
+            # a client whose loss turned non-finite goes on stepping on a row that is then meaningless
+            # (rows are independent: it cannot reach the others) and is reported at the end
+            ok = torch.isfinite(losses.detach()) & (alive if every else alive[group.rows_dev])  # (G,)
+            grads = torch.autograd.grad(losses.sum(), leaves)
             grad = torch.cat([g.reshape(len(rows), -1) for g in grads], dim=1)  # (G, P)
-            rows_kept = rows if keep is None else [rows[j] for j in keep.tolist()]
             w = state[:, :P]
             d = grad.add(w, alpha=schedule.weight_decay) if schedule.weight_decay else grad  # (G, P)
-            _correct(d, w, rows, jobs, shifts, pulls, anchor)
+            _correct(d, w, group, jobs, shifts, pulls, anchor)
             if schedule.momentum:
                 if momentum is None:
                     momentum = torch.zeros_like(W[:, :P])  # (K, P); every client's first step is step 0
                 if step == 0:
                     buf = d.clone()
                 else:
-                    buf = (momentum if every else momentum[rows]).mul_(schedule.momentum).add_(d)
+                    buf = (momentum if every else momentum[group.rows_dev]).mul_(schedule.momentum).add_(d)
                 if every:
                     momentum = buf
                 else:
-                    momentum[rows] = buf
+                    momentum[group.rows_dev] = buf
                 d = buf
-            if keep is not None:  # a client that diverged in this step takes no step
-                d = d * ok.unsqueeze(1).to(d.dtype)
             w.add_(d, alpha=-schedule.lr)
             for off, buf in buffers:
                 state[:, off : off + buf[0].numel()] = buf.reshape(len(rows), -1)
-            if not every:
-                W[rows] = state
-            loss_sum[rows_kept] += losses.detach()[keep if keep is not None else slice(None)].to(
-                torch.float64
-            )
-    rows_finite = torch.isfinite(W).all(dim=1).tolist()  # one device sync for all clients
-    sums = loss_sum.tolist()
+            if every:
+                alive = ok
+                finite_steps += ok
+                loss_sum += losses.detach().to(torch.float64)
+            else:
+                W[group.rows_dev] = state
+                alive[group.rows_dev] = ok
+                finite_steps[group.rows_dev] += ok
+                loss_sum[group.rows_dev] += losses.detach().to(torch.float64)
+    # one device-to-host read for every client of the group
+    good, sums, rows_finite = torch.stack(
+        [finite_steps.double(), loss_sum, torch.isfinite(W).all(dim=1).double()]
+    ).tolist()
     results = []
     for i in range(K):
-        ok = finite[i] and rows_finite[i]
-        loss = sums[i] / max(steps[i], 1) if ok else float("nan")
-        results.append(LocalResult(loss=loss, steps=steps[i], finite=ok))
+        if good[i] < plan.num_steps[i]:
+            results.append(LocalResult(loss=float("nan"), steps=int(good[i]), finite=False))
+        elif not rows_finite[i]:
+            results.append(LocalResult(loss=float("nan"), steps=plan.num_steps[i], finite=False))
+        else:
+            results.append(
+                LocalResult(loss=sums[i] / max(plan.num_steps[i], 1), steps=plan.num_steps[i], finite=True)
+            )
     return W, results
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The clients that take one vectorised call at a step: those with a step left whose mini-batch
+    of that step has one size (no padding: it would change BatchNorm's batch statistics)."""
+
+    rows: list[int]  # host copy, for the per-row corrections
+    rows_dev: torch.Tensor  # (G,) on the device
+    idx: torch.Tensor  # (G, b) rows of the stacked samples, on the device
+    every: bool  # all K clients, in order: the group works on W itself
+
+
+@dataclass(frozen=True)
+class _RoundPlan:
+    """Every vectorised call of one round, with its index tensors built on the host and moved to the
+    device in ONE copy (no per-step index copy, which waits for the device)."""
+
+    steps: list[list[_Group]]
+    num_steps: list[int]
+
+    @staticmethod
+    def build(jobs: Sequence[ClientJob], schedule: LocalSchedule, device: torch.device) -> _RoundPlan:
+        K = len(jobs)
+        batches = [batch_indices(j.x.shape[0], schedule, j.generator) for j in jobs]
+        sizes = [j.x.shape[0] for j in jobs]
+        starts = [sum(sizes[:i]) for i in range(K)]
+        num_steps = [len(b) for b in batches]
+        layout: list[list[tuple[list[int], torch.Tensor]]] = []
+        pieces: list[torch.Tensor] = []
+        for step in range(max(num_steps, default=0)):
+            by_size: dict[int, list[int]] = {}
+            for i in range(K):
+                if step < num_steps[i]:
+                    by_size.setdefault(int(batches[i][step].numel()), []).append(i)
+            groups = []
+            for rows in by_size.values():
+                idx = torch.stack([batches[i][step] + starts[i] for i in rows])  # (G, b), host
+                groups.append((rows, idx))
+                pieces += [torch.tensor(rows), idx.flatten()]  # host: moved below in one copy
+            layout.append(groups)
+        moved = torch.cat(pieces).to(device).split([p.numel() for p in pieces]) if pieces else ()
+        steps, at = [], 0
+        for groups in layout:
+            out = []
+            for rows, idx in groups:
+                out.append(_Group(rows, moved[at], moved[at + 1].view(idx.shape), rows == list(range(K))))
+                at += 2
+            steps.append(out)
+        return _RoundPlan(steps, num_steps)
 
 
 def _linear_form(
@@ -247,19 +293,19 @@ def _linear_form(
 def _correct(
     d: torch.Tensor,
     w: torch.Tensor,
-    rows: list[int],
+    group: _Group,
     jobs: Sequence[ClientJob],
     shifts: torch.Tensor | None,
     pulls: torch.Tensor | float | None,
     anchor: torch.Tensor | None,
 ) -> None:
-    """Apply the rows' corrections to ``d`` in place: vectorised for linear ones, else row by row."""
+    """Apply the group's corrections to ``d`` in place: vectorised for linear ones, else row by row."""
+    rows, every = group.rows_dev, group.every
     if pulls is None:  # some correction is an arbitrary callable: apply each to its row's views
-        for j, i in enumerate(rows):
+        for j, i in enumerate(group.rows):
             if jobs[i].correction is not None:
                 jobs[i].correction(w[j], d[j])
         return
-    every = len(rows) == len(jobs)
     if shifts is not None:
         d.sub_(shifts if every else shifts[rows])
     if isinstance(pulls, torch.Tensor):

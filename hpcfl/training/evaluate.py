@@ -79,26 +79,28 @@ def shard_counts(
     model.eval()
     n = x.shape[0]
     start, stop = shard_range(n, comm.rank, comm.size)
-    stats = torch.zeros(3, dtype=torch.float64)  # correct, loss sum, count
-    out: torch.Tensor | None = None
     device = next(model.parameters()).device
+    stats = torch.zeros(3, dtype=torch.float64, device=device)  # correct, loss sum, count
+    out: torch.Tensor | None = None
     for s in range(start, stop, batch_size):
         xb = x[s : min(s + batch_size, stop)].to(device, non_blocking=True)
         yb = y[s : min(s + batch_size, stop)].to(device, non_blocking=True)
         logits = model(xb)
-        stats[0] += (logits.argmax(1) == yb).sum().item()
-        stats[1] += F.cross_entropy(logits, yb, reduction="sum").item()
+        stats[0] += (logits.argmax(1) == yb).sum()
+        stats[1] += F.cross_entropy(logits, yb, reduction="sum").double()
         stats[2] += yb.numel()
         if probs:
             if out is None:
+                # host: probabilities come back
                 out = torch.zeros(3 + n * logits.shape[1], dtype=torch.float64)
             width = logits.shape[1]
             out[3 + s * width : 3 + (s + yb.numel()) * width] = logits.softmax(1).reshape(-1).double().cpu()
+    stats = stats.cpu()  # the shard's one read back
     if not probs:
         return stats
     if out is None:  # this rank's shard is empty: learn the width from one input
         width = model(x[:1].to(device)).shape[1]
-        out = torch.zeros(3 + n * width, dtype=torch.float64)
+        out = torch.zeros(3 + n * width, dtype=torch.float64)  # host: probabilities come back
     out[:3] = stats
     return out
 

@@ -97,6 +97,8 @@ def batch_indices(n: int, schedule: LocalSchedule, generator: torch.Generator) -
     With ``steps`` set, permutations are chained until M batches exist (epochs roll over).
     The last batch of an epoch may be smaller; it is kept, as in a plain PyTorch DataLoader, unless
     ``schedule.drop_last`` (then each epoch is its ⌊n/B⌋ full batches, or one batch of all n < B).
+    Host work on purpose: the client's generator lives on the CPU so that its draws, and so the
+    result, do not depend on the device (:func:`on_device` moves a round's indices in one copy).
     """
     out: list[torch.Tensor] = []
     total = schedule.num_steps(n)
@@ -104,12 +106,22 @@ def batch_indices(n: int, schedule: LocalSchedule, generator: torch.Generator) -
     if schedule.drop_last and n >= schedule.batch_size:
         end = n - n % schedule.batch_size
     while len(out) < total:
-        perm = torch.randperm(n, generator=generator)
+        perm = torch.randperm(n, generator=generator)  # host: the client's seeded CPU generator
         for start in range(0, end, schedule.batch_size):
             out.append(perm[start : start + schedule.batch_size])
             if len(out) == total:
                 break
     return out
+
+
+def on_device(batches: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """A round's host-built index tensors as views of ONE tensor on ``device``: one host-to-device
+    copy per round instead of one per step (indexing a GPU tensor with a CPU index copies the index
+    from pageable memory, which waits for the stream, at every step)."""
+    if not batches or batches[0].device == device:
+        return batches
+    flat = torch.cat(batches).to(device)
+    return list(flat.split([b.numel() for b in batches]))
 
 
 def sgd_step(
@@ -146,21 +158,48 @@ def local_sgd(
     loss_fn: LossFn = cross_entropy_loss,
     correction: Correction | None = None,
 ) -> LocalResult:
-    """Train ``flat.model`` in place on (x, y); stops early (``finite=False``) on a NaN/inf loss."""
+    """Train ``flat.model`` in place on (x, y); ``finite=False`` on a NaN/inf loss or state.
+
+    The loop never waits for the device: the loss sum, the count of steps before the first
+    non-finite loss and the final state's finiteness stay on the device and are read back once, at
+    the end. A client whose loss turns non-finite at step s therefore runs its remaining steps (on
+    a model that is then meaningless) and is reported exactly as an early stop would: ``steps=s``,
+    ``finite=False``.
+    """
     model = flat.model
     model.train()
     w, g = flat.params, flat.grad
     momentum_buf: torch.Tensor | None = None
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    batches = batch_indices(x.shape[0], schedule, generator)
-    for step, idx in enumerate(batches):
+    loss_sum = w.new_zeros((), dtype=torch.float64)
+    finite_steps = w.new_zeros((), dtype=torch.int64)  # steps before the first non-finite loss
+    alive = w.new_ones((), dtype=torch.bool)
+    batches = on_device(batch_indices(x.shape[0], schedule, generator), x.device)
+    for idx in batches:
         g.zero_()
         loss = loss_fn(model, x[idx], y[idx])
-        if not torch.isfinite(loss):
-            return LocalResult(loss=float("nan"), steps=step, finite=False)
+        alive &= torch.isfinite(loss.detach())
+        finite_steps += alive
         loss.backward()
         loss_sum += loss.detach().to(torch.float64)
         momentum_buf = sgd_step(w, g, schedule, correction, momentum_buf)
-    if not torch.isfinite(w).all():
-        return LocalResult(loss=float("nan"), steps=len(batches), finite=False)
-    return LocalResult(loss=float(loss_sum) / max(len(batches), 1), steps=len(batches), finite=True)
+    return read_result(loss_sum, finite_steps, torch.isfinite(w).all(), len(batches))
+
+
+def read_result(
+    loss_sum: torch.Tensor,
+    finite_steps: torch.Tensor,
+    state_finite: torch.Tensor,
+    steps: int,
+    *,
+    mean_over: int | None = None,
+) -> LocalResult:
+    """A client's :class:`LocalResult` from its device-side tallies, in ONE device-to-host read: the
+    loss is ``loss_sum`` over ``mean_over`` (default: the steps; NaN when it is 0)."""
+    total, good, ok = torch.stack([loss_sum.double(), finite_steps.double(), state_finite.double()]).tolist()
+    if good < steps:
+        return LocalResult(loss=float("nan"), steps=int(good), finite=False)
+    if not ok:
+        return LocalResult(loss=float("nan"), steps=steps, finite=False)
+    if mean_over is None:
+        return LocalResult(loss=total / max(steps, 1), steps=steps, finite=True)
+    return LocalResult(loss=total / mean_over if mean_over else math.nan, steps=steps, finite=True)

@@ -151,7 +151,7 @@ def probe_allreduce(
 
     best, median = [], []
     for n in sizes:
-        buf = torch.ones(max(1, n // 4), dtype=torch.float32)
+        buf = torch.ones(max(1, n // 4), dtype=torch.float32)  # host: the host allreduce path
         comm.allreduce(buf)  # warm the path for this size
         times: list[float] = []
         t_start = time.perf_counter()

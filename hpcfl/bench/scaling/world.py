@@ -142,7 +142,7 @@ def run_world(args: argparse.Namespace) -> int:
                 f"allreduce {row['allreduce_s'] * 1e3:.2f}ms eval {row['eval_s']:.3f}s",
                 flush=True,
             )
-        flag = torch.tensor([float(stop.requested)], dtype=torch.float64)
+        flag = torch.tensor([float(stop.requested)], dtype=torch.float64)  # host: a stop flag
         if comm.allreduce(flag).item() > 0:
             if comm.rank == 0:
                 print("hpcfl: stopped by a signal; rerun (requeue) to measure the rest", file=sys.stderr)

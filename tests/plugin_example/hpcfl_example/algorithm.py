@@ -16,13 +16,13 @@ from hpcfl.algorithms import (
     ClientContext,
     ClientData,
     ClientState,
+    ConfigError,
     HyperParams,
     LocalTask,
     ServerContext,
     ServerState,
     local_training,
 )
-from hpcfl.errors import ConfigError
 
 
 @dataclass(frozen=True)
