@@ -77,7 +77,12 @@ def _sweep_config(run_dir: Path, pairs: list[str], imports: bool = False) -> tup
             f"stage2.{frozen[0]} changes the features themselves; run `hpcfl run` with it instead of tct-stage2"
         )
     # a saved config keeps stage 2 under params:, which outranks a top-level (legacy) stage2: section
-    changes = {"params": {"stage2": changed}} if isinstance(saved.get("params"), dict) else dict(overrides)
+    # (only what changes: an empty stage2 mapping under params: would now clear the saved settings)
+    changes: dict = {}
+    if changed:
+        changes = (
+            {"params": {"stage2": changed}} if isinstance(saved.get("params"), dict) else {"stage2": changed}
+        )
     if "device" in overrides:
         changes["device"] = overrides["device"]
     modules = saved.pop("imports", None) if isinstance(saved, dict) else None
