@@ -48,8 +48,8 @@ def test_resume_names_each_setting_that_differs(tmp_path, capsys):
     assert notes == [
         f"hpcfl: note: resuming {run} with other settings than it began with (threads 2 thread(s) per "
         "rank on 1 rank(s), the run began with 1 thread(s) per rank on 1 rank(s); client_batch 2, the run "
-        "began with 1): results stay valid but are not bit-identical to an uninterrupted run"
-    ]
+        "began with auto (1)): results stay valid but are not bit-identical to an uninterrupted run"
+    ]  # issue 44: "began with" is the start's record (auto), not the previous resume's client_batch=1
     # issue 44: the record keeps what the run BEGAN with (it was overwritten by each resume, so a
     # later resume's note named the previous resume's settings as the start)
     assert read_record(run)["threads_per_rank"] == [1]
