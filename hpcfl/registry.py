@@ -23,7 +23,7 @@ import importlib
 import importlib.metadata as metadata
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -324,16 +324,29 @@ def register_dataset(
     return DATASET_SPECS.register(name, DatasetSpec(load, tuple(options)))
 
 
-def import_modules(names: Any, key: str = "imports") -> None:
+def import_modules(names: Any, key: str = "imports", *, from_cwd: bool = True) -> None:
     """Import each module of config key ``key`` (a list of module names), so that the plugins they
-    register are known. The working directory is on the search path, as for ``python -m``."""
+    register are known. The working directory is on the search path, as for ``python -m``, unless
+    ``from_cwd`` is false: then it is taken off the path for these imports (``python -m`` puts it
+    there), so a command reading someone else's directory never imports from where it was started."""
     if names is None:
         return
     if not isinstance(names, list | tuple) or not all(isinstance(n, str) and n.strip() for n in names):
         raise ConfigError(f"config key {key!r} must be a list of module names, got {names!r}")
     cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
+    saved = list(sys.path)
+    if not from_cwd:
+        sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]
+    elif cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)
+    try:
+        _import_each(names, key)
+    finally:
+        if not from_cwd:
+            sys.path[:] = saved
+
+
+def _import_each(names: Sequence[str], key: str) -> None:
     for name in names:
         try:
             importlib.import_module(name)

@@ -62,3 +62,13 @@ def parse_client_batch(value: Any, key: str = "client_batch") -> int | str:
     if n < 1 or str(n) != text:
         raise ConfigError(f"config key {key!r} must be auto or a positive integer, got {value!r}")
     return n
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in decimal units to three significant digits ("1 MB", "7.35 TB", "512 B"), so
+    a message never says "0.0 GB" of a size that is not zero."""
+    n = max(float(n), 0.0)
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"

@@ -97,6 +97,25 @@ def test_flipped_bit_in_a_chunk_gives_one_line(tct_run, tmp_path, capsys):
     assert f"client 1 is damaged (chunk file {chunk} fails its checksum)" in err
 
 
+@pytest.mark.parametrize("offset,bit", [(0, 0x01), (-1, 0x08)])  # another class; a huge label
+def test_flipped_bit_in_the_labels_gives_one_line(tct_run, tmp_path, capsys, offset, bit):
+    """Issue 44: the labels had no checksum; a flipped bit changed a label silently (stage 2 exit 0
+    with another result) or ended in an IndexError. Now one line naming the labels file."""
+    _, src = tct_run
+    run = _copy(src, tmp_path / "run")
+    chunk = run / "features.zarr" / "labels_1" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[offset] ^= bit
+    chunk.write_bytes(bytes(data))
+    assert not verify_client(run / "features.zarr", 1) and verify_client(run / "features.zarr", 0)
+    err = _one_line_error(capsys, ["tct-stage2", str(run)])
+    assert err == (
+        f"hpcfl: error: feature store {run / 'features.zarr'}: client 1 is damaged (labels file {chunk} "
+        f"fails its checksum); delete {run / 'features.zarr' / 'client_1'} and resume with --resume to "
+        "recompute it"
+    )
+
+
 def test_truncated_chunk_and_torn_metadata_give_one_line(tct_run, tmp_path, capsys):
     _, src = tct_run
     run = _copy(src, tmp_path / "a")
@@ -109,6 +128,14 @@ def test_truncated_chunk_and_torn_metadata_give_one_line(tct_run, tmp_path, caps
     meta.write_text(meta.read_text()[:40])
     err = _one_line_error(capsys, ["tct-stage2", str(run)])
     assert f"{meta} is damaged" in err
+    # issue 44: the advice was to delete the whole store; the client's array alone is recomputed
+    assert err.endswith(f"delete {meta.parent} and resume with --resume to recompute that client"), err
+    import shutil
+
+    shutil.rmtree(meta.parent)
+    assert main(["run", str(tct_run[0]), "--run-dir", str(run), "--resume"]) == 0
+    assert all(verify_client(run / "features.zarr", k) for k in range(5))
+    assert main(["tct-stage2", str(run)]) == 0
     run = _copy(src, tmp_path / "c")
     root = run / "features_test.zarr" / "zarr.json"
     root.write_text(root.read_text()[:30])
@@ -153,7 +180,14 @@ def test_truncated_stage1_model_gives_one_line(tct_run, tmp_path, capsys):
     os.truncate(path, path.stat().st_size // 2)
     err = _one_line_error(capsys, ["tct-stage2", str(run)])
     assert err.startswith(f"hpcfl: error: {path} is damaged (")
-    assert err.endswith("resume the run with --resume to write it again")
+    # issue 44: tct-stage2 advised --resume, whose run then advised --overwrite; both say --overwrite
+    fix = "stage 2 cannot resume without it; rerun the run with --overwrite (stage 1 is trained again)"
+    assert err.endswith(fix)
+    cfg, _ = tct_run
+    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
+    assert err.endswith(fix)
+    assert main(["run", str(cfg), "--run-dir", str(run), "--overwrite"]) == 0
+    assert main(["tct-stage2", str(run)]) == 0
 
 
 @pytest.mark.parametrize("damage", ["truncate_server", "empty_client", "delete_client"])

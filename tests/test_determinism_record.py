@@ -48,9 +48,15 @@ def test_resume_names_each_setting_that_differs(tmp_path, capsys):
     assert notes == [
         f"hpcfl: note: resuming {run} with other settings than it began with (threads 2 thread(s) per "
         "rank on 1 rank(s), the run began with 1 thread(s) per rank on 1 rank(s); client_batch 2, the run "
-        "began with 1): results stay valid but are not bit-identical to an uninterrupted run"
-    ]
-    assert read_record(run)["threads_per_rank"] == [2]  # the record follows the latest (re)start
+        "began with auto (1)): results stay valid but are not bit-identical to an uninterrupted run"
+    ]  # issue 44: "began with" is the start's record (auto), not the previous resume's client_batch=1
+    # issue 44: the record keeps what the run BEGAN with (it was overwritten by each resume, so a
+    # later resume's note named the previous resume's settings as the start)
+    assert read_record(run)["threads_per_rank"] == [1]
+    argv = ["run", str(cfg), "--run-dir", str(run), "--resume", "--set", "rounds=4", "threads=2"]
+    assert main(argv) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hpcfl: note:")]
+    assert len(notes) == 1 and "the run began with 1 thread(s) per rank" in notes[0], notes
 
 
 def test_rank_count_matters_only_with_float32_sums():
@@ -90,3 +96,20 @@ def test_one_process_and_two_ranks_are_compared_by_report(tmp_path, capsys):
     assert main(["report", str(one), str(again), "--out", str(tmp_path / "rep2")]) == 0
     assert "note" not in capsys.readouterr().err
     assert json.loads((one / "determinism.json").read_text()) == read_record(again)
+
+
+def test_threads_beyond_the_machine_are_bounded_with_a_note(tmp_path):
+    """Issue 44: ``threads: 100000`` segfaulted inside torch with no message; the threads are now
+    bounded by the cores this process may use, with one note, and the run records what it used."""
+    from tests.helpers import run_cli
+
+    cores = len(os.sched_getaffinity(0))
+    cfg = synthetic_config(tmp_path, rounds=1, algorithm="fedavg", threads=100000)
+    run = tmp_path / "run"
+    proc = run_cli("run", str(cfg), "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stderr
+    notes = [ln for ln in proc.stderr.splitlines() if ln.startswith("hpcfl: note:")]
+    assert notes == [
+        f"hpcfl: note: threads: 100000 is more than the {cores} cores this process may use; using {cores}"
+    ]
+    assert read_record(run)["threads_per_rank"] == [cores]

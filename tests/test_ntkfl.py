@@ -790,3 +790,38 @@ def test_reproduction_refuses_an_euler_step_it_cannot_run_exactly(tmp_path: Path
     assert proc.returncode != 0
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({}, "NTK-FL: the weight update of round 1 made the model or its loss NaN/inf; lower params.eta"),
+        ({"kernel_product": "int8", "select": "kernel"}, "NTK-FL: the kernel H of round 2 holds NaN/inf"),
+    ],
+)
+def test_a_diverging_evolution_stops_the_run_with_one_line(tmp_path: Path, capsys, extra: dict, words: str):
+    """Issue 44: with η = 1e30 every parameter ended NaN and the run exited 0 as if finished; with
+    kernel_product: int8 it died in eigh. Now one line naming params.eta, and the run is not done."""
+    from hpcfl.cli.main import main
+
+    cfg = _small_cfg(tmp_path, "ntkfl", params={"eta": 1e30, "grid": [1, 2, 5], **extra})
+    code = main(["run", str(cfg), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code not in (0, 75) and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith(f"hpcfl: error: {words}"), err
+    assert not (tmp_path / "run" / "DONE").exists()
+
+
+def test_a_grid_of_a_million_steps_is_announced_not_run_silently():
+    """Issue 44: a 10⁶-step grid ran silently for minutes a round; the cross-entropy evolution's
+    product count is named up front (the closed-form MSE evolution costs the same for any t)."""
+    from hpcfl.ntk.stage import long_evolution_note
+
+    assert long_evolution_note(NTKFLParams()) is None  # the reference grid, up to t = 2000
+    note = long_evolution_note(NTKFLParams(grid=(10, 10**6)))
+    assert note is not None and note.startswith("hpcfl: note: params.grid reaches t=1000000: ")
+    assert "1,000,000 products" in note
+    flow = long_evolution_note(NTKFLParams(grid=(10**6,), evolution="flow", ce_dt=10.0))
+    assert flow is not None and "400,000 products" in flow
+    assert long_evolution_note(NTKFLParams(grid=(10**6,), loss="mse")) is None

@@ -383,6 +383,8 @@ def test_budget_stop_checkpoints_exits_0_and_stays_stopped(tmp_path: Path) -> No
     rows = _rows(tmp_path / "run")
     assert rows[-1]["epsilon"] <= 6.0 < 100 and len(rows) < 10
     assert (tmp_path / "run" / "checkpoints" / "LATEST").read_text().strip().endswith(str(len(rows)))
+    status = run_cli("status", str(tmp_path / "run"))  # issue 44: status said only "finished"
+    assert status.returncode == 0 and "stopped by its privacy budget" in status.stdout, status.stdout
     again = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), "--resume")
     assert again.returncode == 0, again.stderr
     assert "privacy budget reached" in again.stderr
@@ -410,6 +412,79 @@ def test_refused_combinations_give_one_line(tmp_path: Path, over: dict, words: s
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0], proc.stderr
+
+
+def test_an_unreachable_target_epsilon_is_refused_before_opacus_searches(monkeypatch) -> None:
+    """Issue 44: privacy.epsilon=1e-9 was refused only after Opacus's search had doubled σ past its
+    limit (153 s at sample level); now one accountant evaluation at the largest σ it would try."""
+    import opacus.accountants.utils
+
+    from hpcfl.errors import ConfigError
+    from hpcfl.privacy import accountant
+
+    def searched(**kwargs):
+        raise AssertionError("Opacus's search ran")
+
+    monkeypatch.setattr(opacus.accountants.utils, "get_noise_multiplier", searched)
+    with pytest.raises(ConfigError, match=r"privacy.epsilon=1e-09: no noise multiplier reaches it \(ε is "):
+        accountant.calibrate(1e-9, [(0.5, 3)], 1e-5, "rdp")
+
+
+def test_privacy_settings_without_a_level_are_refused(tmp_path: Path) -> None:
+    """Issue 44: ε, δ and clip without ``level`` ran with no privacy at all (exit 0, config.yaml
+    still showing ε); now one line naming privacy.level, and no run directory written."""
+    cfg = synthetic_config(
+        tmp_path, algorithm="fedavg", privacy={"epsilon": 3.0, "delta": 1e-5, "clip": 1.0}, rounds=1
+    )
+    proc = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode not in (0, 75) and "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "privacy.level" in lines[0], proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+class _StopAfter:
+    """A stop request that turns on after ``rounds`` rounds (a job preempted mid-run)."""
+
+    def __init__(self, rounds: int) -> None:
+        self.left = rounds
+
+    @property
+    def requested(self) -> bool:
+        self.left -= 1
+        return self.left <= 0
+
+    def stop_now(self) -> bool:
+        return False
+
+
+def test_resume_with_more_rounds_accounts_the_spent_rounds_at_their_own_noise(tmp_path: Path) -> None:
+    """Issue 44: a run calibrated to a target ε, stopped after 2 rounds and resumed with more rounds,
+    recalibrates σ for the new length. Its ε is the composition over the actual history (2 rounds at
+    the first σ, the rest at the second; Opacus's accountant over that history), never the new σ
+    over every round (which reported less than was spent), and the target then stops the run."""
+    from opacus.accountants import RDPAccountant
+
+    from hpcfl.config import load_config
+    from hpcfl.runner import run_experiment
+
+    cfg = _client_cfg(tmp_path, rounds=6, privacy={"noise_multiplier": None, "epsilon": 8.0})
+    first = run_experiment(load_config(cfg), tmp_path / "run", stop=_StopAfter(2))  # type: ignore[arg-type]
+    assert first.rounds_done == 2 and not first.finished
+    more = load_config(cfg, ["rounds=40"])
+    second = run_experiment(more, tmp_path / "run", resume=True)
+    rows = _rows(tmp_path / "run")
+    s1, s2 = rows[0]["dp_noise_multiplier"], rows[-1]["dp_noise_multiplier"]
+    assert s2 > s1 and all(r["dp_noise_multiplier"] == s1 for r in rows[:2])
+    for r, row in enumerate(rows, start=1):
+        acc = RDPAccountant()
+        acc.history = [(s1, 0.5, min(r, 2))] + ([(s2, 0.5, r - 2)] if r > 2 else [])
+        assert row["epsilon"] == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-12)
+    naive = RDPAccountant()
+    naive.history = [(s2, 0.5, len(rows))]
+    assert rows[-1]["epsilon"] > naive.get_epsilon(delta=1e-5)  # what the run used to report
+    assert rows[-1]["epsilon"] <= 8.0 + 0.01 and len(rows) < 40  # the target stopped it
+    assert second.finished and second.budget_stop is not None and "privacy.epsilon" in second.budget_stop
 
 
 def test_sample_level_epsilon_is_the_worst_client_and_report_shows_it(tmp_path: Path) -> None:

@@ -71,6 +71,59 @@ def test_overwrite_deletes_only_what_hpcfl_wrote(tmp_path, capsys):
     assert [r["round"] for r in rows] == [1, 2] and (run / "DONE").exists()
 
 
+def test_overwrite_keeps_the_users_own_logger_folders(tmp_path, capsys):
+    """Issue 44: --overwrite deleted RUN/wandb, mlflow and tensorboard although the run never used
+    a logger; only folders hpcfl's records say it made (its marker, loggers.json) are deleted."""
+    cfg = synthetic_config(tmp_path, rounds=1)
+    run = tmp_path / "run"
+    assert main(["run", str(cfg), "--run-dir", str(run)]) == 0
+    for name in ("wandb", "mlflow", "tensorboard"):
+        (run / name).mkdir()
+        (run / name / "mine.txt").write_text(name)
+    assert main(["run", str(cfg), "--run-dir", str(run), "--overwrite"]) == 0
+    capsys.readouterr()
+    for name in ("wandb", "mlflow", "tensorboard"):
+        assert (run / name / "mine.txt").read_text() == name
+    assert (run / "DONE").exists()
+
+
+def test_a_fresh_tensorboard_log_never_deletes_a_users_folder(tmp_path, capsys):
+    """Issue 44: a fresh run with loggers: [tensorboard] deleted an existing RUN/tensorboard; now one
+    line and the folder kept. A folder hpcfl made itself is still replaced by --overwrite."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    cfg = synthetic_config(tmp_path, rounds=1, loggers=["tensorboard"])
+    run = tmp_path / "run"
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "tensorboard" / "mine.txt").write_text("mine")
+    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run)])
+    assert "tensorboard exists and hpcfl did not make it" in err
+    assert (run / "tensorboard" / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "tensorboard"]  # refused before any run file
+    other = tmp_path / "other"
+    assert main(["run", str(cfg), "--run-dir", str(other)]) == 0
+    first = sorted(p.name for p in (other / "tensorboard").glob("events.out.tfevents.*"))
+    assert main(["run", str(cfg), "--run-dir", str(other), "--overwrite"]) == 0
+    capsys.readouterr()
+    second = sorted(p.name for p in (other / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(first) == len(second) == 1 and first != second  # the old events went with the run
+
+
+def test_a_planted_checkpoint_tmp_link_never_takes_a_write_outside_the_run(tmp_path, capsys):
+    """Issue 44: a symlink planted as ``checkpoints/.round_N.tmp`` made a resume write the checkpoint
+    outside the run directory (and leave ``round_N`` a link to it)."""
+    cfg = synthetic_config(tmp_path, rounds=2, algorithm="fedavg")
+    run = tmp_path / "run"
+    assert main(["run", str(cfg), "--run-dir", str(run), "--set", "rounds=1"]) == 0
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (run / "checkpoints" / ".round_000002.tmp").symlink_to(outside, target_is_directory=True)
+    assert main(["run", str(cfg), "--run-dir", str(run), "--resume"]) == 0
+    capsys.readouterr()
+    final = run / "checkpoints" / "round_000002"
+    assert list(outside.iterdir()) == []
+    assert final.is_dir() and not final.is_symlink() and (final / "server.pt").is_file()
+
+
 # 2. hpcfl status never unpickles
 
 
@@ -80,6 +133,30 @@ class _Exploit:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.target}",))
+
+
+def test_tct_stage2_never_imports_what_a_run_directory_names_unless_asked(tmp_path, capsys, monkeypatch):
+    """Issue 44: ``hpcfl tct-stage2 RUN`` imported the modules of RUN/config.yaml's ``imports:`` with
+    the current directory on the path, so code planted in a run directory ran when the command was
+    started inside it. Now nothing is imported without --imports, and with it never from the
+    current directory (``python -m`` puts it first on the path: simulated here)."""
+    import yaml
+
+    from tests.helpers import tiny_tct_config
+
+    run = tmp_path / "run"
+    assert main(["run", str(tiny_tct_config(tmp_path)), "--run-dir", str(run)]) == 0
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**saved, "imports": ["planted_issue44"]}))
+    pwned = tmp_path / "pwned"
+    (run / "planted_issue44.py").write_text(f"open({str(pwned)!r}, 'w').close()\n")
+    monkeypatch.chdir(run)
+    monkeypatch.syspath_prepend(str(run))
+    capsys.readouterr()
+    assert main(["tct-stage2", "."]) == 0
+    assert not pwned.exists()
+    err = _one_line_error(capsys, ["tct-stage2", ".", "--imports"])
+    assert "module 'planted_issue44' failed to import" in err and not pwned.exists()
 
 
 def test_status_never_unpickles_a_crafted_result(tmp_path):

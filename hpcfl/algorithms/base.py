@@ -378,6 +378,9 @@ class Algorithm(ABC, Generic[P, S, C]):
     #: (``client_eval``) then also scores :meth:`personal_model` on every evaluated client's
     #: held-out share (the ``personal_acc_*`` columns, beside the global model's ``client_acc_*``)
     personalised: ClassVar[bool] = False
+    #: the hyper-parameters (``Params`` fields) besides the learning rate whose size can make the
+    #: model NaN/inf (a server step's rate, FedDyn's α): a divergence message names them
+    divergence_params: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: P, *, layout: StateLayout, participation: Participation | None = None) -> None:
         self.params: P = params

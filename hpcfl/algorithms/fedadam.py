@@ -76,6 +76,7 @@ class FedAdamServerState(ServerState):
 class FedAdam(Algorithm[FedAdamParams, FedAdamServerState, ClientState]):
     name = "fedadam"
     Params = FedAdamParams
+    divergence_params = ("server_lr",)
 
     def init_server(self, x0: torch.Tensor) -> FedAdamServerState:
         P = self.num_params

@@ -65,6 +65,7 @@ class FedAvgMServerState(ServerState):
 class FedAvgM(Algorithm[FedAvgMParams, FedAvgMServerState, ClientState]):
     name = "fedavgm"
     Params = FedAvgMParams
+    divergence_params = ("server_lr",)
     example_params = FedAvgMParams(beta=0.5)
 
     def init_server(self, x0: torch.Tensor) -> FedAvgMServerState:

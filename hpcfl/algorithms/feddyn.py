@@ -160,6 +160,7 @@ def client_alpha(params: FedDynParams, k: int, population: Population) -> float:
 class FedDyn(Algorithm[FedDynParams, FedDynServerState, FedDynClientState]):
     name = "feddyn"
     Params = FedDynParams
+    divergence_params = ("alpha",)
 
     def init_server(self, x0: torch.Tensor) -> FedDynServerState:
         return FedDynServerState(x=x0.clone(), h=x0.new_zeros(self.num_params))

@@ -66,7 +66,7 @@ from hpcfl.algorithms.base import (
 from hpcfl.algorithms.participation import Population
 from hpcfl.entk._common import eval_mode
 from hpcfl.entk.jacobian import JACOBIAN_METHODS, factored_jacobian, fusable, per_sample_jacobian
-from hpcfl.errors import ConfigError
+from hpcfl.errors import ConfigError, DivergenceError
 from hpcfl.ntk.evolution import Jacobian, Rows, condition, evolve, kernel, weight_updates
 from hpcfl.ntk.product import PRECISIONS, resolve_precision
 
@@ -320,8 +320,18 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         P = self.num_params
         t0 = time.perf_counter()
         H = kernel(rows.jacobians, ctx.rank, ctx.world, reduce)  # (N, N) float64
+        rnd = ctx.round + 1  # NTK-FL is one stage: the run's round number
+        # host syncs once a round, the same on every rank (H and the step are shared bit for bit)
+        if not bool(torch.isfinite(H).all()):
+            raise DivergenceError(
+                f"NTK-FL: the kernel H of round {rnd} holds NaN/inf: the clients' Jacobians at the round's "
+                "model are not finite (its outputs overflow); start over with a lower params.eta"
+            )
         t1 = time.perf_counter()
         step = self.shared_step(H, rows, server.x.dtype, ctx.rank, reduce)
+        diverged = f"lower params.eta (now {p.eta:g}; the grid reaches t={max(p.grid)})"
+        if not bool(torch.isfinite(step.updates).all() and torch.isfinite(step.outputs).all()):
+            raise DivergenceError(f"NTK-FL: the evolution of round {rnd} became NaN/inf; {diverged}")
         t3 = time.perf_counter()
         candidates = server.x[:P].to(torch.float64) + step.updates  # (Ψ, P)
         losses = self.selection_losses(candidates.to(server.x.dtype), rows, step.outputs)
@@ -329,6 +339,10 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         t4 = time.perf_counter()
         x = server.x.clone()
         x[:P] = candidates[best].to(x.dtype)
+        if not bool(torch.isfinite(x[:P]).all() and torch.isfinite(losses[best])):  # float64 → model dtype
+            raise DivergenceError(
+                f"NTK-FL: the weight update of round {rnd} made the model or its loss NaN/inf; {diverged}"
+            )
         product = resolve_precision(p.kernel_product, H, server.x.dtype) if p.loss == "ce" else "eigh"
         metrics: dict[str, float | str] = {
             "evolve_product": product,

@@ -180,6 +180,8 @@ class RoundPlan:
     eval_every: int = 1
     reduction: str = "float64"  # float64 (placement-independent) | float32
     lr_hint: str = ""  # how to name the learning rate in a divergence message
+    #: the other settings a divergence may come from ("params.server_lr (1.0)"), named beside it
+    divergence_hint: str = ""
     observers: tuple[Observer, ...] = ()  # metrics chosen by the config (CKA, drift diversity, ...)
     client_metrics: tuple[str, ...] = ("loss",)  # what the participants' local updates report
     client_batch: int | str = 1  # participants per vectorised training step: 1 | N | auto

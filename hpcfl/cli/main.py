@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from hpcfl.comm import abort_world, launched_world_size, launcher_rank, mpi_initialized, supervise_rank
 from hpcfl.data.root import absolutize_env
@@ -87,6 +89,19 @@ def _fail(cause: str, code: int) -> int:
     return code
 
 
+def _outside_hpcfl(err: BaseException) -> str | None:
+    """``file:line`` of the frame that raised ``err`` when it is not hpcfl's own code (a plugin's),
+    else None."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return None
+    origin = frames[-1]
+    package = str(Path(__file__).resolve().parents[1])
+    if str(Path(origin.filename).resolve()).startswith(package + os.sep):
+        return None
+    return f"{origin.filename}:{origin.lineno}"
+
+
 def run_command(func: Callable[[], int | None]) -> int:
     """Call ``func`` and turn what escapes it into an exit code, as the ``hpcfl`` command does."""
     try:
@@ -101,6 +116,16 @@ def run_command(func: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print("hpcfl: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as err:
+        where = _outside_hpcfl(err)
+        if where is None:  # hpcfl's own exits (a requeue, an abort) keep their code
+            raise
+        code = err.code if isinstance(err.code, int) and err.code not in (0, 75) else 1
+        return _fail(
+            f"sys.exit({err.code!r}) in {where} ended the command (plugin code must raise an exception, not "
+            "exit); the run did not finish",
+            code,
+        )
     except Exception as err:
         if launched_world_size() <= 1:
             raise

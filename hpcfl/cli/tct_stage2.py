@@ -9,6 +9,10 @@ it was computed from this run's model, seed, p, logit and scope — and writes e
 the stores and ``stage1_model.pt`` are device-free, so only the solver's device changes (and the
 results then agree with the GPU's to float rounding, not bit for bit); the device joins the tag so
 the two sweep points do not overwrite each other.
+
+The run directory may come from someone else: the modules its ``config.yaml`` names under
+``imports:`` are imported only with ``--imports`` (they run code), and never from the directory the
+command was started in.
 """
 
 from __future__ import annotations
@@ -46,11 +50,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="stage2.KEY=VALUE",
         help="stage-2 settings to change (and device=cpu|cuda)",
     )
+    p.add_argument(
+        "--imports",
+        action="store_true",
+        help="import the modules the run's config.yaml names under imports: (runs their code: only for a "
+        "run directory you trust; never from the current directory)",
+    )
     p.set_defaults(func=run)
 
 
-def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
+def _sweep_config(run_dir: Path, pairs: list[str], imports: bool = False) -> tuple[Config, str]:
     from hpcfl.config import config_from_dict, merge, parse_overrides, read_yaml  # not at parser build
+    from hpcfl.registry import import_modules
 
     if not (run_dir / "config.yaml").exists():
         raise RunDirError(f"{run_dir} holds no run (no config.yaml); pass the directory of a TCT run")
@@ -66,16 +77,27 @@ def _sweep_config(run_dir: Path, pairs: list[str]) -> tuple[Config, str]:
             f"stage2.{frozen[0]} changes the features themselves; run `hpcfl run` with it instead of tct-stage2"
         )
     # a saved config keeps stage 2 under params:, which outranks a top-level (legacy) stage2: section
-    # (an empty mapping would CLEAR the saved section: --set params={} semantics)
-    if not changed:
-        changes: dict = {}
-    elif isinstance(saved.get("params"), dict):
-        changes = {"params": {"stage2": changed}}
-    else:
-        changes = {"stage2": changed}
+    # (only what changes: an empty stage2 mapping under params: would now clear the saved settings)
+    changes: dict = {}
+    if changed:
+        changes = (
+            {"params": {"stage2": changed}} if isinstance(saved.get("params"), dict) else {"stage2": changed}
+        )
     if "device" in overrides:
         changes["device"] = overrides["device"]
-    cfg = config_from_dict(merge(saved, changes))
+    modules = saved.pop("imports", None) if isinstance(saved, dict) else None
+    if imports:
+        import_modules(modules, from_cwd=False)
+    try:
+        cfg = config_from_dict(merge(saved, changes))
+    except ConfigError as err:
+        if modules and not imports:
+            raise ConfigError(
+                f"{err} ({run_dir / 'config.yaml'} names imports: {modules}, not imported: pass --imports "
+                "if you trust this run directory)"
+            ) from None
+        raise
+    cfg.imports = list(modules or [])  # as saved (imported above only with --imports)
     if cfg.algorithm != "tct":
         raise ConfigError(f"{run_dir} is a {cfg.algorithm} run; tct-stage2 needs a TCT run")
     if cfg.device != "cpu" and "device" not in overrides and not _cuda_visible():
@@ -119,7 +141,7 @@ def _sweep(args: argparse.Namespace) -> int:
     )
     from hpcfl.runner.federation import build_federation
 
-    cfg, tag = _sweep_config(args.run_dir, args.set)
+    cfg, tag = _sweep_config(args.run_dir, args.set, args.imports)
     theta_path = args.run_dir / STAGE1_MODEL
     if not theta_path.exists():
         raise RunDirError(

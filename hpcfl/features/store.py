@@ -4,8 +4,9 @@ Layout (``features.zarr`` inside a run directory)::
 
     features.zarr/            group; attrs: format, version, meta (FeatureMeta), complete, clients
       client_{k}              (n_k, p) features, rows = the client's samples in order;
-                              attrs: rows, done (the per-client completion marker)
-      labels_{k}              (n_k,) int64 labels
+                              attrs: rows, done (the per-client completion marker), chunk_crc32,
+                              labels_crc32 (the labels' CRC-32, set with the marker)
+      labels_{k}              (n_k,) int64 labels, one uncompressed chunk
 
 Concurrency: every MPI rank writes only its own clients, and writing a client touches nothing but
 that client's two arrays (Zarr v3 keeps no child list in the group metadata), so ranks never write
@@ -21,8 +22,10 @@ the same object. The protocol, communicator-agnostic:
 :func:`open_feature_store` refuses (``StoreError``) a missing store, one computed with different
 settings (naming the fields), one without ``complete``, or one whose chunk files are missing or
 short (a stat per chunk), and :meth:`FeatureStoreReader.read_client` refuses a client without its
-marker or whose chunks fail the CRC-32s recorded at write time — so an interrupted write or a
-damaged file is never read as data (zarr would read a missing chunk as zeros).
+marker or whose chunks or labels fail the CRC-32s recorded at write time — so an interrupted write
+or a damaged file is never read as data (zarr would read a missing chunk as zeros). The labels are
+the only copy of what stage 2 trains towards, so they get the same check as the features (stores
+written before it are read unchecked).
 
 Storage: float32 and float16 as themselves; bfloat16 as its raw uint16 bits (zarr has no bf16;
 the root ``meta.dtype`` says how to view them back, exactly). Chunks are whole rows, a power of two
@@ -193,11 +196,15 @@ class ClientWriter:
             shape=(self.rows,),
             dtype="int64",
             chunks=(max(1, self.rows),),
+            compressors=None,  # a stat finds a short file, as for the features
             overwrite=True,
+            config={"write_empty_chunks": True},
         )
         arr[:] = lab
         crcs = self._crc if self._crc is not None and self._next == self.rows else _read_crcs(self.array)
-        self.array.attrs.update({"rows": self.rows, "done": True, "chunk_crc32": crcs})
+        self.array.attrs.update(
+            {"rows": self.rows, "done": True, "chunk_crc32": crcs, "labels_crc32": crc32(lab)}
+        )
 
 
 def open_client_writer(path: str | Path, k: int, *, rows: int, meta: FeatureMeta) -> ClientWriter:
@@ -246,9 +253,9 @@ def _array(root: zarr.Group, name: str, path: Path) -> Any:
     except KeyError:
         raise
     except Exception as err:  # noqa: BLE001 - a torn zarr.json reaches us as any of several errors
-        raise StoreError(
+        raise StoreError(  # one client's array: the other clients' features stay valid
             f"feature store {path}: {path / name / 'zarr.json'} is damaged ({err.__class__.__name__}); "
-            f"delete {path} and resume with --resume to recompute the features"
+            f"delete {path / name} and resume with --resume to recompute that client"
         ) from None
 
 
@@ -285,6 +292,27 @@ def check_chunk_files(path: Path, root: zarr.Group, k: int) -> None:
         problem = chunk_file_problem(chunk, size)
         if problem is not None:
             raise _damaged(path, k, f"chunk file {chunk} {problem}")
+    if isinstance(feats.attrs.get("labels_crc32"), int) and feats.shape[0] > 0:
+        chunk = _labels_chunk(path, k)
+        problem = chunk_file_problem(chunk, int(feats.shape[0]) * 8)
+        if problem is not None:
+            raise _damaged(path, k, f"labels file {chunk} {problem}")
+
+
+def _labels_chunk(path: Path, k: int) -> Path:
+    return path / _labels_name(k) / "c" / "0"
+
+
+def _read_labels(path: Path, root: zarr.Group, k: int) -> np.ndarray:
+    """Client ``k``'s labels, checked against the CRC-32 recorded with its marker (when recorded)."""
+    try:
+        labels = root[_labels_name(k)][:]
+    except Exception as err:  # noqa: BLE001
+        raise _damaged(path, k, f"unreadable labels: {err.__class__.__name__}") from None
+    expected = root[_features_name(k)].attrs.get("labels_crc32")
+    if isinstance(expected, int) and crc32(np.ascontiguousarray(labels, dtype=np.int64)) != expected:
+        raise _damaged(path, k, f"labels file {_labels_chunk(path, k)} fails its checksum")
+    return labels
 
 
 def verify_client(path: str | Path, k: int) -> bool:
@@ -297,7 +325,10 @@ def verify_client(path: str | Path, k: int) -> bool:
         check_chunk_files(path, root, k)
         feats = root[_features_name(k)]
         crcs = feats.attrs.get("chunk_crc32")
-        return isinstance(crcs, list) and _read_crcs(feats) == crcs
+        if not (isinstance(crcs, list) and _read_crcs(feats) == crcs):
+            return False
+        _read_labels(path, root, k)
+        return True
     except (StoreError, ValueError, OSError):
         return False
 
@@ -364,10 +395,7 @@ class FeatureStoreReader:
     def read_client(self, k: int) -> tuple[Tensor, Tensor]:
         """All of client ``k``: features (n_k, p) in the store's dtype and int64 labels (n_k,)."""
         data = self._read_verified(k)
-        try:
-            labels = self._root[_labels_name(k)][:]
-        except Exception as err:  # noqa: BLE001
-            raise _damaged(self.path, k, f"unreadable labels: {err.__class__.__name__}") from None
+        labels = _read_labels(self.path, self._root, k)
         return _decode(data, self.meta), torch.from_numpy(labels)  # host: read from Zarr
 
 

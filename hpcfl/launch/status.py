@@ -61,6 +61,7 @@ class RunStatus:
     rounds_total: int | None = None
     test_accuracy: float | None = None
     finished: bool = False
+    budget_stop: bool = False  # finished because the next round would exceed the privacy budget
     error: str | None = None
     log: str | None = None
 
@@ -221,6 +222,13 @@ def _run_progress(run_dir: Path, status: RunStatus) -> None:
 
         status.rounds_total = read_yaml(config).get("rounds")
     status.finished = (run_dir / "DONE").exists()
+    if status.finished:
+        from hpcfl.runner.rundir import BUDGET_STOP
+
+        try:
+            status.budget_stop = f"stopped={BUDGET_STOP}" in (run_dir / "DONE").read_text().split()
+        except (OSError, UnicodeDecodeError):
+            pass
 
 
 def _unsubmitted_state(run_dir: Path, status: RunStatus) -> None:
@@ -306,7 +314,9 @@ def format_status(status: RunStatus) -> str:
     progress = f"rounds   {status.rounds_done}{total}"
     if status.test_accuracy is not None:
         progress += f"  test accuracy {status.test_accuracy:.4f}"
-    if status.finished:
+    if status.budget_stop:
+        progress += "  (finished: stopped by its privacy budget, privacy.epsilon_budget or privacy.epsilon)"
+    elif status.finished:
         progress += "  (finished)"
     lines.append(progress)
     if status.error and not status.finished:

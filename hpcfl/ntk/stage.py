@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable
 
 import torch
 
 from hpcfl.algorithms import ClientData, FederationView, ServerState, StageInput, StagePlan, Trainer
-from hpcfl.algorithms.ntkfl import NTKFL
+from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import ConfigError
 from hpcfl.node import memory_share
@@ -22,6 +23,26 @@ from hpcfl.training.layout import StateLayout
 
 BUDGET_FRACTION = 0.8
 """Share of this node's available memory a round may use under ``memory_budget: auto``."""
+#: products of the kernel per round past which a run says its evolution is long (10x the
+#: reference grid's t = 2,000, one product a step)
+LONG_EVOLUTION = 20_000
+
+
+def long_evolution_note(p: NTKFLParams) -> str | None:
+    """The note for a cross-entropy evolution of more than :data:`LONG_EVOLUTION` products of the
+    N × N kernel a round (a grid up to t = 10⁶ ran silently for minutes a round), else None. The
+    MSE evolution is closed form: any t costs the same."""
+    if p.loss != "ce":
+        return None
+    t = max(p.grid)
+    products = t if p.evolution == "discrete" else 4 * math.ceil(t / p.ce_dt)  # RK4: at least
+    if products <= LONG_EVOLUTION:
+        return None
+    return (
+        f"hpcfl: note: params.grid reaches t={t}: the cross-entropy evolution takes {products:,} products "
+        "of the N x N kernel every round (the reference grid stops at t=2000), minutes a round on a CPU; "
+        "lower params.grid unless that is intended"
+    )
 
 
 def memory_budget(value: str) -> int:
@@ -146,6 +167,8 @@ def enter_ntk(entry: StageInput) -> StagePlan:
         validation = (torch.cat([d.x for d in parts]), torch.cat([d.y for d in parts]))
     algo.attach(flat.model, validation)
     check_memory(fed, algo, flat, input_dim)
+    if entry.comm.rank == 0 and (note := long_evolution_note(algo.params)) is not None:
+        print(note, file=sys.stderr)
     plan.stage_index = entry.stage_index
     plan.client_metrics = ("loss", "jacobian_s")
     server = algo.init_server(flat.vector)

@@ -10,6 +10,7 @@ checkpointed with the model and a resumed run continues it exactly.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -57,6 +58,31 @@ def epsilon(sigma: float, q: float, steps: int, delta: float, kind: str = "rdp")
         return float(acc.get_epsilon(delta=delta))
 
 
+@functools.lru_cache(maxsize=4096)
+def history_epsilon(history: tuple[Composition, ...], delta: float, kind: str = "rdp") -> float:
+    """ε(δ) of a history of (σ, q, steps) compositions, from Opacus: a run whose noise multiplier
+    changed (a resume recalibrated for more rounds) composes every segment at its own σ. RDP adds
+    the segments' RDP vectors (what ``RDPAccountant.get_epsilon`` does for such a history); PRV
+    gives Opacus's accountant the history itself."""
+    history = tuple((float(s), float(q), int(n)) for s, q, n in history if n > 0)
+    if not history:
+        return 0.0
+    if len(history) == 1:
+        return epsilon(*history[0], delta, kind)
+    with warnings.catch_warnings():  # see epsilon()
+        warnings.simplefilter("ignore", UserWarning)
+        if kind == "rdp":
+            import numpy as np
+            from opacus.accountants import RDPAccountant
+            from opacus.accountants.analysis.rdp import get_privacy_spent
+
+            rdp = sum(np.array(_rdp_one_step(s, q)) * n for s, q, n in history)
+            return float(get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0])
+        acc = _accountant(kind)
+        acc.history = list(history)
+        return float(acc.get_epsilon(delta=delta))
+
+
 def worst_epsilon(sigma: float, compositions: Sequence[tuple[float, int]], delta: float, kind: str) -> float:
     """The largest ε(δ) over privacy units with their own (q, steps) (sample level: one per client,
     each client's records are protected by its own DP-SGD run)."""
@@ -65,8 +91,17 @@ def worst_epsilon(sigma: float, compositions: Sequence[tuple[float, int]], delta
 
 def _noise_for(target: float, q: float, steps: int, delta: float, kind: str) -> float:
     """Opacus's ``get_noise_multiplier`` for one (q, steps), its ε within 0.01 of ``target``."""
-    from opacus.accountants.utils import get_noise_multiplier
+    from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
+    # Opacus doubles σ from 20 and gives up past MAX_SIGMA (minutes of accounting at sample level):
+    # the largest σ it tries first, so an unreachable target is refused at once
+    largest = 10.0 * 2 ** math.floor(math.log2(MAX_SIGMA / 10.0))
+    if (reached := epsilon(largest, q, steps, delta, kind)) > target:
+        raise ConfigError(
+            f"privacy.epsilon={target}: no noise multiplier reaches it (ε is {reached:.3g} even at σ = "
+            f"{largest:g}, for {steps} steps at sampling rate {q:g}); raise privacy.epsilon or take fewer "
+            "rounds or steps"
+        )
     try:
         with warnings.catch_warnings():  # see epsilon()
             warnings.simplefilter("ignore", UserWarning)
@@ -77,6 +112,9 @@ def _noise_for(target: float, q: float, steps: int, delta: float, kind: str) -> 
             )
     except ValueError as err:
         raise ConfigError(f"privacy.epsilon={target}: no noise multiplier reaches it ({err})") from None
+
+
+CALIBRATION_TOLERANCE = 0.01  # ε above a calibrated target that Opacus's search may leave
 
 
 def calibrate(target: float, compositions: Sequence[tuple[float, int]], delta: float, kind: str) -> float:
@@ -90,7 +128,7 @@ def calibrate(target: float, compositions: Sequence[tuple[float, int]], delta: f
     sigma = _noise_for(target, *units[0], delta, kind)
     while True:
         worst = max(units, key=lambda u: epsilon(sigma, u[0], u[1], delta, kind))
-        if epsilon(sigma, worst[0], worst[1], delta, kind) <= target + 0.01:
+        if epsilon(sigma, worst[0], worst[1], delta, kind) <= target + CALIBRATION_TOLERANCE:
             return sigma
         more = _noise_for(target, *worst, delta, kind)
         if more <= sigma:  # within Opacus's own tolerance already

@@ -70,6 +70,7 @@ def make_private(
         seed=cfg.seed,
         rate=rate,
         budget=p.epsilon_budget,
+        target=p.epsilon,
         adaptive=adaptive,
         count_stddev=count_stddev,
     )
@@ -80,7 +81,14 @@ def make_private(
 
 def budget_line(server: Any) -> str | None:
     """The one line a run stopped by its ``epsilon_budget`` ends with, or None (not stopped)."""
+    from hpcfl.privacy.private import EXHAUSTED_TARGET
+
     flag = getattr(server, "dp_exhausted", None)
     if flag is None or not bool(flag[0]):
         return None
+    if float(flag[0]) == EXHAUSTED_TARGET:
+        return (
+            "privacy budget reached: the next round would exceed privacy.epsilon, the target the noise was "
+            "calibrated for (rounds taken before a resume count at their own noise; checkpoint saved)"
+        )
     return "privacy budget reached: the next round would exceed privacy.epsilon_budget (checkpoint saved)"

@@ -20,8 +20,11 @@ server step are kept) and adds, at the level the config names:
   (the runner's trainer is a :class:`hpcfl.privacy.sgd.DPTrainer`); this wrapper only accounts: client
   k's records are protected by its own run of steps with q_k = B/n_k, and ε is the worst over clients.
 
-The accountant's state (steps per privacy unit), the current clip and the budget flag are fields of
-the server state, so they are checkpointed with it.
+The accountant's state (steps per privacy unit, and the same split by the noise multiplier they were
+taken at), the current clip and the budget flag are fields of the server state, so they are
+checkpointed with it. A resume with more ``rounds`` recalibrates σ for a target ε; the rounds already
+taken stay accounted at their own σ (a composition over the actual history), and the target then
+stops the run like ``epsilon_budget`` does, so the reported ε is never less than what was spent.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ from hpcfl.privacy import accountant
 from hpcfl.privacy.section import AdaptiveClipSection
 from hpcfl.training.sgd import LocalSchedule
 
-DP_FIELDS = ("dp_clip", "dp_steps", "dp_exhausted")
+DP_FIELDS = ("dp_clip", "dp_steps", "dp_exhausted", "dp_history")
+EXHAUSTED_BUDGET, EXHAUSTED_TARGET = 1.0, 2.0  # dp_exhausted: which limit the next round would cross
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class Mechanism:
     seed: int
     rate: float = 1.0
     budget: float | None = None
+    target: float | None = None  # privacy.epsilon σ was calibrated for (a limit too: see module docstring)
     adaptive: AdaptiveClipSection | None = None
     count_stddev: float = 0.0  # σ_b (adaptive clipping)
 
@@ -86,13 +91,14 @@ class Mechanism:
 @functools.cache
 def private_state(cls: type[ServerState]) -> type[ServerState]:
     """``cls`` with the privacy fields: the clip S (float64, (1,)), the accounted steps per privacy
-    unit (float64; (1,) at client level, (K,) at sample level) and the budget flag (1.0 when the next
-    round would exceed ``epsilon_budget``)."""
+    unit (float64; (1,) at client level, (K,) at sample level), the budget flag (1.0 when the next
+    round would exceed ``epsilon_budget``, 2.0 the calibrated target ε) and the history (float64,
+    (segments, 1 + units): σ, then the steps each unit took at that σ)."""
     return dataclasses.make_dataclass(
         f"Private{cls.__name__}",
         [(name, "torch.Tensor | None", dataclasses.field(default=None)) for name in DP_FIELDS],
         bases=(cls,),
-        namespace={"server_only": (*cls.server_only, "dp_steps", "dp_exhausted")},
+        namespace={"server_only": (*cls.server_only, "dp_steps", "dp_exhausted", "dp_history")},
     )
 
 
@@ -124,6 +130,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         super().__init__(inner.params, layout=inner.layout, participation=inner.participation)
         self.name = inner.name  # type: ignore[misc]
         self.unbatched_reason = inner.unbatched_reason  # type: ignore[misc]
+        self.divergence_params = inner.divergence_params  # type: ignore[misc]
         self.inner = inner
         self.mech = mechanism
         self.population = population
@@ -153,16 +160,33 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         return self.inner.stages()
 
     # -- accounting ----------------------------------------------------------------------------
-    def compositions(self, steps: torch.Tensor) -> list[tuple[float, int]]:
-        """(q, steps) of every privacy unit that has taken steps."""
+    def rates(self) -> list[float]:
+        """q of every privacy unit: M/K at client level, B/n_k per client at sample level."""
         if self.mech.level == "client":
-            return [(self.mech.rate, int(steps[0]))]
+            return [self.mech.rate]
         B = self.schedule.batch_size
-        return [
-            (min(1.0, B / n), int(s))
-            for n, s in zip(self.population.sizes, steps.tolist(), strict=True)
-            if s > 0
-        ]
+        return [min(1.0, B / n) for n in self.population.sizes]
+
+    def extend(self, history: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+        """``history`` with ``add`` steps per unit taken at this run's σ (a new segment when σ changed)."""
+        sigma = self.mech.sigma
+        if len(history) and float(history[-1, 0]) == sigma:
+            out = history.clone()
+            out[-1, 1:] += add
+            return out
+        # host: accountant bookkeeping
+        row = torch.cat([torch.tensor([sigma], dtype=torch.float64), add.to(torch.float64)])
+        return torch.cat([history, row[None]])
+
+    def history_of(self, server: ServerState) -> torch.Tensor:
+        """The server's history; a checkpoint written before it was kept has only the step counts,
+        which were all taken at one σ: this run's (what that version assumed)."""
+        history = getattr(server, "dp_history", None)
+        if history is not None:
+            return history
+        empty = torch.zeros(0, 1 + self.units, dtype=torch.float64)  # host: accountant bookkeeping
+        steps = getattr(server, "dp_steps", None)
+        return empty if steps is None or not float(steps.sum()) > 0 else self.extend(empty, steps)
 
     def round_steps(self, who: Sequence[int]) -> torch.Tensor:
         """Steps one round adds to each unit: 1 (client level), or each participant's local steps."""
@@ -174,18 +198,30 @@ class Private(Algorithm[Any, ServerState, ClientState]):
                 add[k] = float(self.schedule.num_steps(self.population.sizes[k]))
         return add
 
-    def epsilon(self, steps: torch.Tensor) -> float:
-        return accountant.worst_epsilon(
-            self.mech.sigma, self.compositions(steps), self.mech.delta, self.mech.kind
+    def epsilon(self, history: torch.Tensor) -> float:
+        """The worst unit's ε(δ) over the history, every segment at its own σ."""
+        sigmas = history[:, 0].tolist()
+        units = {
+            tuple((s, q, int(n)) for s, n in zip(sigmas, column, strict=True) if n > 0)
+            for q, column in zip(self.rates(), history[:, 1:].T.tolist(), strict=True)
+        }
+        return max(
+            (accountant.history_epsilon(u, self.mech.delta, self.mech.kind) for u in units if u), default=0.0
         )
 
-    def _exhausted(self, steps: torch.Tensor) -> torch.Tensor:
-        """1.0 when one more round (every client taking part, the worst case) would exceed the budget."""
-        if self.mech.budget is None:
-            return torch.zeros(1, dtype=torch.float64)  # host: accountant bookkeeping
-        nxt = steps + self.round_steps(range(self.population.size))
-        # host: accountant bookkeeping
-        return torch.tensor([float(self.epsilon(nxt) > self.mech.budget)], dtype=torch.float64)
+    def _exhausted(self, history: torch.Tensor) -> torch.Tensor:
+        """EXHAUSTED_BUDGET/TARGET when one more round (every client taking part, the worst case) would
+        exceed ``epsilon_budget`` / the target ε σ was calibrated for (within the calibration's
+        tolerance), else 0."""
+        flag = 0.0
+        limits = [(self.mech.budget, EXHAUSTED_BUDGET)]
+        if self.mech.target is not None:
+            limits.append((self.mech.target + accountant.CALIBRATION_TOLERANCE, EXHAUSTED_TARGET))
+        limits = [(limit, code) for limit, code in limits if limit is not None]
+        if limits:
+            eps = self.epsilon(self.extend(history, self.round_steps(range(self.population.size))))
+            flag = next((code for limit, code in sorted(limits) if eps > limit), 0.0)
+        return torch.tensor([flag], dtype=torch.float64)  # host: accountant bookkeeping
 
     # -- states --------------------------------------------------------------------------------
     def _wrap(self, inner_state: ServerState, **dp: torch.Tensor) -> ServerState:
@@ -196,9 +232,14 @@ class Private(Algorithm[Any, ServerState, ClientState]):
 
     def init_server(self, x0: torch.Tensor) -> ServerState:
         steps = torch.zeros(self.units, dtype=torch.float64)  # host: accountant bookkeeping
+        history = torch.zeros(0, 1 + self.units, dtype=torch.float64)  # host: accountant bookkeeping
         clip = torch.tensor([self.mech.clip], dtype=torch.float64)  # host: the clip, read as a float
         return self._wrap(
-            self.inner.init_server(x0), dp_clip=clip, dp_steps=steps, dp_exhausted=self._exhausted(steps)
+            self.inner.init_server(x0),
+            dp_clip=clip,
+            dp_steps=steps,
+            dp_exhausted=self._exhausted(history),
+            dp_history=history,
         )
 
     def init_client(self, k: int, server: ServerState) -> ClientState:
@@ -244,10 +285,18 @@ class Private(Algorithm[Any, ServerState, ClientState]):
                 clip = torch.tensor([adaptive_clip_step(S, below, mech.adaptive)], dtype=torch.float64)
             aggregate = Aggregate(sums={"x": server.x + total / expected}, weight=1.0, count=aggregate.count)
         inner_state, metrics = self.inner.server_update(server, aggregate, ctx)
-        steps = server.dp_steps + self.round_steps(ctx.participants)  # type: ignore[attr-defined]
-        new = self._wrap(inner_state, dp_clip=clip, dp_steps=steps, dp_exhausted=self._exhausted(steps))
+        add = self.round_steps(ctx.participants)
+        steps = server.dp_steps + add  # type: ignore[attr-defined]
+        history = self.extend(self.history_of(server), add)
+        new = self._wrap(
+            inner_state,
+            dp_clip=clip,
+            dp_steps=steps,
+            dp_exhausted=self._exhausted(history),
+            dp_history=history,
+        )
         row = dict(metrics)
-        row.update(epsilon=self.epsilon(steps), dp_noise_multiplier=mech.sigma, dp_clip=S)
+        row.update(epsilon=self.epsilon(history), dp_noise_multiplier=mech.sigma, dp_clip=S)
         return new, row
 
 

@@ -84,6 +84,11 @@ def validate_privacy(p: PrivacySection, cfg: Any) -> None:
     if p.level not in LEVELS:
         raise ConfigError(f"config key 'privacy.level' must be one of {', '.join(LEVELS)}, got {p.level!r}")
     if not p.enabled:
+        if p != PrivacySection(level=p.level):  # ε, clip, ... without a level would run with no privacy
+            raise ConfigError(
+                "privacy: settings are given but 'privacy.level' is none, so the run would have no privacy "
+                "at all: set privacy.level to client or sample (or remove the privacy section)"
+            )
         return
     if p.accountant not in ACCOUNTANTS:
         raise ConfigError(

@@ -72,7 +72,7 @@ def save_checkpoint(
     """Collectively write the checkpoint after ``rnd`` completed rounds."""
     tmp = root / f".round_{rnd:06d}.tmp"
     if comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)  # a link planted here would take the checkpoint outside the run directory
         (tmp / "clients").mkdir(parents=True)
     comm.barrier()
     for k, state in clients.items():
@@ -82,7 +82,7 @@ def save_checkpoint(
     comm.barrier()
     if comm.rank == 0:
         final = _round_dir(root, rnd)
-        shutil.rmtree(final, ignore_errors=True)
+        _remove(final)
         # LATEST first: a crash before the rename leaves it naming a complete .tmp, which
         # latest_round rolls forward (the other order left checkpoints without a LATEST)
         atomic_write_text(root / "LATEST", f"{final.name}\n")
@@ -90,6 +90,14 @@ def save_checkpoint(
         for old in sorted(root.glob("round_*"))[:-KEEP]:
             shutil.rmtree(old, ignore_errors=True)
     comm.barrier()
+
+
+def _remove(path: Path) -> None:
+    """Delete ``path``: a link or file itself (never what a link points to), a directory with its tree."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _complete_rounds(root: Path) -> list[int]:
@@ -121,7 +129,11 @@ def latest_round(root: Path) -> int | None:
     except (IndexError, ValueError):
         raise RunDirError(f"{marker} is damaged (it names {name!r}); rerun with --overwrite") from None
     staged = root / f".{name}.tmp"
-    if not (root / name / "server.pt").exists() and (staged / "server.pt").exists():
+    if (
+        not (root / name / "server.pt").exists()
+        and not staged.is_symlink()
+        and (staged / "server.pt").exists()
+    ):
         # LATEST is written after every rank's files are in place, so the staged copy is complete
         try:
             staged.rename(root / name)

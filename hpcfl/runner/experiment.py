@@ -40,7 +40,7 @@ from hpcfl.runner.lock import RunLock
 from hpcfl.runner.loggers import Loggers, check_loggers, open_loggers
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
-from hpcfl.runner.rundir import DONE, FAILED, prepare_run_dir
+from hpcfl.runner.rundir import BUDGET_STOP, DONE, FAILED, prepare_run_dir
 from hpcfl.tct.pipeline import STAGE1_MODEL as STAGE1_MODEL
 from hpcfl.units import parse_memory_budget
 
@@ -141,15 +141,22 @@ def _check_same_partition(fed: Federation, run_dir: Path) -> None:
 
 
 def set_threads(cfg: Config, comm: Communicator) -> None:
-    """Torch threads per rank: the config's, else this node's cores shared among its ranks.
+    """Torch threads per rank: the config's (at most the cores this process may use), else this
+    node's cores shared among its ranks.
 
     Without this every rank of ``mpiexec -n R`` starts one thread per core and they oversubscribe
     the node, and spinning OpenMP threads make rounds many times slower.
     """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+        if cfg.threads > cores and comm.rank == 0:  # torch segfaults creating 100,000 threads
+            print(
+                f"hpcfl: note: threads: {cfg.threads} is more than the {cores} cores this process may use; "
+                f"using {cores}",
+                file=sys.stderr,
+            )
+        torch.set_num_threads(min(cfg.threads, cores))
     elif comm.local_size > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // comm.local_size))
     threads = torch.get_num_threads()
     if comm.rank == 0 and cfg.device == "cpu" and threads > 1:  # a shared node: say so once, with the remedy
@@ -325,7 +332,7 @@ def _run_locked(
     reset: Sequence[int],
 ) -> RunResult:
     started = time.perf_counter()  # the run's wall clock (metrics rows' wall_s) includes loading
-    check_loggers(cfg.loggers)  # every rank alike: a missing extra is one line before any work
+    check_loggers(cfg.loggers, run_dir)  # every rank alike: a missing extra is one line before any work
     set_threads(cfg, comm)
     has_state = _collective_check(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)
@@ -359,7 +366,8 @@ def _run_locked(
     start = ckpt.round if ckpt is not None else 0
     if comm.rank == 0:
         dump_config(cfg, run_dir / "config.yaml")
-        determinism.write_record(run_dir, record)
+        if not has_state or determinism.read_record(run_dir) is None:  # what the run BEGAN with
+            determinism.write_record(run_dir, record)
         _write_partition(fed, run_dir)
     total = sum(s.rounds for s in stages)
     if comm.rank == 0 and start < total:  # only now that the checkpoint loaded: unfinished again
@@ -379,7 +387,8 @@ def _run_locked(
         if book.loggers is not None:
             book.loggers.close(finished)
     if comm.rank == 0 and finished:
-        atomic_write_text(run_dir / DONE, f"rounds={done} seconds={time.perf_counter() - t0:.3f}\n")
+        stopped = f" stopped={BUDGET_STOP}" if book.budget_stop is not None else ""  # read by `status`
+        atomic_write_text(run_dir / DONE, f"rounds={done} seconds={time.perf_counter() - t0:.3f}{stopped}\n")
         (run_dir / FAILED).unlink(missing_ok=True)  # a point that failed before is now done
     comm.barrier()
     return RunResult(

@@ -207,6 +207,16 @@ def model_evaluator(fed: Federation) -> Evaluator:
     return evaluate_server
 
 
+def divergence_hint(fed: Federation) -> str:
+    """The settings besides ``lr`` a NaN model may come from, with their values: the algorithm's
+    ``divergence_params`` and, under differential privacy, the clip (its noise scales with it)."""
+    algo = fed.algorithm
+    keys = [(f"params.{n}", getattr(algo.params, n)) for n in algo.divergence_params]
+    if fed.cfg.privacy.enabled:
+        keys.append(("privacy.clip", fed.cfg.privacy.clip))
+    return ", ".join(f"{key} ({value:g})" for key, value in keys)
+
+
 def model_plan(fed: Federation) -> RoundPlan:
     """The round plan of a model-training federation (every algorithm but TCT's stage 2)."""
     return RoundPlan(
@@ -221,6 +231,7 @@ def model_plan(fed: Federation) -> RoundPlan:
         reduction=fed.cfg.reduction,
         eval_every=fed.cfg.eval_every,
         lr_hint=f" (lr is {fed.cfg.lr})",
+        divergence_hint=divergence_hint(fed),
         observers=chosen_observers(fed),
         client_batch=fed.client_batch,
         system=fed.system,

@@ -67,7 +67,13 @@ from hpcfl.errors import ConfigError
 from hpcfl.files import atomic_write_text
 from hpcfl.runner.client_eval import ClientEval
 from hpcfl.runner.observers import ClientMetrics, Participants, RankLoad, Timing, Traffic
-from hpcfl.runner.rundir import SWEEP_MANIFEST, SWEEP_RUNS
+from hpcfl.runner.rundir import (
+    LOGGER_MARKER,
+    SWEEP_MANIFEST,
+    SWEEP_RUNS,
+    claim_logger_dir,
+    logger_dir_is_ours,
+)
 
 STATE = "loggers.json"  # per logger: the last round written and the id of its run
 _PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
@@ -77,14 +83,32 @@ _GROUPS = {
 } | {"cka": "representation", "drift_diversity": "representation", "wall_s": "time", "stage_setup_s": "time"}
 
 
-def check_loggers(names: Sequence[str]) -> None:
-    """Refuse a logger whose package is missing, in one line naming the ``pip install`` to run."""
+def check_loggers(names: Sequence[str], run_dir: Path | None = None) -> None:
+    """Refuse a logger whose package is missing, in one line naming the ``pip install`` to run, and
+    (with ``run_dir``) a tensorboard folder there that hpcfl did not make, before anything is written."""
     for name in names:
         if importlib.util.find_spec(_PACKAGES[name]) is None:
             raise ConfigError(
                 f"loggers: {name} needs the {_PACKAGES[name]} package, which is not installed: "
                 f"pip install 'hpcfl[{name}]' (or drop {name} from loggers)"
             )
+    if run_dir is not None and "tensorboard" in names:
+        _check_tensorboard_dir(tensorboard_dir(Path(run_dir)), Path(run_dir))
+
+
+def tensorboard_dir(run_dir: Path) -> Path:
+    """``RUN/tensorboard``, or ``SWEEP/tensorboard/<point>`` for a sweep's point."""
+    sweep = sweep_of(run_dir)
+    return sweep[0] / "tensorboard" / run_dir.name if sweep else run_dir / "tensorboard"
+
+
+def _check_tensorboard_dir(logdir: Path, run_dir: Path) -> None:
+    """A fresh tensorboard log replaces its folder: refuse one hpcfl's records do not say it made."""
+    if logdir.exists() and not logger_dir_is_ours(logdir, run_dir, "tensorboard"):
+        raise ConfigError(
+            f"loggers: {logdir} exists and hpcfl did not make it (no {LOGGER_MARKER}); a fresh "
+            "tensorboard log would mix with its files: move it away or choose another --run-dir"
+        )
 
 
 def scalar_names(row: Mapping[str, Any]) -> dict[str, float]:
@@ -165,10 +189,11 @@ class TensorBoardLogger(Logger):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        sweep = sweep_of(run_dir)
-        self.logdir = sweep[0] / "tensorboard" / run_dir.name if sweep else run_dir / "tensorboard"
+        self.logdir = tensorboard_dir(run_dir)
         if fresh and self.logdir.exists():  # a run started over: its old events would repeat steps
+            _check_tensorboard_dir(self.logdir, run_dir)
             shutil.rmtree(self.logdir)
+        claim_logger_dir(self.logdir)
         self.writer = SummaryWriter(log_dir=str(self.logdir))
         if fresh:
             params = flat_params(config)
@@ -205,7 +230,7 @@ class MLflowLogger(Logger):
         root = (sweep[0] if sweep else run_dir) / "mlflow"
         uri = os.environ.get("MLFLOW_TRACKING_URI") or record.get("tracking_uri")
         if not uri:
-            root.mkdir(parents=True, exist_ok=True)
+            claim_logger_dir(root)
             uri = f"sqlite:///{root / 'mlflow.db'}"
         self.uri, self.client = uri, MlflowClient(tracking_uri=uri)
         experiment = sweep[1] if sweep else str(config.get("name", run_dir.name))
@@ -301,7 +326,7 @@ class WandbLogger(Logger):
         self.run_id = record.get("run_id") or secrets.token_hex(4)
         self.project = os.environ.get("WANDB_PROJECT", "hpcfl")
         self.mode = os.environ.get("WANDB_MODE", "offline")
-        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        claim_logger_dir(run_dir / "wandb")
         self.run = wandb.init(
             project=self.project,
             dir=str(run_dir),

@@ -297,7 +297,8 @@ def run_rounds(
         reduced = time.perf_counter()
         for k in set(who) - set(mine):
             states.written_elsewhere(k)
-        _check_finite(layout.view(buf, "nonfinite"), who, round_offset + rnd + 1, plan.lr_hint)
+        hint = plan.lr_hint + (f", or {plan.divergence_hint}" if plan.divergence_hint else "")
+        _check_finite(layout.view(buf, "nonfinite"), who, round_offset + rnd + 1, hint)
         # 4. the same server update on every rank
         sums = {
             s.name: _in_draw_order(layout, buf, s, len(who))
@@ -313,6 +314,16 @@ def run_rounds(
         )
         sctx = ServerContext(rnd, who, plan.population, comm.allreduce, comm.rank, comm.size)
         server, server_metrics = algo.server_update(server, aggregate, sctx)
+        if not bool(torch.isfinite(server.x).all()):  # one sync a round: the uploads were finite
+            raise DivergenceError(
+                f"the server step of round {round_offset + rnd + 1} ({algo.name}) made the model NaN/inf "
+                f"from finite uploads; "
+                + (
+                    f"lower {plan.divergence_hint}"
+                    if plan.divergence_hint
+                    else "check the algorithm's server step"
+                )
+            )
         done = rnd + 1
         # 5. evaluation, sharded over ranks, and the observers' columns
         row = None

@@ -6,11 +6,15 @@ unfinished one is never silently reused: ``--resume`` continues it, ``--overwrit
 
 ``--overwrite`` deletes only a directory that hpcfl recognisably made (its ``.hpcfl-run`` marker;
 a ``config.yaml`` alone is no proof, users keep configs beside their code) and only the entries hpcfl
-writes there (:data:`RUN_ENTRIES`): a user's other files in it survive.
+writes there (:data:`RUN_ENTRIES`): a user's other files in it survive. The loggers' folders
+(:data:`LOGGER_DIRS`) are deleted only where hpcfl's own records say it made them: the
+:data:`LOGGER_MARKER` it leaves in a folder it creates, or ``loggers.json`` naming that logger (runs
+made before the marker); a user's own ``wandb/``, ``mlflow/`` or ``tensorboard/`` folder stays.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +25,8 @@ from hpcfl.files import read_yaml
 if TYPE_CHECKING:  # the config imports every algorithm (torch); the markers here are read by `status`
     from hpcfl.config import Config
 
-DONE = "DONE"
+DONE = "DONE"  # "rounds=N seconds=S" (+ " stopped=BUDGET_STOP" when the privacy budget ended the run)
+BUDGET_STOP = "privacy_budget"
 SWEEP_MANIFEST = "sweep.json"  # a sweep directory's manifest (hpcfl.sweep.plan)
 SWEEP_RUNS = "runs"  # the points' run directories: SWEEP_DIR/runs/<point name>
 FAILED = "FAILED"  # a sweep point's one-line error (hpcfl.sweep.local); never beside DONE
@@ -46,10 +51,9 @@ RUN_ENTRIES = (
     "determinism.json",  # the threads per rank etc. the run used (hpcfl.runner.determinism)
     "client_metrics.jsonl",  # per-client evaluation (client_eval), one line per evaluated round
     "loggers.json",  # the loggers' runs and last rounds written (hpcfl.runner.loggers)
-    "tensorboard",
-    "mlflow",
-    "wandb",
 )
+LOGGER_DIRS = ("tensorboard", "mlflow", "wandb")  # hpcfl.runner.loggers' folders, where it made them
+LOGGER_MARKER = ".hpcfl-logger"  # left by hpcfl in a logger folder it creates
 _RUN_SIGNS = ("config.yaml", "checkpoints", DONE)
 
 
@@ -70,6 +74,25 @@ def holds_run(run_dir: Path) -> bool:
     return run_dir.is_dir() and any((run_dir / n).exists() for n in _RUN_SIGNS)
 
 
+def logger_dir_is_ours(folder: Path, run_dir: Path, logger: str) -> bool:
+    """Whether hpcfl's records say it made ``folder`` for ``logger``: its marker is in it, or the
+    run's ``loggers.json`` (written only by hpcfl) names that logger."""
+    if (folder / LOGGER_MARKER).is_file():
+        return True
+    try:
+        record = json.loads((run_dir / "loggers.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and logger in record
+
+
+def claim_logger_dir(folder: Path) -> None:
+    """Create ``folder`` for a logger and mark it as hpcfl's; a folder that exists is left unmarked."""
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        (folder / LOGGER_MARKER).write_text("made by hpcfl's logger: --overwrite deletes this folder\n")
+
+
 def remove_run(run_dir: Path) -> None:
     """Delete what hpcfl wrote in ``run_dir`` (``--overwrite``), refusing a directory it did not make."""
     if not (run_dir / MARKER).is_file():
@@ -77,7 +100,8 @@ def remove_run(run_dir: Path) -> None:
             f"{run_dir} was not made by hpcfl (no {MARKER} marker), so --overwrite will not delete "
             "anything in it; choose another --run-dir or remove it yourself"
         )
-    for name in (*RUN_ENTRIES, *(p.name for p in run_dir.glob("client_states_*.zarr"))):
+    ours = [name for name in LOGGER_DIRS if logger_dir_is_ours(run_dir / name, run_dir, name)]
+    for name in (*ours, *RUN_ENTRIES, *(p.name for p in run_dir.glob("client_states_*.zarr"))):
         path = run_dir / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)

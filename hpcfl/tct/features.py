@@ -40,6 +40,7 @@ from hpcfl.features import (
 from hpcfl.features.meta import model_hash
 from hpcfl.features.store import verify_client
 from hpcfl.training.evaluate import shard_range
+from hpcfl.units import format_bytes
 
 HELD_OUT_STORE = "features_heldout.zarr"  # client_eval's held-out shares, one array per client
 EXTRACT_ROWS = 2048  # samples per extraction call: bounds host memory to 2048·p floats
@@ -238,11 +239,7 @@ def check_features_fit(
     free = shutil.disk_usage(run_dir).free if free is None else free
     if need > free:
         raise StoreError(
-            f"the eNTK features need {_gb(need)} ({rows} samples x p={p} in {cfg2.dtype}) but "
-            f"{run_dir} has {_gb(free)} free; lower stage2.p, store stage2.dtype=float16 or bfloat16 "
+            f"the eNTK features need {format_bytes(need)} ({rows} samples x p={p} in {cfg2.dtype}) but "
+            f"{run_dir} has {format_bytes(free)} free; lower stage2.p, store stage2.dtype=float16 or bfloat16 "
             "(half the size), or use a --run-dir on a larger file system"
         )
-
-
-def _gb(n: int) -> str:
-    return f"{max(n, 0) / 1e9:.1f} GB"

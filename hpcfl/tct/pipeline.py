@@ -243,11 +243,9 @@ def enter_stage2(entry: StageInput) -> StagePlan:
     if entry.previous is not None:
         theta = entry.previous.x
     else:
-        fix = (
-            "resume the run with --resume to write it again"
-            if entry.sweep
-            else "stage 2 cannot resume; rerun with --overwrite"
-        )
+        # the same advice from tct-stage2 and a resume: once stage 1 is done only --overwrite writes
+        # θ_T1 again (a resume pointed at by tct-stage2 answered "rerun with --overwrite": a runaround)
+        fix = "stage 2 cannot resume without it; rerun the run with --overwrite (stage 1 is trained again)"
         theta = load_torch_file(run_dir / STAGE1_MODEL, fix, device=fed.device)
     # a sweep reads the run's features as they are (a damaged store is named, not recomputed), except
     # after stage2.rounds: 0, where the run stopped before computing them
