@@ -182,7 +182,7 @@ def _client_eval_at(args: argparse.Namespace, K: int) -> dict[str, Any]:
     def client_round(rnd: int) -> float:
         """The per-client table's own work: its counts, their (one-rank) reduce, its row."""
         start = RoundStart(rnd, (), Population((1,) * K), server, 0.0, True, final=False)
-        end = RoundEnd(LocalWork(start, 0.0, 0.0), server, {}, None, {}, 0, 0, 0.0)  # type: ignore[arg-type]
+        end = RoundEnd(LocalWork(start, 0.0, 0.0), server, {}, None, {}, 0, 0, 0, 0.0)  # type: ignore[arg-type]
         t = time.perf_counter()
         counts = observer.eval_counts(end)
         joint = JointCounts([counts.reshape(-1).to(torch.float64)])

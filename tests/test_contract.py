@@ -8,7 +8,8 @@ plugged in, is checked without its author editing this file:
 - a run stopped after 2 rounds and resumed ends bit-identical to one uninterrupted run;
 - killed with SIGKILL after round 3's metrics row (client states forced into the on-disk store,
   checkpoints every 2 rounds) and resumed, it ends bit-identical too;
-- ``bytes_down`` is participants × the bytes of the server state's non-``server_only`` fields, and
+- ``bytes_down`` is participants × the bytes of the server state's non-``server_only`` fields (of a
+  field the exchange declares ``received``, the declared part only), and
   exactly the fields a client reads are downloaded (a server-only field set to NaN leaves the upload
   bit-identical; any other field changes it);
 - its checkpoint loads with ``torch.load(weights_only=True)`` and restores its state dataclasses;
@@ -298,11 +299,7 @@ def test_heterogeneous_bytes_count_what_arrived(runs: Runs, name: str) -> None:
     participant (the dropped ones downloaded before failing); a model-training stage records the
     work of each participant that arrived."""
     hetero, plain = runs.reference(name, hetero=True), runs.reference(name)
-    server = hetero.server
-    sent = [f.name for f in dataclasses.fields(server) if f.name not in type(server).server_only]
-    nbytes = sum(
-        v.numel() * v.element_size() for f in sent if isinstance(v := getattr(server, f), torch.Tensor)
-    )
+    nbytes = _download_nbytes(name, hetero.server)
     rows = [r for r in hetero.metrics if "dropped" in r]
     assert rows, f"{name}: no round recorded its system draw"
     assert any(r["dropped"] for r in rows), "the contract's SYSTEM drops no one: change its seed or p"
@@ -321,13 +318,33 @@ def test_heterogeneous_bytes_count_what_arrived(runs: Runs, name: str) -> None:
             assert row["bytes_up"] == len(row.get("participants", range(4))) * one
 
 
+def _download_nbytes(name: str, server: Any) -> int:
+    """What one participant of algorithm ``name`` downloads, from its declaration: every tensor
+    field of ``server`` but the ``server_only`` ones, whole, except a field its exchange names in
+    ``received``, of which the declared length (the first stage's algorithm declares it; the
+    multi-stage built-ins declare none). A declaration must name a downloaded tensor field and at
+    most its length."""
+    from hpcfl.runner.federation import build_federation
+
+    algo = build_federation(config_from_dict(contract_config(name, rounds=1)), LocalComm()).algorithm
+    partial = {r.field: r.length for r in algo.exchange(server.x.dtype).received}
+    fields = {f.name: getattr(server, f.name) for f in dataclasses.fields(server)}
+    for field_name, length in partial.items():
+        v = fields.get(field_name)
+        assert isinstance(v, torch.Tensor) and field_name not in type(server).server_only, (
+            f"{name}: received names {field_name!r}, not a downloaded tensor field of the server state"
+        )
+        assert 0 <= length <= v.numel(), f"{name}: received {length} of {field_name!r} ({v.numel()})"
+    return sum(
+        partial.get(f, v.numel()) * v.element_size()
+        for f, v in fields.items()
+        if f not in type(server).server_only and isinstance(v, torch.Tensor)
+    )
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_bytes_down_are_the_fields_a_participant_receives(runs: Runs, name: str) -> None:
-    server = runs.reference(name).server
-    sent = [f.name for f in dataclasses.fields(server) if f.name not in type(server).server_only]
-    nbytes = sum(
-        v.numel() * v.element_size() for f in sent if isinstance(v := getattr(server, f), torch.Tensor)
-    )
+    nbytes = _download_nbytes(name, runs.reference(name).server)
     row = runs.reference(name).metrics[-1]
     participants = row.get("participants", range(BASE["num_clients"]))  # absent: everyone took part
     assert row["bytes_down"] == len(participants) * nbytes > 0

@@ -132,14 +132,39 @@ class SumSpec:
 
 
 @dataclass(frozen=True)
+class Received:
+    """Of the server state's field ``field``, a participant receives only ``length`` entries: the
+    rest it holds itself (a personalised method's head or normalisation slices live in the client
+    state, or are the model's seeded initialisation, which every client builds for itself)."""
+
+    field: str
+    length: int
+
+
+@dataclass(frozen=True)
 class Exchange:
-    """What one participant sends in a round: summed vectors and gathered objects (by name)."""
+    """What one participant sends in a round (summed vectors and gathered objects, by name) and
+    what it receives: every field of the server state but its ``server_only`` ones, whole, except
+    those named in ``received``, of which it receives the declared length."""
 
     sums: tuple[SumSpec, ...]
     gathers: tuple[str, ...] = ()
+    received: tuple[Received, ...] = ()
 
     def spec(self, name: str) -> SumSpec:
         return next(s for s in self.sums if s.name == name)
+
+    def download_nbytes(self, server: ServerState) -> int:
+        """Bytes one participant downloads: each tensor field of ``server`` but its ``server_only``
+        ones, whole or as much of it as ``received`` declares (in the field's dtype)."""
+        partial = {r.field: r.length for r in self.received}
+        total = 0
+        for f in dataclasses.fields(server):
+            v = getattr(server, f.name)
+            if f.name in server.server_only or not isinstance(v, torch.Tensor):
+                continue
+            total += partial.get(f.name, v.numel()) * v.element_size()
+        return total
 
 
 @dataclass

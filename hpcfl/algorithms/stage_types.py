@@ -111,6 +111,7 @@ class RoundEnd:
     aggregate: Aggregate
     server_metrics: Mapping[str, Any]  # what the algorithm's server update reported
     upload_bytes: int  # one participant's declared sums, in bytes
+    download_bytes: int  # what one participant receives (Exchange.download_nbytes), in bytes
     buffer_bytes: int  # the round's allreduced buffer, in bytes
     reduced: float  # time.perf_counter() after the allreduce (and the allgather, if any)
     #: a client's state after the round (read on the rank that may read it: any rank from the

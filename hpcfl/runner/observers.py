@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from hpcfl.algorithms.base import ServerState, Upload
+from hpcfl.algorithms.base import Upload
 from hpcfl.algorithms.stage_types import (
     EVAL_SLOT,
     Channel,
@@ -238,8 +238,9 @@ class RankLoad(Observer):
 
 class Traffic(Observer):
     """Bytes a round moves, counted from what is exchanged: up (every participant's declared sums
-    plus its gathered objects), down (the server state but its ``server_only`` fields, per
-    participant) and the allreduced buffer."""
+    plus its gathered objects), down (per participant, the server state but its ``server_only``
+    fields, and of a field the exchange declares ``received`` only that part:
+    :meth:`~hpcfl.algorithms.base.Exchange.download_nbytes`) and the allreduced buffer."""
 
     group = "comm"
     columns = ("bytes_up", "bytes_down", "allreduce_bytes")
@@ -249,7 +250,7 @@ class Traffic(Observer):
         n = len(start.who)  # the uploads that arrived; a dropped participant had downloaded the state
         return {
             "bytes_up": n * end.upload_bytes + _nbytes(end.aggregate.gathered),
-            "bytes_down": (n + len(start.dropped)) * _state_nbytes(end.server),
+            "bytes_down": (n + len(start.dropped)) * end.download_bytes,
             "allreduce_bytes": end.buffer_bytes,
         }
 
@@ -367,12 +368,3 @@ def _nbytes(obj: Any) -> int:
     if is_dataclass(obj) and not isinstance(obj, type):
         return sum(_nbytes(getattr(obj, f.name)) for f in fields(obj))
     return len(pickle.dumps(obj))
-
-
-def _state_nbytes(server: ServerState) -> int:
-    """Bytes a participant downloads: every tensor of the server state but its ``server_only`` ones."""
-    return sum(
-        v.nbytes
-        for f in fields(server)
-        if f.name not in server.server_only and isinstance(v := getattr(server, f.name), torch.Tensor)
-    )

@@ -335,6 +335,7 @@ def run_rounds(
                 aggregate,
                 server_metrics,
                 upload_bytes=sum(s.nbytes for s in ex.sums),
+                download_bytes=ex.download_nbytes(begun.server),
                 buffer_bytes=layout.nbytes(bdtype),
                 reduced=reduced,
                 client_state=states.get,
