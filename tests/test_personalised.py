@@ -265,25 +265,25 @@ def test_fedrep_refuses_bad_epoch_counts(key, value):
 # -- per-client evaluation of the personal models ---------------------------------------------------
 
 
+_PERSONAL_RUN = dict(
+    dataset="synthetic",
+    dataset_options={"n_train": 240, "n_test": 60, "seed": 3, "input_shape": [1, 8, 8], "num_classes": 4},
+    partition="dir:0.3",
+    num_clients=4,
+    model="mlp",
+    rounds=3,
+    local_steps=3,
+    lr=0.1,
+    batch_size=16,
+    seed=5,
+    threads=1,
+    progress=False,
+    client_eval=0.25,
+)
+
+
 def _personal_run(tmp_path: Path, name: str, **extra) -> tuple[list[dict], list[dict]]:
-    cfg = dict(
-        name=name,
-        dataset="synthetic",
-        dataset_options={"n_train": 240, "n_test": 60, "seed": 3, "input_shape": [1, 8, 8], "num_classes": 4},
-        partition="dir:0.3",
-        num_clients=4,
-        model="mlp",
-        algorithm=name,
-        rounds=3,
-        local_steps=3,
-        lr=0.1,
-        batch_size=16,
-        seed=5,
-        threads=1,
-        progress=False,
-        client_eval=0.25,
-    )
-    cfg.update(extra)
+    cfg = {**_PERSONAL_RUN, "name": name, "algorithm": name, **extra}
     run_dir = tmp_path / name
     result = run_experiment(config_from_dict(cfg), run_dir)
     clients = [json.loads(line) for line in (run_dir / "client_metrics.jsonl").read_text().splitlines()]
@@ -313,6 +313,25 @@ def test_personal_evaluation_reads_the_on_disk_store_as_memory(tmp_path):
     _, memory = _personal_run(tmp_path / "m", "fedper")
     _, disk = _personal_run(tmp_path / "d", "fedper", client_state_memory="disk")
     assert memory == disk
+
+
+@pytest.mark.parametrize("name", ["fedper", "fedrep", "fedbabu"])
+def test_only_the_body_is_downloaded_as_only_the_body_is_uploaded(tmp_path, name):
+    """The head never travels after the start: each participant downloads the body (the state
+    without the head's slices), the bytes it uploads, not the whole state vector."""
+    from hpcfl.comm import LocalComm
+    from hpcfl.runner.federation import build_federation
+
+    rows, _ = _personal_run(tmp_path, name, clients_per_round=3)
+    cfg = config_from_dict({**_PERSONAL_RUN, "name": name, "algorithm": name})
+    fed = build_federation(cfg, LocalComm())
+    server = fed.flat.vector
+    body = fed.algorithm.split.shared_size * server.element_size()
+    assert 0 < fed.algorithm.split.shared_size < server.numel()
+    for row in rows:
+        n = len(row["participants"])
+        assert n == 3
+        assert row["bytes_down"] == row["bytes_up"] == n * body < n * server.numel() * server.element_size()
 
 
 # -- Ditto -----------------------------------------------------------------------------------------
@@ -506,46 +525,55 @@ def test_fedbabu_refuses_bad_settings(key, value):
 
 
 def _variance_reference(probs: torch.Tensor, target: float) -> torch.Tensor:
-    terms = []
-    for j in range(probs.shape[1]):
-        col = probs[:, j]
-        std = torch.sqrt(((col - col.mean()) ** 2).mean() + 1e-4)
-        terms.append(torch.clamp(target - std, min=0.0))
-    return torch.stack(terms).mean()
+    """The authors' ``UVReg`` (sonhamin/FedUV algs/feduv.py): relu(γ − p.std(dim=0)).mean()."""
+    return torch.relu(target - probs.std(dim=0)).mean()
 
 
 def _uniformity_reference(z: torch.Tensor) -> torch.Tensor:
-    u = z / z.norm(dim=1, keepdim=True)
-    pairs = [
-        torch.exp(-2.0 * ((u[i] - u[j]) ** 2).sum()) for i in range(len(u)) for j in range(i + 1, len(u))
-    ]
-    return torch.log(torch.stack(pairs).mean())
+    """The authors' ``UVReg``: d = pdist(z)², σ = median of the nonzero d, mean exp(−d/σ)."""
+    d = torch.pdist(z, p=2).pow(2)
+    sigma = torch.median(d[d != 0])
+    return d.mul(-1 / sigma).exp().mean()
 
 
-def test_feduv_regularisers_are_the_papers_terms():
-    from hpcfl.algorithms.feduv import uniformity_loss, variance_loss
+def test_feduv_regularisers_are_the_authors_terms():
+    from hpcfl.algorithms.feduv import iid_variance_target, uniformity_loss, variance_loss
 
     g = torch.Generator().manual_seed(2)
-    probs = torch.randn(9, 4, generator=g, dtype=torch.float64).softmax(dim=1)
-    torch.testing.assert_close(variance_loss(probs, 0.4), _variance_reference(probs, 0.4), **TOL)
-    z = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    probs = torch.randn(9, 4, generator=g, dtype=torch.float64).softmax(dim=1).requires_grad_()
+    ours, ref = variance_loss(probs, 0.4), _variance_reference(probs, 0.4)
+    torch.testing.assert_close(ours, ref, **TOL)
+    torch.testing.assert_close(*(torch.autograd.grad(v, probs)[0] for v in (ours, ref)), **TOL)
+    for B in (7, 8):  # an odd and an even number of pairs (21, 28): the median is the lower one
+        z = torch.randn(B, 5, generator=g, dtype=torch.float64).requires_grad_()
+        ours, ref = uniformity_loss(z), _uniformity_reference(z)
+        torch.testing.assert_close(ours, ref, **TOL)
+        torch.testing.assert_close(*(torch.autograd.grad(v, z)[0] for v in (ours, ref)), **TOL)
+    # duplicated representations (zero distances) are left out of the median, as in the code
+    z = torch.randn(5, 3, generator=g, dtype=torch.float64)[[0, 1, 1, 2, 3, 3, 4]]
     torch.testing.assert_close(uniformity_loss(z), _uniformity_reference(z), **TOL)
-    # an IID-like batch (every class, confident) is at the default target; a one-class batch is not
+    # degenerate batches: a constant, no NaN
+    assert uniformity_loss(torch.ones(4, 3, dtype=torch.float64)) == 1
+    assert uniformity_loss(torch.ones(1, 3, dtype=torch.float64)) == 0
+    assert variance_loss(torch.ones(1, 3, dtype=torch.float64) / 3, 0.5) == 0
+    # γ is the code's torch.eye(C).std(dim=0).mean(); an IID-like batch (every class once,
+    # confident) is at it, a one-class batch is γ below it
     C = 4
-    gamma = (1 / C * (1 - 1 / C)) ** 0.5
-    balanced = torch.eye(C, dtype=torch.float64).repeat(3, 1)
-    assert variance_loss(balanced, gamma) == 0
-    one_class = torch.eye(C, dtype=torch.float64)[[0] * 12]
-    torch.testing.assert_close(
-        variance_loss(one_class, gamma), torch.tensor(gamma - 1e-2, dtype=torch.float64)
-    )
+    gamma = iid_variance_target(C)
+    assert gamma == pytest.approx(float(torch.eye(C, dtype=torch.float64).std(dim=0).mean()), rel=1e-15)
+    assert variance_loss(torch.eye(C, dtype=torch.float64), gamma) == 0
+    one_class = torch.eye(C, dtype=torch.float64)[[0] * 12].requires_grad_()
+    loss = variance_loss(one_class, gamma)
+    # every column has zero spread, counted as the 1e-6 floor (the code's std has a NaN gradient there)
+    torch.testing.assert_close(loss, torch.tensor(gamma - 1e-6, dtype=torch.float64), **TOL)
+    assert torch.isfinite(torch.autograd.grad(loss, one_class)[0]).all()
 
 
 def test_feduv_client_step_is_sgd_on_the_regularised_objective():
-    """ℓ = CE + μ·ℓ_V(softmax(logits)) + λ·ℓ_U(z), z the classifier's input, by torch.optim.SGD."""
-    mu, lam = 0.6, 0.3
+    """ℓ = CE + λ·ℓ_V(softmax(logits)) + μ·ℓ_U(z), z the classifier's input, by torch.optim.SGD."""
+    lam, mu = 0.6, 0.3
     model = _model()
-    algo = _algo("feduv", model, variance_weight=mu, uniformity_weight=lam)
+    algo = _algo("feduv", model, variance_weight=lam, uniformity_weight=mu)
     server = algo.init_server(_randomised(_state(model)))
     data = _clients()[2]
     trainer = Trainer(FlatModel(_model()), _schedule())
@@ -555,13 +583,13 @@ def test_feduv_client_step_is_sgd_on_the_regularised_objective():
     body = nn.Sequential(*list(ref.children())[:-1])
     opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
     ref.train()
-    gamma = (1 / 3 * (1 - 1 / 3)) ** 0.5
+    gamma = float(torch.eye(3, dtype=torch.float64).std(dim=0).mean())  # the code's batch_gamma
     for idx in batch_indices(data.n, _schedule(), torch.Generator().manual_seed(11)):
         opt.zero_grad()
         z = body(data.x[idx])
         logits = ref.classifier(z)
         loss = nn.functional.cross_entropy(logits, data.y[idx])
-        loss = loss + mu * _variance_reference(logits.softmax(dim=1), gamma) + lam * _uniformity_reference(z)
+        loss = loss + lam * _variance_reference(logits.softmax(dim=1), gamma) + mu * _uniformity_reference(z)
         loss.backward()
         opt.step()
     torch.testing.assert_close(upload.sums["x"], _state(ref), **TOL)

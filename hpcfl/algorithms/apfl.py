@@ -17,10 +17,20 @@ The run's weight decay and momentum apply to w and to v alike (a momentum buffer
 optimisers would keep). BatchNorm statistics (float buffers): w keeps those of its own forward
 passes, v those of the mixture's.
 
-Defaults: ``alpha`` = 0.25, the α_k every client starts from (the paper reports fixed α values
-such as 0.25, 0.5, 0.75 beside the adaptive rule, as we recall it; not checked against a copy of the
-paper); ``adaptive`` true; ``alpha_lr`` = None, the run's learning rate (the
-paper's η_t for α as for the models). v_k starts at the initial global model, v_k^0 = w^0.
+Defaults: ``alpha`` = 0.5, the α_k every client starts from: the authors' code (MLOPTPSU/FedTorch,
+"Official implementation for https://arxiv.org/abs/2003.13461": ``--fed_personal_alpha`` default
+0.5); ``adaptive`` true (the method's name; the code's ``--fed_adaptive_alpha`` is off by default);
+``alpha_lr`` = None, the run's learning rate (the code steps α with the round's lr as well).
+v_k starts at the initial global model, v_k^0 = w^0.
+
+The paper's text was not at hand (only its abstract in the searched corpora), so the per-step rule
+above, from Algorithm 1 as this file's author read it, is not checked against it. The authors' code
+(``fedtorch/comms/trainings/federated/apfl.py`` and ``alpha_update`` in
+``fedtorch/comms/utils/flow_utils.py``) differs from it: it steps α once per round (at the first
+local step), with gradient ⟨v − w, α∇_v + (1 − α)∇_w⟩ of the mixture's loss plus 0.02·α, clipped to
+[0, 1]; and it takes the personal step at the mixture of the already-updated w. This file keeps the
+per-step form (each of the three steps the gradient of the mixture's loss at the previous iterate);
+set ``adaptive: false`` for a fixed α.
 
 Judged per client (:attr:`personalised`): client k's model is α_k v_k + (1 − α_k) w with w the
 current global model (a client never trained: α₀ w⁰ + (1 − α₀) w, from its initial state). One
@@ -51,11 +61,11 @@ from hpcfl.training.sgd import Tallies, batch_indices, on_device, sgd_step
 
 @dataclass(frozen=True)
 class APFLParams(HyperParams):
-    """``alpha``: every client's initial mixing weight α_k in [0, 1] (default 0.25); ``adaptive``:
+    """``alpha``: every client's initial mixing weight α_k in [0, 1] (default 0.5); ``adaptive``:
     whether α_k follows the paper's gradient step (default true; false keeps it fixed);
     ``alpha_lr``: η_α (None: the run's lr); ``weighting``: the global model's server mean."""
 
-    alpha: float = 0.25
+    alpha: float = 0.5
     adaptive: bool = True
     alpha_lr: float | None = None
     weighting: str = "samples"

@@ -12,11 +12,17 @@ So Ditto's global model is FedAvg's for any λ (bit for bit: the global update d
 mini-batches first from the client's generator, and the personal one draws after it). λ = 0 gives
 purely local personal models; λ → ∞ pins v_k to the global model.
 
-Defaults: λ = 1 (the paper tunes λ per dataset; 1 is a middle value of such a grid, not a
-figure checked against a copy of the paper);
+Defaults: λ = 1, the authors' runs (litian96/ditto ``run_fashion_clean_ditto_lam1.sh`` and the other
+``*_lam1.sh`` scripts: ``--lam=1``) and the paper's fixed "relatively large λ (λ=1)" beside its
+per-device choice from {0.1, 1, 2} on validation (Sec. 5, quoted by
+https://ri.k117.org/papers/ditto_fair_and_robust_federated_learning_through_personalization__0131419f);
 ``personal_epochs`` = 1, the personal update taking the run's local schedule once, the same local
-work as the global update (the s of Algorithm 1). The proximal term enters each step's direction
-after weight decay and before momentum, as FedProx's does here.
+work as the global update: the authors' code (``flearn/trainers_MTL/ditto.py``) takes one personal
+step beside each of the ``local_iters`` global steps. That code takes the personal step first and
+on the same mini-batch as the global step; here the personal steps draw their own mini-batches after
+the global update (Algorithm 1's order), which keeps the global model FedAvg's bit for bit. The
+proximal term enters each step's direction after weight decay and before momentum, as FedProx's
+does here (the authors' step is plain SGD: v ← v − η(∇F_k(v) + λ(v − w^t))).
 
 Judged per client (:attr:`personalised`): client k's model is v_k (w^0 for a client never trained).
 Two local trainings per participant: trained one by one under ``client_batch``.

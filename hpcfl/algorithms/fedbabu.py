@@ -4,16 +4,22 @@ Classification", ICLR 2022).
 Federated training updates the body only: the head (the classifier) stays at its random
 initialisation on every client and on the server for the whole run, and the server averages the
 bodies as FedAvg does (Algorithm 1: the head's learning rate is 0 during federated training). The
-upload is the body (the state vector without the head's slices; ``bytes_up`` counts that). A
+upload is the body (the state vector without the head's slices; ``bytes_up`` counts that), and so
+is the download (``bytes_down``): the head never changes, and its initial value is part of the
+model's seeded initialisation that every client builds itself. A
 client's personalised model is the global model fine-tuned on its own training data at evaluation
 time, for τ_f epochs (Algorithm 1's fine-tuning stage); the run's trajectory never sees it.
 
-Defaults: ``head`` = the classifier (the paper's head is the last linear layer); ``finetune_epochs``
-τ_f = 5 at the run's learning rate and batch size (the paper reports accuracy after a few
-fine-tuning epochs; 5 is the count as we recall it, not checked against a copy of the paper);
-``finetune`` = ``full`` (the whole network, body and head, which is how we read the paper's
-personalisation) or ``head`` (the head alone, the body frozen: the issue's wording). A frozen part does not move at all: its step direction, weight decay
-included, is zeroed (:class:`~hpcfl.algorithms.split.Freeze`).
+Defaults, from the authors' code (junhyeog/FedBABU, a copy of jhoon-oh/FedBABU, which the searched
+corpora do not hold): ``head`` = the classifier (the code's head is the layers named ``linear``, the
+last one); ``finetune_epochs`` τ_f = 5 (``utils/options.py``: ``--ft_ep`` default 5, "the number of
+epochs for fine-tuning"; Flower's FedBABU baseline uses 5 too) at the run's learning rate, batch
+size and momentum; ``finetune`` = ``full``: the code fine-tunes body and head together
+(``main_per_fedavg.py``: ``local.train(..., body_lr=lr, head_lr=lr)`` for ``ft_ep`` epochs), or
+``head`` (the head alone, the body frozen: the issue's and the abstract's wording, "the head is
+fine-tuned"). The paper's own text on the fine-tuned part was not at hand. A frozen part does not
+move at all: its step direction, weight decay included, is zeroed
+(:class:`~hpcfl.algorithms.split.Freeze`).
 
 No client state: the personal model is rebuilt from the global one at every evaluation, from the
 client's own generator stream, so it is the same on any rank and after a resume. The local step is
@@ -38,6 +44,7 @@ from hpcfl.algorithms.base import (
     Exchange,
     HyperParams,
     LocalTask,
+    Received,
     ServerContext,
     ServerState,
     SumSpec,
@@ -93,7 +100,8 @@ class FedBABU(Algorithm[FedBABUParams, ServerState, ClientState]):
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
         """The body: the state vector without the head's slices."""
-        return Exchange(sums=(SumSpec("x", self.split.shared_size, dtype),))
+        shared = self.split.shared_size
+        return Exchange(sums=(SumSpec("x", shared, dtype),), received=(Received("x", shared),))
 
     def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext

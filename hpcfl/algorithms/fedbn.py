@@ -4,9 +4,10 @@ Batch Normalization", ICLR 2021).
 FedAvg in which every client keeps its BatchNorm layers (their affine weight and bias and their
 running statistics) local: Algorithm 1 aggregates only the non-BN layers,
 w^(l) ← Σ_k p_k w_k^(l) for every layer l that is not a BN layer, and each client trains from the
-averaged layers with its own BN layers. Only the shared layers are exchanged: the upload is the
-state vector without the BN slices (``bytes_up`` counts that), and a client's BN slices live in its
-client state (memory or the on-disk store).
+averaged layers with its own BN layers. Only the shared layers are exchanged, both ways: the upload
+and the download are the state vector without the BN slices (``bytes_up`` and ``bytes_down`` count
+that; the initial BN values a client first starts from are the model's seeded initialisation), and
+a client's BN slices live in its client state (memory or the on-disk store).
 
 Judged per client (:attr:`personalised`): a client's model is the server's shared layers with its
 own BN layers (a client never trained has the initial ones). The server's ``x`` keeps the initial BN
@@ -14,12 +15,16 @@ values in its BN slices, so its ``test_accuracy`` is the shared layers under the
 normalisation, not a model any client uses; read ``personal_acc_*`` (``client_eval``).
 
 ``weighting``: the server's mean of the shared layers, ``samples`` (default, FedAvg's n_k/n, so that
-FedBN on a model without BN layers is FedAvg bit for bit) or ``uniform`` (a plain mean over the
-clients, which is how we recall the authors' code, med-air/FedBN, averaging).
+FedBN on a model without BN layers is FedAvg bit for bit) or ``uniform``, the authors' code:
+med-air/FedBN ``federated/fed_digits.py`` averages every state-dict key without ``bn`` in its name
+with ``client_weights = [1/client_num ...]`` (``communication()``), its clients holding equal shares
+(``--percent`` of each dataset). Set ``weighting: uniform`` to reproduce it; the paper's
+Algorithm 1 text was not at hand to say which it writes. The authors' local step is plain SGD
+(``optim.SGD(lr=1e-2)``, no momentum), one epoch per round (``--wk_iters 1``): the run's schedule.
 
-Which layers: modules of type ``BatchNorm1d/2d/3d`` (the paper's local BN). ``num_batches_tracked``
-(an integer buffer outside the flat state) is not kept; it matters only to a BN with
-``momentum=None``, which no hpcfl model builds.
+Which layers: modules of type ``BatchNorm1d/2d/3d`` (the code's ``bn`` layers: weight, bias and
+running statistics). ``num_batches_tracked`` (an integer buffer outside the flat state) is not
+kept; it matters only to a BN with ``momentum=None``, which no hpcfl model builds.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from hpcfl.algorithms.base import (
     Exchange,
     HyperParams,
     LocalTask,
+    Received,
     ServerContext,
     ServerState,
     SumSpec,
@@ -82,7 +88,8 @@ class FedBN(Algorithm[FedBNParams, ServerState, FedBNClientState]):
         return Split.of(self.layout, [e for e in self.layout.entries if e.module_type in NORM_TYPES])
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
-        return Exchange(sums=(SumSpec("x", self.split.shared_size, dtype),))
+        shared = self.split.shared_size
+        return Exchange(sums=(SumSpec("x", shared, dtype),), received=(Received("x", shared),))
 
     def init_client(self, k: int, server: ServerState) -> FedBNClientState:
         return FedBNClientState()

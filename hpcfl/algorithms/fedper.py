@@ -4,9 +4,12 @@ Layers", 2019): a shared body (base layers) averaged by FedAvg, and a personal h
 
 Algorithm 1 of the paper: client k starts its round from the server's base layers W_B and its own
 personalisation layers W_{P_k}, runs its local SGD epochs on both together, and sends back W_B
-only; the server sets W_B ← Σ_k (n_k/n) W_{B,k}. So only the body is exchanged: the upload is the
-state vector without the head's slices (``bytes_up`` counts that), and the head lives in the
-client's state (memory or the on-disk store). Float buffers (BatchNorm statistics) belong to the
+only; the server sets W_B ← Σ_k (n_k/n) W_{B,k}. So only the body is exchanged, both ways: the
+upload is the state vector without the head's slices (``bytes_up`` counts that) and so is the
+download (the exchange declares ``received``, so ``bytes_down`` counts the body only), and the head
+lives in the client's state (memory or the on-disk store). A client's first round starts from the
+initial head, part of the model's seeded initialisation that every client builds itself; it is not
+counted as traffic. Float buffers (BatchNorm statistics) belong to the
 body.
 
 Judged per client (:attr:`personalised`): a client's model is the server's body with its own head
@@ -38,6 +41,7 @@ from hpcfl.algorithms.base import (
     Exchange,
     HyperParams,
     LocalTask,
+    Received,
     ServerContext,
     ServerState,
     SumSpec,
@@ -89,7 +93,8 @@ class FedPer(Algorithm[FedPerParams, ServerState, HeadState]):
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
         """The body: the state vector without the head's slices."""
-        return Exchange(sums=(SumSpec("x", self.split.shared_size, dtype),))
+        shared = self.split.shared_size
+        return Exchange(sums=(SumSpec("x", shared, dtype),), received=(Received("x", shared),))
 
     def init_client(self, k: int, server: ServerState) -> HeadState:
         return HeadState()

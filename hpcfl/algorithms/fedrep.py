@@ -6,13 +6,17 @@ head h_k in the client state, only the body exchanged), but each round client k 
 (Algorithm 1): first τ_h updates of its head with the body frozen,
 h_k ← GRD(f_k(h_k, φ^t), h_k, η), then τ_φ updates of the body with its new head frozen,
 φ_k ← GRD(f_k(h_k, φ_k), φ^t, η); it uploads φ_k and the server sets φ^{t+1} to their mean. The
-authors' code (lgcollins/FedRep) does it as ``local_ep − local_rep_ep`` head epochs, then
-``local_rep_ep`` body epochs, each phase with an optimiser of its own (so here each phase starts a
-fresh momentum buffer).
+authors' code (``models/Update.py`` of lgcollins/FedRep, read in copies of it: the repository itself
+is not in the searched corpora) does it as ``head_eps = local_eps − local_rep_ep`` head epochs, then
+``local_rep_ep`` body epochs, with one SGD optimiser whose frozen parameters (``requires_grad``
+False) it skips: the body's momentum is therefore zero when its phase starts, as a fresh buffer per
+phase here.
 
-Defaults: ``head_epochs = 10`` and ``body_epochs = 1``: many head epochs and one representation
-epoch, the paper's setting as we recall it (no copy of the paper or its code was at hand to check the
-exact counts; tune them per dataset). Each counts passes of the run's
+Defaults: ``head_epochs = 10`` and ``body_epochs = 1``, the paper's Sec. 5 setting: "FedRep executes
+ten local epochs of SGD with momentum to train the local head, followed by one or five epochs for
+the representation, in each local update (depending on the dataset)" (quoted by
+https://ri.k117.org/papers/exploiting_shared_representations_for_personalized_federated_learning__03f7ff75;
+the code's default ``--local_rep_ep`` is 1 as well). Each counts passes of the run's
 local schedule: a phase of E passes trains E × ``local_epochs`` epochs (or E × ``local_steps``
 steps). A frozen part does not move at all (its step direction, weight decay included, is zeroed:
 :class:`~hpcfl.algorithms.split.Freeze`); BatchNorm statistics, which belong to the body, follow

@@ -4,29 +4,36 @@ Learning", CVPR 2024; by FedCKA's authors).
 FedAvg whose local objective adds two regularisers that make a client's training behave as if its
 data were IID (no global model or previous model is needed, unlike FedProx, MOON or FedCKA):
 
-    ℓ = ℓ_task + μ·ℓ_V + λ·ℓ_U
+    ℓ = ℓ_task + λ·ℓ_V + μ·ℓ_U
 
 - ℓ_V, classifier variance: with p = softmax(logits) over a mini-batch of B samples (B, C), the
-  standard deviation of each class dimension over the batch, s_j = sqrt(Var_b(p_{b,j}) + ε), is
-  pushed up to a target γ by a hinge, ℓ_V = (1/C) Σ_j max(0, γ − s_j) (the VICReg-style variance
-  term the paper applies to the classifier's probabilities). Under IID data a batch holds every
-  class and a confident classifier's p_{·,j} is a Bernoulli(1/C) column, so the default target is
-  its standard deviation γ = sqrt((1/C)(1 − 1/C)); a client that sees few classes has columns of
-  near-zero spread, which ℓ_V penalises.
-- ℓ_U, hyperspherical uniformity of the encoder's representation z (the classifier's input, here
-  ``model.classifier``'s input), normalised to the unit sphere: ℓ_U = log mean_{i<j}
-  exp(−t‖z_i − z_j‖²) with t = 2 (the Gaussian-potential uniformity of Wang & Isola, ICML 2020,
-  that the paper adopts).
+  standard deviation of each class dimension over the batch, s_j = std_b(p_{b,j}) (unbiased, as
+  ``Tensor.std``), is pushed up to a target γ by a hinge, ℓ_V = (1/C) Σ_j max(0, γ − s_j). The
+  target is the IID value of the authors' code, γ = mean_j std(I_C[:, j]) = 1/√C (each column of the
+  C×C identity, a confident classifier's outputs on a batch holding every class once, has one 1
+  and C − 1 zeros); a client that sees few classes has columns of near-zero spread, which ℓ_V
+  penalises.
+- ℓ_U, uniformity of the encoder's representation z (the classifier's input, here
+  ``model.classifier``'s input; the authors' models return it beside the logits):
+  ℓ_U = mean_{i<j} exp(−‖z_i − z_j‖²/σ), σ the median of the batch's nonzero squared distances
+  (a Gaussian potential whose bandwidth follows the batch; the median's gradient flows to the pair
+  it picks, as ``torch.median``'s does).
 
-Population variance (ddof 0) is used, so a batch of one sample has zero spread and no pairs (both
-terms constant, no gradient) instead of NaN. ε = 1e-4.
+Forms and defaults follow the authors' code, sonhamin/FedUV: ``algs/feduv.py`` (``UVReg``: the
+softmax's ``std(dim=0)``, ``relu(batch_gamma − std).mean()``, ``batch_gamma =
+torch.eye(C).std(dim=0).mean()``; ``torch.pdist(z).pow(2)``, σ = ``torch.median`` of the nonzero
+distances, ``exp(−d/σ).mean()``, no normalisation of z and no log) and ``train_fl.py``
+(``--std_coeff`` 2.5, "the lambda parameter", on ℓ_V; ``--unif_coeff`` 0.5, "the mu parameter",
+on ℓ_U). The paper's own equations were not at hand (only its abstract in the searched corpora),
+so they are not checked here; an earlier version of this file used a VICReg-style ε = 1e-4 under
+the square root, a normalised z with a log and t = 2, and μ = λ = 1, none of which the code has.
+Where the code gives NaN this implementation gives a constant term without gradient instead: a batch
+of one sample (no spread, no pairs), a column whose spread is below 1e-6 (``std``'s gradient at 0; it counts as 1e-6),
+a batch whose representations all coincide (no nonzero distance: σ = ∞, ℓ_U = 1).
 
-Defaults: μ = 1 and λ = 1 (``variance_weight``, ``uniformity_weight``): NOT the paper's values,
-which were not at hand (no copy of the paper or its code here); tune them on validation. The exact
-forms above (ε, t, γ, ddof) are this implementation's reading of the paper's two terms and should
-be checked against its Eqs. before a comparison is published. With both weights 0 the local objective is
-the task loss alone and FedUV is FedAvg bit for bit. The regularised loss runs hooks on the working
-model, so participants train one by one under ``client_batch`` (a loss of its own does not vectorise).
+With both weights 0 the local objective is the task loss alone and FedUV is FedAvg bit for bit. The
+regularised loss runs hooks on the working model, so participants train one by one under
+``client_batch`` (a loss of its own does not vectorise).
 """
 
 from __future__ import annotations
@@ -53,18 +60,19 @@ from hpcfl.algorithms.base import (
 from hpcfl.errors import ConfigError
 from hpcfl.training.sgd import LossFn
 
-EPS = 1e-4
-T_UNIFORMITY = 2.0
+#: below this variance (a spread under 1e-6) a column's std has no gradient (``std``'s is NaN at 0)
+MIN_VARIANCE = 1e-12
 
 
 @dataclass(frozen=True)
 class FedUVParams(HyperParams):
-    """``variance_weight`` μ and ``uniformity_weight`` λ (default 1 each, >= 0);
-    ``variance_target`` γ (None: the IID value sqrt((1/C)(1 − 1/C)) for C classes);
-    ``weighting``: the server's model mean (``samples`` default, FedAvg's)."""
+    """``variance_weight`` λ (default 2.5) and ``uniformity_weight`` μ (default 0.5), >= 0, the
+    authors' code's ``std_coeff`` and ``unif_coeff``; ``variance_target`` γ (None: the code's IID
+    value 1/√C for C classes); ``weighting``: the server's model mean (``samples`` default,
+    FedAvg's)."""
 
-    variance_weight: float = 1.0
-    uniformity_weight: float = 1.0
+    variance_weight: float = 2.5
+    uniformity_weight: float = 0.5
     variance_target: float | None = None
     weighting: str = "samples"
 
@@ -77,21 +85,36 @@ class FedUVParams(HyperParams):
             raise ConfigError(f"config key 'params.variance_target' must be > 0, got {self.variance_target}")
 
 
+def iid_variance_target(num_classes: int) -> float:
+    """γ of the authors' code, ``torch.eye(C).std(dim=0).mean()``: each column of the identity has
+    one 1 and C − 1 zeros, whose unbiased variance is 1/C."""
+    return 1.0 / math.sqrt(num_classes)
+
+
 def variance_loss(probs: Tensor, target: float) -> Tensor:
-    """ℓ_V of a (B, C) batch of probabilities: mean over classes of max(0, γ − std over the batch)."""
-    std = torch.sqrt(probs.var(dim=0, correction=0) + EPS)  # (C,)
+    """ℓ_V of a (B, C) batch of probabilities: mean over classes of max(0, γ − std over the batch),
+    the std unbiased; 0 (no gradient) for a batch of one sample."""
+    if probs.shape[0] < 2:
+        return probs.sum() * 0.0
+    std = probs.var(dim=0).clamp_min(MIN_VARIANCE).sqrt()  # (C,), = probs.std(dim=0) above 1e-6
     return F.relu(target - std).mean()
 
 
 def uniformity_loss(z: Tensor) -> Tensor:
-    """ℓ_U of a (B, d) batch of representations: log mean_{i<j} exp(−t‖ẑ_i − ẑ_j‖²), ẑ = z/‖z‖."""
+    """ℓ_U of a (B, d) batch of representations: mean_{i<j} exp(−‖z_i − z_j‖²/σ), σ the lower median
+    of the nonzero squared distances (``torch.median``'s choice); 1 with no nonzero distance and 0
+    for a batch of one sample (constant, no gradient). The median is taken without a host sync: the
+    zero distances sort last as +∞ and the count of the others picks the index."""
     B = z.shape[0]
     if B < 2:
-        return z.sum() * 0.0  # no pairs: constant, no gradient
-    u = F.normalize(z.flatten(1), dim=1)
+        return z.sum() * 0.0
+    flat = z.flatten(1)
     i, j = torch.triu_indices(B, B, offset=1, device=z.device)
-    sq = (2.0 - 2.0 * (u @ u.T))[i, j].clamp_min(0.0)  # squared distances on the sphere, (B(B−1)/2,)
-    return torch.logsumexp(-T_UNIFORMITY * sq, dim=0) - math.log(sq.numel())
+    sq = (flat[i] - flat[j]).pow(2).sum(dim=1)  # torch.pdist(z).pow(2), pairs in the same order
+    nonzero = sq > 0
+    ordered = torch.where(nonzero, sq, torch.full_like(sq, math.inf)).sort().values
+    sigma = ordered.gather(0, ((nonzero.sum() - 1).clamp_min(0) // 2).view(1))
+    return torch.exp(-sq / sigma).mean()
 
 
 def _classifier(model: nn.Module) -> nn.Module:
@@ -113,11 +136,11 @@ class FedUV(Algorithm[FedUVParams, ServerState, ClientState]):
         self._loss: tuple[nn.Module, LossFn, LossFn] | None = None  # (model, task loss, regularised)
 
     def regularised(self, model: nn.Module, task_loss: LossFn) -> LossFn:
-        """ℓ_task + μℓ_V + λℓ_U on ``model`` (a hook on its classifier keeps z and the logits); built
+        """ℓ_task + λℓ_V + μℓ_U on ``model`` (a hook on its classifier keeps z and the logits); built
         once per working model."""
         if self._loss is not None and self._loss[0] is model and self._loss[1] is task_loss:
             return self._loss[2]
-        mu, lam, gamma = (
+        lam, mu, gamma = (
             self.params.variance_weight,
             self.params.uniformity_weight,
             self.params.variance_target,
@@ -136,12 +159,11 @@ class FedUV(Algorithm[FedUVParams, ServerState, ClientState]):
             if "logits" not in seen:  # the hook is the working model's own; a copy has none
                 raise ValueError("feduv: the task loss did not run the model's classifier")
             logits, z = seen.pop("logits"), seen.pop("z")
-            C = logits.shape[-1]
-            target = gamma if gamma is not None else math.sqrt((1.0 / C) * (1.0 - 1.0 / C))
-            if mu:
-                loss = loss + mu * variance_loss(logits.softmax(dim=-1), target)
+            target = gamma if gamma is not None else iid_variance_target(logits.shape[-1])
             if lam:
-                loss = loss + lam * uniformity_loss(z)
+                loss = loss + lam * variance_loss(logits.softmax(dim=-1), target)
+            if mu:
+                loss = loss + mu * uniformity_loss(z)
             return loss
 
         self._loss = (model, task_loss, loss_fn)
