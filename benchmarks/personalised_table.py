@@ -7,22 +7,33 @@
 What each row is judged by (the figure a user of the method would deploy per client):
 
 - ``fedavg``, ``scaffold``: the global model on each client's held-out share (``client_acc_*``);
-- ``fedavg + fine-tuning``: the same FedAvg runs, the global model fine-tuned on each client's
-  training data for ``--finetune-steps`` plain SGD steps before it is scored (``finetune_eval``,
-  which never changes the trajectory, so both rows come from one set of runs);
+- ``fedavg + fine-tuning`` (row ``fedavg-ft``): FedAvg, the global model fine-tuned on each
+  client's training data for ``--finetune-steps`` plain SGD steps before it is scored
+  (``finetune_eval``, which never changes the trajectory); its lr is chosen by that fine-tuned
+  figure, so its runs are its own (the same as the ``fedavg`` row's when both choose one lr);
 - ``fedper``, ``fedrep``, ``fedbabu``, ``ditto``, ``apfl``: each client's own model
   (``personal_acc_*``); ``feduv`` learns a global model (``client_acc_*``).
 
 **Budget** (the defaults, small on purpose: a 2-core machine shared with others): the MLP, 20
-rounds × 10 local steps of batch 32, lr 0.05 fixed for every method (no search), momentum 0.5,
-weight decay 1e-5, every method at its paper defaults (FedRep 10 head passes + 1 body pass of the
-10-step schedule, FedBABU τ_f = 5 fine-tuning epochs, Ditto λ = 1, APFL α₀ = 0.25 adaptive,
-FedUV μ = λ = 1), 25 % of each client held out for its evaluation, evaluated every 2 rounds (so
-the last-5 mean covers rounds 12–20), 3 seeds. Not in the table at this budget: FedBN (the MLP has
-no normalisation layer, so FedBN is FedAvg bit for bit), FedPVR and TCT (TCT's stage 2 needs eNTK
-features: minutes per run even here), and the issue's tuning of lr and each method's own weight on
-validation (a personalised method's validation figure is per client, which ``hpcfl sweep
---search`` does not select on yet).
+rounds × 10 local steps of batch 32, momentum 0.5, weight decay 1e-5, every method at its paper or
+authors'-code defaults (FedRep 10 head passes + 1 body pass of the 10-step schedule, FedBABU τ_f = 5
+fine-tuning epochs, Ditto λ = 1, APFL α₀ = 0.5 adaptive, FedUV λ = 2.5, μ = 0.5), 25 % of each
+client held out for its evaluation, evaluated every 2 rounds (so the last-5 mean covers rounds
+12–20), 3 seeds. Not in the table at this budget: FedBN (the MLP has no normalisation layer, so
+FedBN is FedAvg bit for bit), FedPVR and TCT (TCT's stage 2 needs eNTK features: minutes per run
+even here), and the choice of each method's own weight (λ, α, ...).
+
+**The learning rate** of each method and partition is chosen from ``--lrs`` (default 0.02 0.05
+0.1) before any reported run, on a *selection replicate*: one run per candidate at
+``--selection-seed`` (default 100, not among the reported seeds 0 .. seeds−1, so its partition draw
+and its clients' held-out shares are its own), scored by the figure the table reports for that row
+(``personal_acc_mean`` for a personalised method, ``client_acc_mean`` for a global one,
+``finetune_acc_mean`` for FedAvg + fine-tuning, which therefore may run at another lr than the
+FedAvg row), last-k mean; ties go to the smaller lr. Why not ``validation:`` and ``hpcfl sweep
+--search``: that split is scored by the server's model only (``val_accuracy``), which for FedPer
+and FedRep carries the initial head and for Ditto and APFL is FedAvg's w, so it cannot choose a
+personal model's lr; scoring each client's personal model on its own ``validation`` share is not in
+the runner yet. ``--lrs 0.05`` fixes the lr (no selection runs).
 
 Writes ``--out``/runs (ordinary run directories, reused when finished) and
 ``--results``/personalised_fmnist.{md,csv,json,png} (the protocol tables of every row, plus the
@@ -46,6 +57,7 @@ from hpcfl.report.protocol import fmt_mean_std as fmt
 #: row -> (algorithm, params)
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "fedavg": ("fedavg", {}),
+    "fedavg-ft": ("fedavg", {}),  # FedAvg judged after per-client fine-tuning: its own lr choice
     "scaffold": ("scaffold", {}),
     "fedper": ("fedper", {}),
     "fedrep": ("fedrep", {}),
@@ -57,6 +69,13 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
 PERSONALISED = {"fedper", "fedrep", "fedbabu", "ditto", "apfl"}
 
 
+def judged_metric(row: str) -> str:
+    """The per-client figure a row is judged (and its lr chosen) by."""
+    if row in PERSONALISED:
+        return "personal_acc"
+    return "finetune_acc" if row == "fedavg-ft" else "client_acc"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", help="datasets directory (default: $HPCFL_DATA)")
@@ -66,7 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
+    p.add_argument("--selection-seed", type=int, default=100, help="the replicate the lr is chosen on")
     p.add_argument("--momentum", type=float, default=0.5)
     p.add_argument("--model", default="mlp")
     p.add_argument("--eval-every", type=int, default=2)
@@ -80,7 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config(args: argparse.Namespace, partition: str, row: str) -> dict[str, Any]:
+def config(args: argparse.Namespace, partition: str, row: str, lr: float) -> dict[str, Any]:
+    """The run of ``row`` on ``partition`` (without ``lr`` and ``seed``; ``lr`` sets FedAvg's
+    fine-tuning lr, which follows the run's)."""
     algorithm, params = ROWS[row]
     cfg: dict[str, Any] = dict(
         dataset="fashion-mnist",
@@ -99,11 +121,66 @@ def config(args: argparse.Namespace, partition: str, row: str) -> dict[str, Any]
         progress=False,
         params=params,
     )
-    if row == "fedavg":  # the same trajectory, also scored after per-client fine-tuning
-        cfg["finetune_eval"] = {"steps": args.finetune_steps, "lr": args.lr}
+    if row == "fedavg-ft":  # FedAvg's trajectory, scored after per-client fine-tuning
+        cfg["finetune_eval"] = {"steps": args.finetune_steps, "lr": lr}
     if args.data_root:
         cfg["data_root"] = args.data_root
     return cfg
+
+
+def choose_lrs(args: argparse.Namespace, protocol: Protocol) -> dict[tuple[str, str], Any]:
+    """Each (row, partition)'s lr: every candidate of ``--lrs`` run once at ``--selection-seed`` (a
+    replicate none of the reported runs is), the one with the best last-k mean of the row's judged
+    figure chosen (:func:`hpcfl.sweep.select.choose`: ties to the first, i.e. the smaller lr). With
+    one candidate, that value (no runs). Returns (row, partition) -> Choice or the fixed lr."""
+    from _runs import _run_all, run_dir_of
+
+    from hpcfl.report import summarise
+    from hpcfl.report.protocol import last_k_mean
+    from hpcfl.sweep.select import choose
+
+    lrs = sorted(args.lrs)
+    pairs = [(row, part) for part in args.partitions for row in args.rows]
+    if len(lrs) == 1:
+        return {pair: lrs[0] for pair in pairs}
+    selection = args.out / "selection"
+
+    def cfg(row: str, part: str, lr: float) -> dict[str, Any]:
+        name = f"select-{part}-{row}-lr{lr:g}"
+        return {**config(args, part, row, lr), "name": name, "lr": lr, "seed": args.selection_seed}
+
+    def where(row: str, part: str, lr: float) -> Path:
+        return run_dir_of(selection, Setting(row, part, {}, ()), lr, args.selection_seed)
+
+    _run_all([(cfg(r, p, lr), str(where(r, p, lr))) for r, p in pairs for lr in lrs], args.jobs)
+    chosen = {}
+    for row, part in pairs:
+        vals: dict[int, list[float | None]] = {}
+        for i, lr in enumerate(lrs):
+            d = where(row, part, lr)
+            rows = summarise(d).rows if (d / "DONE").exists() else []
+            score = last_k_mean(rows, protocol.last_k, f"{judged_metric(row)}_mean")
+            vals[i] = [score]
+        chosen[(row, part)] = choose(lrs, vals)
+    return chosen
+
+
+def lr_table(chosen: dict[tuple[str, str], Any], partitions: list[str], k: int) -> str:
+    """Which lr each row got per partition, with every candidate's selection score."""
+    lines = ["| method | " + " | ".join(partitions) + " |", "|---|" + "---|" * len(partitions)]
+    for row in dict.fromkeys(r for r, _ in chosen):
+        cells = []
+        for part in partitions:
+            c = chosen[(row, part)]
+            if c is None:
+                cells.append("— (every candidate failed)")
+            elif isinstance(c, float):
+                cells.append(f"{c:g} (fixed)")
+            else:
+                scores = ", ".join(f"{float(v):g}: {100 * m:.2f}" for v, m in c.candidates.items())
+                cells.append(f"**{c.value:g}** ({scores})")
+        lines.append(f"| {row} ({judged_metric(row)}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def judged(cells: list[Cell], partitions: list[str], k: int) -> str:
@@ -111,10 +188,9 @@ def judged(cells: list[Cell], partitions: list[str], k: int) -> str:
     rows: list[tuple[str, str, str]] = []  # (label, cell row, metric prefix)
     for cell_row in dict.fromkeys(c.row for c in cells):
         if cell_row == "fedavg":
-            rows += [
-                ("fedavg (global)", "fedavg", "client_acc"),
-                ("fedavg + fine-tuning", "fedavg", "finetune_acc"),
-            ]
+            rows.append(("fedavg (global)", "fedavg", "client_acc"))
+        elif cell_row == "fedavg-ft":
+            rows.append(("fedavg + fine-tuning", "fedavg-ft", "finetune_acc"))
         elif cell_row in PERSONALISED:
             rows += [
                 (f"{cell_row} (personal)", cell_row, "personal_acc"),
@@ -142,10 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     protocol = Protocol(last_k=args.last)
     t0 = time.perf_counter()
+    chosen = choose_lrs(args, protocol)
+
+    def lr_of(row: str, part: str) -> float | None:
+        c = chosen[(row, part)]
+        return c if isinstance(c, float) else None if c is None else float(c.value)
+
     settings = [
-        Setting(row, part, config(args, part, row), (args.lr,))
+        Setting(row, part, config(args, part, row, lr), (lr,))
         for part in args.partitions
         for row in args.rows
+        if (lr := lr_of(row, part)) is not None
     ]
     cells = run_protocol(
         settings, seeds=list(range(args.seeds)), out=args.out, jobs=args.jobs, protocol=protocol
@@ -154,12 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         "# Personalised FL, Fashion-MNIST, judged per client\n\n"
         f"**Budget.** {args.model}, {args.clients} clients, {args.rounds} rounds × {args.local_steps} local "
-        f"steps (batch {args.batch}), lr {args.lr} fixed (no search), momentum {args.momentum}, weight decay "
-        f"1e-5, paper defaults for every method, 25 % of each client held out, evaluated every "
+        f"steps (batch {args.batch}), lr chosen per method and partition from {sorted(args.lrs)} on a selection "
+        f"replicate (seed {args.selection_seed}, not reported; see below), momentum {args.momentum}, weight decay "
+        f"1e-5, paper or authors'-code defaults for every method, 25 % of each client held out, evaluated every "
         f"{args.eval_every} rounds, {args.seeds} seeds, {args.jobs} run(s) at a time × {args.threads} "
         f"thread(s); wall time {time.perf_counter() - t0:.0f} s (runs already finished count 0).\n\n"
         f"## Per-client accuracy (%, last-{args.last} evaluated rounds, mean ± std over seeds)\n\n"
         + judged(cells, args.partitions, args.last)
+        + f"\n\n## The lr of each row (selection replicate: last-{args.last} mean of the judged figure, %)\n\n"
+        + lr_table(chosen, args.partitions, args.last)
         + "\n\n# The protocol tables (test accuracy of each method's global model)"
     )
     stem = args.results / "personalised_fmnist"
