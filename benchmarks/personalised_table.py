@@ -234,11 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         settings, seeds=list(range(args.seeds)), out=args.out, jobs=args.jobs, protocol=protocol
     )
     targets = column_targets(cells, args.partitions, protocol)
+    lr_text = (
+        f"lr {args.lrs[0]:g} fixed (no selection)"
+        if len(args.lrs) == 1
+        else f"lr chosen per method and partition from {sorted(args.lrs)} on a selection replicate "
+        f"(seed {args.selection_seed}, not reported; see below)"
+    )
     header = (
         "# Personalised FL, Fashion-MNIST, judged per client\n\n"
         f"**Budget.** {args.model}, {args.clients} clients, {args.rounds} rounds × {args.local_steps} local "
-        f"steps (batch {args.batch}), lr chosen per method and partition from {sorted(args.lrs)} on a selection "
-        f"replicate (seed {args.selection_seed}, not reported; see below), momentum {args.momentum}, weight decay "
+        f"steps (batch {args.batch}), {lr_text}, momentum {args.momentum}, weight decay "
         f"1e-5, paper or authors'-code defaults for every method, 25 % of each client held out, evaluated every "
         f"{args.eval_every} rounds, {args.seeds} seeds, {args.jobs} run(s) at a time × {args.threads} "
         f"thread(s); wall time {time.perf_counter() - t0:.0f} s (runs already finished count 0).\n\n"
