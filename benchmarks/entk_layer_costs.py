@@ -47,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rep-ms", type=float, default=40.0, help="do_bench's timing window per measurement (CUDA)"
     )
     p.add_argument("--no-batches", action="store_true", help="skip the whole fused batches")
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="launch the Triton gathers through triton.autotune (HPCFL_TRITON_AUTOTUNE); outputs tagged _autotune",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/entk_layer_costs"))
     args = p.parse_args(argv)
     if min(args.batch, args.p, args.runs) < 1 or args.rep_ms <= 0:
@@ -153,6 +158,7 @@ def measure_model(name: str, args: argparse.Namespace, device: Any) -> tuple[lis
                     for task in tasks:
                         task()
 
+                run()  # warm-up outside the timer: allocations, Triton compiles, autotuning
                 ms = bench(run)
                 feats = (
                     {}
@@ -274,10 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     from hpcfl.entk import costs
 
     device = torch.device(args.device)
-    tag = args.device.replace(":", "")
+    tag = args.device.replace(":", "") + ("_autotune" if args.autotune else "")
+    if args.autotune:
+        import triton_kernels._triton as tt
+
+        tt.AUTOTUNE = True  # read by the gathers on every launch
     key = "cuda" if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {"device": str(device), "batch": args.batch, "p": args.p, "models": [],
-                              "constants_now": dict(costs._COSTS[key]), "fitted": None, "batches": {}}  # fmt: skip
+                              "constants_now": dict(costs._COSTS[key]), "fitted": None, "batches": {},
+                              "autotune": args.autotune}  # fmt: skip
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     rows: list[dict] = []

@@ -40,16 +40,18 @@
 #   dp          DP-SGD vs Opacus (hooks and ghost clipping) and non-private, simplecnn and resnet8-GN
 #   stage2      TCT stage 2's closed form on the GPU vs the CPU at n_k = 6,000, p = 100,000, M = 500
 #   frameworks  BlazeFL's/Flower's published setup (100 clients x 500, 5 epochs, batch 50; CNN, ResNet-18)
+#   gathertune  layercosts again with the gathers launched through triton.autotune (tile sizes per
+#               shape; off by default until this step shows it pays): simplecnn, resnet18, vgg11
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUTDIR=benchmarks/out/gpu_session
-STEPS_ALL=(tests checkpoint entk18 layercosts main round batched entk profile dp stage2 frameworks)
+STEPS_ALL=(tests checkpoint entk18 layercosts main round batched entk profile dp stage2 frameworks gathertune)
 
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
     [tests]="170 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="90 30" [main]="120 60" [round]="120 50"
-    [batched]="120 40" [entk]="150 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60"
+    [batched]="120 40" [entk]="150 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60" [gathertune]="90 30"
 )
 declare -A CMD=(
     [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py --junitxml $OUTDIR/pytest_gpu.xml"
@@ -63,6 +65,7 @@ declare -A CMD=(
     [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
     [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda"
+    [gathertune]="python3 benchmarks/entk_layer_costs.py --device cuda --autotune --models simplecnn resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
     [frameworks]="python3 benchmarks/fl_frameworks_setup.py --device cuda --models simplecnn resnet18 --batches auto --out $OUTDIR/fl_frameworks_setup_cuda"
 )
 

@@ -280,3 +280,30 @@ def test_layer_inputs_and_deltas_feed_the_plans_to_the_fused_result():
         for task in plan.layers[layer].tasks(modules[layer], act, delta, got, Workspace(), pieces=1):
             task()
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("form", [None, "gather", "materialise"])
+def test_cuda_paths_played_on_the_cpu_equal_vmap(form):
+    """Under the fake accelerator the plans take their CUDA branches (CUDA constants and whole-batch
+    tiles, the NCHW 'weight' operand layout, the gathers' torch references): no device mix, and the
+    features equal the CPU vmap reference to 1e-10."""
+    from hpcfl.testing.fake_accelerator import fake_cuda
+
+    torch.manual_seed(0)
+    model = _OddNet().to(F64)
+    x = torch.randn(5, 3, 9, 7, dtype=F64, generator=torch.Generator().manual_seed(4))
+    ref = entk_features(model, x, p=250, seed=7, method="vmap", dtype=F64)
+    with fake_cuda() as dev:
+        cuda = torch.device("cuda")
+        model.to(cuda)
+        named = scope_parameters(model)
+        columns = param_columns(named, coordinate_set(num_params(model), 250, 7))
+        plan = build_plan(model, named, columns, cuda, form=form)
+        out = torch.empty(5, 250, dtype=F64, device=cuda)
+        with eval_mode(model):
+            fused_features(model, x, plan=plan, logit=0, out=out, batch_size=5, progress=False)
+        assert dev.is_accel(out)
+        conv = [lp for lp in plan.layers.values() if isinstance(lp, ConvPlan)]
+        assert all(lp._layout(16, False) == "weight" for lp in conv)
+        got = out.cpu()
+    _assert_close(got, ref, f"fake CUDA, form {form}")
