@@ -20,6 +20,7 @@
 # Steps (name: what; timeout / minimum seconds):
 #   tests       pytest -m gpu (compiled Triton gathers, CKA kernel, fused eNTK vs CPU reference,
 #               CUDA-vs-CPU runs of FedAvg, SCAFFOLD, FedPVR, FedDyn, NTK-FL, DP-SGD, TCT) + the
+#               eNTK layer forms on CUDA (test_entk_forms: fixed and autotuned gathers) + the
 #               CKA/Triton test files on CUDA
 #   checkpoint  a tiny device: cuda run (tests/fixtures/cuda_checkpoint.yaml) whose checkpoint files
 #               are written again from CUDA tensors (hpcfl itself now writes host copies) by
@@ -54,7 +55,7 @@ declare -A LIMIT=(
     [batched]="120 40" [entk]="150 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60" [gathertune]="90 30"
 )
 declare -A CMD=(
-    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py --junitxml $OUTDIR/pytest_gpu.xml"
+    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py tests/test_entk_forms.py --junitxml $OUTDIR/pytest_gpu.xml"
     [checkpoint]="python3 tests/fixtures/make_checkpoint_cuda.py $OUTDIR/checkpoint_cuda"
     [entk18]="python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
     [layercosts]="python3 benchmarks/entk_layer_costs.py --device cuda --models simplecnn resnet8 resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"

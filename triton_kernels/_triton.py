@@ -42,24 +42,29 @@ def bench_config(fn: Any, quantiles: Any = None) -> Any:
     if INTERPRET:
         fn()
         return [1.0, 1.0, 1.0] if quantiles is not None else 1.0
-    return triton.testing.do_bench(fn, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=quantiles)
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=quantiles)
 
 
 def autotune(configs: list[dict[str, int]], key: list[str]) -> Any:
     """``triton.autotune`` over tile sizes (``num_warps`` given in each config dict), timed by
-    :func:`bench_config`; the kernel itself when Triton is missing."""
+    :func:`bench_config`; None when Triton is missing or its ``autotune`` takes no ``do_bench``
+    (the gathers then keep their fixed tiles)."""
 
     def wrap(kernel: Any) -> Any:
         if not HAS_TRITON:
-            return kernel
+            return None
         tiles = [
             triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c.get("num_warps", 4))
             for c in configs
         ]
-        # looked up on each call, so a test can watch every config's run
-        return triton.autotune(
-            configs=tiles, key=key, do_bench=lambda fn, quantiles: bench_config(fn, quantiles)
-        )(kernel)
+        try:  # bench_config looked up on each call, so a test can watch every config's run
+            return triton.autotune(
+                configs=tiles, key=key, do_bench=lambda fn, quantiles: bench_config(fn, quantiles)
+            )(kernel)
+        except TypeError:  # pragma: no cover - a Triton older than autotune's do_bench argument
+            return None
 
     return wrap
 

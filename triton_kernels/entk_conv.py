@@ -261,7 +261,7 @@ def conv2d_gather_triton(
         out.stride(1),
     )
     geometry = dict(SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1])
-    if _triton.AUTOTUNE:
+    if _triton.AUTOTUNE and _conv2d_gather_tuned is not None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), batch)  # noqa: E731
         _conv2d_gather_tuned[grid](*args, **geometry, COMPUTE=compute_dtype(delta))
         return out

@@ -175,7 +175,7 @@ def linear_gather_triton(
         out.stride(0),
         out.stride(1),
     )
-    if _triton.AUTOTUNE:
+    if _triton.AUTOTUNE and _linear_gather_tuned is not None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(batch, meta["BLOCK_B"]))  # noqa: E731
         _linear_gather_tuned[grid](*args, COMPUTE=compute_dtype(delta))
         return out

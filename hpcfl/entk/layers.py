@@ -394,7 +394,8 @@ class ConvPlan(LayerPlan):
         """Operand layout of the materialise bmm (all give the same numbers, in different orders).
 
         - ``"weight"``: δ (O, L) @ Uᵀ → (O, K), the weight's own order: for p = P (written with no
-          gather) and grouped convolutions.
+          gather), grouped convolutions, and off the CPU (the two below are CPU measurements; on a
+          GPU the activations are NCHW and the NCHW unfold is one strided copy; unmeasured there).
         - ``"nhwc"``: δ (O, L) @ U_nhwc (L, kh·kw·C) → order (o, ky, kx, c), from C ≥ 16 on: the
           channels-last unfold copies C contiguous values at a time (simplecnn conv3: 3.1 vs
           6.6 ms per 256 samples for the NCHW unfold).
@@ -402,7 +403,7 @@ class ConvPlan(LayerPlan):
           unfold is 3-4× faster than the channels-last one and the bmm with the wide O as its
           last dimension 1.4-1.8× faster (simplecnn conv1: 1.2 vs 4.7 ms per 256 samples).
         """
-        if full or self.groups != 1 or self.device.type != "cpu":  # the CPU measurements below
+        if full or self.groups != 1 or self.device.type != "cpu":
             return "weight"
         return "nhwc" if channels >= 16 else "ko"
 
