@@ -69,9 +69,13 @@ def timer(device: Any, args: argparse.Namespace):  # type: ignore[no-untyped-def
         except ImportError:
             do_bench = None
         if do_bench is not None:
-            return lambda fn: float(
-                do_bench(fn, warmup=max(5, args.rep_ms / 4), rep=args.rep_ms, return_mode="median")
-            )
+            warmup = max(5.0, args.rep_ms / 4)
+
+            def median(fn) -> float:  # type: ignore[no-untyped-def]
+                got = do_bench(fn, warmup=warmup, rep=args.rep_ms, quantiles=[0.5])
+                return float(got[0] if isinstance(got, list | tuple) else got)
+
+            return median
 
     def plain(fn) -> float:  # type: ignore[no-untyped-def]
         fn()  # warm-up (allocations, plans)

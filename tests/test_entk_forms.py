@@ -332,3 +332,30 @@ def test_forms_on_cuda_equal_cpu_vmap(monkeypatch, form, autotune):
     with eval_mode(model):
         fused_features(model, x, plan=plan, logit=0, out=out, batch_size=5, progress=False)
     _assert_close(out.cpu(), ref, f"CUDA, form {form}, autotune {autotune}")
+
+
+def test_layer_cost_script_times_both_forms_and_fits(tmp_path):
+    """benchmarks/entk_layer_costs.py at a tiny size on the CPU: a row per layer and form, the
+    constants fitted over them, whole batches under each choice (figures not asserted)."""
+    import importlib.util
+    import json
+
+    from tests.helpers import REPO
+
+    spec = importlib.util.spec_from_file_location(
+        "entk_layer_costs", REPO / "benchmarks" / "entk_layer_costs.py"
+    )
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--device", "cpu", "--models", "simplecnn", "--batch", "3", "--p", "1500", "--runs", "1"]
+    assert script.main([*argv, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "entk_layer_costs_cpu.json").read_text())
+    rows = report["rows"]
+    layers_ = {r["layer"] for r in rows}
+    assert layers_ == {"conv1", "conv2", "conv3", "fc1", "classifier"}
+    assert all({r["form"] for r in rows if r["layer"] == layer} == set(costs.FORMS) for layer in layers_)
+    assert all(r["ms"] > 0 and r["fitted_ms"] is not None for r in rows)
+    assert set(report["fitted"]) == set(costs.COST_TERMS) and min(report["fitted"].values()) >= 0
+    assert set(report["batches"]["simplecnn"]) == {"plain", "auto", "fitted", "gather", "materialise"}
+    assert (tmp_path / "entk_layer_costs_cpu.csv").read_text().startswith("model,layer,kind,")
