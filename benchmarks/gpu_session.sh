@@ -20,12 +20,17 @@
 # Steps (name: what; timeout / minimum seconds):
 #   tests       pytest -m gpu (compiled Triton gathers, CKA kernel, fused eNTK vs CPU reference,
 #               CUDA-vs-CPU runs of FedAvg, SCAFFOLD, FedPVR, FedDyn, NTK-FL, DP-SGD, TCT) + the
+#               eNTK layer forms on CUDA (test_entk_forms: fixed and autotuned gathers) + the
 #               CKA/Triton test files on CUDA
 #   checkpoint  a tiny device: cuda run (tests/fixtures/cuda_checkpoint.yaml) whose checkpoint files
 #               are written again from CUDA tensors (hpcfl itself now writes host copies) by
 #               tests/fixtures/make_checkpoint_cuda.py; the run directory is the CPU suite's fixture
 #               tests/fixtures/checkpoint_cuda/
 #   entk18      hpcfl bench entk, resnet18-GN CIFAR shape, p = 1e5, B = 256: fused, vmap, Opacus
+#   layercosts  benchmarks/entk_layer_costs.py: every Linear/Conv2d weight of simplecnn, resnet8-GN,
+#               resnet18-GN, vgg11 (B = 256, p = 1e5) by the gather kernels and by materialising
+#               (one batched product, then a pick), do_bench-timed; fits the eNTK cost model's
+#               CUDA constants (paste the printed dict into CUDA_COSTS in hpcfl/entk/costs.py)
 #   main        the README's main job (TCT vs FedAvg on Fashion-MNIST) with device=cuda, timed
 #   round       FedAvg round throughput at the default client_batch (auto) vs one by one vs a plain
 #               loop, K = 10, 100, 1000
@@ -36,21 +41,24 @@
 #   dp          DP-SGD vs Opacus (hooks and ghost clipping) and non-private, simplecnn and resnet8-GN
 #   stage2      TCT stage 2's closed form on the GPU vs the CPU at n_k = 6,000, p = 100,000, M = 500
 #   frameworks  BlazeFL's/Flower's published setup (100 clients x 500, 5 epochs, batch 50; CNN, ResNet-18)
+#   gathertune  layercosts again with the gathers launched through triton.autotune (tile sizes per
+#               shape; off by default until this step shows it pays): simplecnn, resnet18, vgg11
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUTDIR=benchmarks/out/gpu_session
-STEPS_ALL=(tests checkpoint entk18 main round batched entk profile dp stage2 frameworks)
+STEPS_ALL=(tests checkpoint entk18 layercosts main round batched entk profile dp stage2 frameworks gathertune)
 
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
-    [tests]="170 60" [checkpoint]="60 20" [entk18]="90 40" [main]="120 60" [round]="120 50"
-    [batched]="120 40" [entk]="150 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60"
+    [tests]="170 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="90 30" [main]="120 60" [round]="120 50"
+    [batched]="120 40" [entk]="150 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60" [gathertune]="90 30"
 )
 declare -A CMD=(
-    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py --junitxml $OUTDIR/pytest_gpu.xml"
+    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py tests/test_entk_forms.py --junitxml $OUTDIR/pytest_gpu.xml"
     [checkpoint]="python3 tests/fixtures/make_checkpoint_cuda.py $OUTDIR/checkpoint_cuda"
     [entk18]="python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
+    [layercosts]="python3 benchmarks/entk_layer_costs.py --device cuda --models simplecnn resnet8 resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
     [main]="python3 -m hpcfl compare --set device=cuda --out $OUTDIR/compare_cuda"
     [round]="python3 benchmarks/round_throughput.py --device cuda --clients 10 100 1000 --rounds 2 --out $OUTDIR/round_throughput_cuda"
     [batched]="python3 benchmarks/batched_clients.py --device cuda --models simplecnn resnet8 --clients 100 1000 --batches all auto --repeats 3 --no-yardstick --out $OUTDIR/batched_clients_cuda"
@@ -58,6 +66,7 @@ declare -A CMD=(
     [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
     [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda"
+    [gathertune]="python3 benchmarks/entk_layer_costs.py --device cuda --autotune --models simplecnn resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
     [frameworks]="python3 benchmarks/fl_frameworks_setup.py --device cuda --models simplecnn resnet18 --batches auto --out $OUTDIR/fl_frameworks_setup_cuda"
 )
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-import hpcfl.entk.layers as layers
+import hpcfl.entk.costs as costs
 from hpcfl.entk import EntkMethod, coordinate_set, entk_features, num_params, reinit_last_layer
 from hpcfl.errors import ConfigError
 from hpcfl.models import build_model
@@ -147,14 +147,16 @@ class _Geometry(nn.Module):
         return self.head(torch.relu(self.bn1d(self.fc(x))))
 
 
-@pytest.mark.parametrize("mode", ["dense", "sparse"])
+@pytest.mark.parametrize("mode", ["materialise", "gather"])
 @pytest.mark.parametrize("p", [40, 900, None])
 def test_conv_geometries_both_paths(monkeypatch, mode, p):
-    if mode == "sparse":  # make the cost model pick the gathers everywhere
-        monkeypatch.setitem(layers._COSTS, "cpu", {"mac": 1e9, "mem": 1e9, "gather": 1e9, "sparse": 0.0})
-    else:  # dense everywhere, one sample per tile
-        monkeypatch.setitem(layers._COSTS, "cpu", {"mac": 0.0, "mem": 0.0, "gather": 0.0, "sparse": 1e9})
-        monkeypatch.setattr(layers, "DENSE_TILE_ELEMS", 1)
+    """Both forms reached through the cost model (not forced), on every Linear and Conv2d."""
+    zero = dict.fromkeys(costs.COST_TERMS, 0.0)
+    if mode == "gather":  # make the cost model pick the gathers everywhere
+        monkeypatch.setitem(costs._COSTS, "cpu", {**zero, "mac": 1e9, "mem": 1e9, "pick": 1e9})
+    else:  # materialise everywhere, one sample per tile
+        monkeypatch.setitem(costs._COSTS, "cpu", {**zero, "term": 1e9, "store": 1e9})
+        monkeypatch.setattr(costs, "DENSE_TILE_ELEMS", 1)
     torch.manual_seed(0)
     model = _randomise_bn(_Geometry()).to(F64)
     x = torch.randn(3, 4, 7, 5, dtype=F64)

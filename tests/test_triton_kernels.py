@@ -203,3 +203,42 @@ def test_distinct_windows_equal_torch_unique(span):
     values, inverse = _distinct(keys, span)
     ref_values, ref_inverse = torch.unique(keys, return_inverse=True)
     assert torch.equal(values, ref_values) and torch.equal(inverse, ref_inverse)
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["linear", "conv"])
+def test_autotuned_gathers_equal_reference_in_every_config(monkeypatch, kernel):
+    """With ``AUTOTUNE`` on, the launch goes through ``triton.autotune``: every tile config is run
+    once while tuning (each one's output checked here against the reference), then the chosen one."""
+    import triton_kernels._triton as tt
+    import triton_kernels.entk_conv as conv
+    import triton_kernels.entk_linear as lin
+
+    monkeypatch.setattr(tt, "AUTOTUNE", True)
+    if kernel == "linear":
+        gen = torch.Generator().manual_seed(8)
+        delta, act = torch.randn(21, 9, generator=gen), torch.randn(21, 14, generator=gen)
+        sel = _choose(9 * 14, 61, 8)
+        args, kwargs = (delta, act, sel // 14, sel % 14), {}
+        ref = tk.linear_gather_reference(*args)
+        fn, tuned, configs = tk.linear_gather_triton, lin._linear_gather_tuned, lin.LINEAR_TILES
+    else:
+        args, kwargs, _ = _conv_case(torch.float32, groups=2, seed=9)
+        ref = tk.conv2d_gather_reference(*args, **kwargs)
+        fn, tuned, configs = tk.conv2d_gather_triton, conv._conv2d_gather_tuned, conv.CONV_TILES
+    assert tuned is not None, "this Triton's autotune takes no do_bench: autotuning is unavailable"
+    tuned.cache.clear()
+    out = torch.full(tuple(ref.shape), float("nan"), device=DEVICE)
+    checked = []
+    original = tt.bench_config
+
+    def bench_and_check(run, quantiles=None):
+        timing = original(run, quantiles)
+        torch.testing.assert_close(out.cpu(), ref, **TOL[torch.float32], msg=f"config {len(checked)}")
+        checked.append(1)
+        return timing
+
+    monkeypatch.setattr(tt, "bench_config", bench_and_check)
+    fn(*(t.to(DEVICE) for t in args), **kwargs, out=out)
+    assert len(checked) == len(configs), f"{len(checked)} configs run while tuning, {len(configs)} declared"
+    torch.testing.assert_close(out.cpu(), ref, **TOL[torch.float32], msg="autotuned launch != reference")

@@ -25,6 +25,49 @@ except ImportError:  # pragma: no cover
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 """True when Triton runs kernels in its CPU interpreter (tests without a GPU)."""
 
+AUTOTUNE = os.environ.get("HPCFL_TRITON_AUTOTUNE", "0") not in ("", "0")
+"""Whether the eNTK gathers launch their ``triton.autotune`` variant (tile sizes chosen per shape
+by timing every config once, on the first call of each shape) instead of their fixed tiles. Off by
+default until a GPU session has measured it (``benchmarks/entk_layer_costs.py --autotune``); set
+``HPCFL_TRITON_AUTOTUNE=1`` before importing the kernels to turn it on."""
+
+AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS = 5.0, 20.0
+"""``triton.testing.do_bench``'s windows per config while autotuning (short: a model's first batch
+tunes every layer's shape)."""
+
+
+def bench_config(fn: Any, quantiles: Any = None) -> Any:
+    """How ``triton.autotune`` times one config: ``triton.testing.do_bench`` on a GPU; under the
+    interpreter one untimed run (every config is still launched once, and the first one is kept)."""
+    if INTERPRET:
+        fn()
+        return [1.0, 1.0, 1.0] if quantiles is not None else 1.0
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=quantiles)
+
+
+def autotune(configs: list[dict[str, int]], key: list[str]) -> Any:
+    """``triton.autotune`` over tile sizes (``num_warps`` given in each config dict), timed by
+    :func:`bench_config`; None when Triton is missing or its ``autotune`` takes no ``do_bench``
+    (the gathers then keep their fixed tiles)."""
+
+    def wrap(kernel: Any) -> Any:
+        if not HAS_TRITON:
+            return None
+        tiles = [
+            triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c.get("num_warps", 4))
+            for c in configs
+        ]
+        try:  # bench_config looked up on each call, so a test can watch every config's run
+            return triton.autotune(
+                configs=tiles, key=key, do_bench=lambda fn, quantiles: bench_config(fn, quantiles)
+            )(kernel)
+        except TypeError:  # pragma: no cover - a Triton older than autotune's do_bench argument
+            return None
+
+    return wrap
+
 
 def jit(fn: Any) -> Any:
     """``triton.jit`` when Triton is installed; otherwise the plain function (never launched)."""

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from triton_kernels import _triton
 from triton_kernels._triton import (
+    autotune,
     check_index,
     check_out,
     compute_dtype,
@@ -206,6 +208,20 @@ def _conv2d_gather_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+CONV_TILES = [
+    {"BLOCK_N": 32, "BLOCK_L": 128, "num_warps": 4},  # the fixed tiles (for L >= 128)
+    {"BLOCK_N": 64, "BLOCK_L": 64, "num_warps": 4},
+    {"BLOCK_N": 128, "BLOCK_L": 32, "num_warps": 4},
+    {"BLOCK_N": 16, "BLOCK_L": 256, "num_warps": 4},
+    {"BLOCK_N": 64, "BLOCK_L": 128, "num_warps": 8},
+    {"BLOCK_N": 256, "BLOCK_L": 16, "num_warps": 4},
+]
+"""The tile sizes ``triton.autotune`` tries (when :data:`triton_kernels._triton.AUTOTUNE`), per
+(n, Ho, Wo): wide BLOCK_L for large maps, wide BLOCK_N for the 4×4 maps of deep layers."""
+
+_conv2d_gather_tuned = autotune(CONV_TILES, key=["n", "h_out", "w_out"])(_conv2d_gather_kernel)
+
+
 def conv2d_gather_triton(
     delta: Tensor,
     x: Tensor,
@@ -226,10 +242,7 @@ def conv2d_gather_triton(
     out = check_out(out, batch, n, delta)
     if n == 0 or batch == 0:
         return out
-    block_n = 32
-    block_l = min(128, triton.next_power_of_2(h_out * w_out))
-    grid = (triton.cdiv(n, block_n), batch)
-    _conv2d_gather_kernel[grid](
+    args = (
         delta,
         x,
         out_index,
@@ -246,15 +259,17 @@ def conv2d_gather_triton(
         *x.stride(),
         out.stride(0),
         out.stride(1),
-        SH=stride[0],
-        SW=stride[1],
-        PH=padding[0],
-        PW=padding[1],
-        DH=dilation[0],
-        DW=dilation[1],
-        COMPUTE=compute_dtype(delta),
-        BLOCK_N=block_n,
-        BLOCK_L=block_l,
+    )
+    geometry = dict(SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1])
+    if _triton.AUTOTUNE and _conv2d_gather_tuned is not None:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), batch)  # noqa: E731
+        _conv2d_gather_tuned[grid](*args, **geometry, COMPUTE=compute_dtype(delta))
+        return out
+    block_n = 32
+    block_l = min(128, triton.next_power_of_2(h_out * w_out))
+    grid = (triton.cdiv(n, block_n), batch)
+    _conv2d_gather_kernel[grid](
+        *args, **geometry, COMPUTE=compute_dtype(delta), BLOCK_N=block_n, BLOCK_L=block_l
     )
     return out
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from triton_kernels import _triton
 from triton_kernels._triton import (
+    autotune,
     check_index,
     check_out,
     compute_dtype,
@@ -135,6 +137,19 @@ def _linear_gather_kernel(
     tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+LINEAR_TILES = [
+    {"BLOCK_B": 16, "BLOCK_N": 128, "num_warps": 4},  # the fixed tiles
+    {"BLOCK_B": 8, "BLOCK_N": 256, "num_warps": 4},
+    {"BLOCK_B": 32, "BLOCK_N": 64, "num_warps": 4},
+    {"BLOCK_B": 4, "BLOCK_N": 512, "num_warps": 4},
+    {"BLOCK_B": 32, "BLOCK_N": 128, "num_warps": 8},
+    {"BLOCK_B": 64, "BLOCK_N": 64, "num_warps": 8},
+]
+"""The tile sizes ``triton.autotune`` tries (when :data:`triton_kernels._triton.AUTOTUNE`), per (n, B)."""
+
+_linear_gather_tuned = autotune(LINEAR_TILES, key=["n", "batch"])(_linear_gather_kernel)
+
+
 def linear_gather_triton(
     delta: Tensor, act: Tensor, out_index: Tensor, in_index: Tensor, *, out: Tensor | None = None
 ) -> Tensor:
@@ -145,9 +160,7 @@ def linear_gather_triton(
     out = check_out(out, batch, n, delta)
     if n == 0 or batch == 0:
         return out
-    block_b, block_n = 16, 128
-    grid = (triton.cdiv(n, block_n), triton.cdiv(batch, block_b))
-    _linear_gather_kernel[grid](
+    args = (
         delta,
         act,
         out_index,
@@ -161,10 +174,14 @@ def linear_gather_triton(
         act.stride(1),
         out.stride(0),
         out.stride(1),
-        COMPUTE=compute_dtype(delta),
-        BLOCK_B=block_b,
-        BLOCK_N=block_n,
     )
+    if _triton.AUTOTUNE and _linear_gather_tuned is not None:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(batch, meta["BLOCK_B"]))  # noqa: E731
+        _linear_gather_tuned[grid](*args, COMPUTE=compute_dtype(delta))
+        return out
+    block_b, block_n = 16, 128
+    grid = (triton.cdiv(n, block_n), triton.cdiv(batch, block_b))
+    _linear_gather_kernel[grid](*args, COMPUTE=compute_dtype(delta), BLOCK_B=block_b, BLOCK_N=block_n)
     return out
 
 

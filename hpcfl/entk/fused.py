@@ -11,7 +11,7 @@ gradient (the engine only runs the nodes on the path to the requested edges). Ea
 
 On CPU two things make the batch cheaper (simplecnn, p = 1e5, 256 samples, 2 cores, medians of
 20 interleaved batches): the forward runs with channels-last copies of the conv weights, so every
-conv activation and δ is channels-last (oneDNN's fast layout; the dense conv path then unfolds
+conv activation and δ is channels-last (oneDNN's fast layout; the materialise conv path then unfolds
 without a permute): 89 → 79 ms; and the per-layer gathers run as tasks on all cores
 (:mod:`hpcfl.entk.tasks`): gathers 45 → 42 ms. A model whose forward cannot take channels-last
 activations (a ``.view`` of a conv output) is detected on the first batch and run in its own format.
@@ -43,7 +43,16 @@ from torch.func import functional_call
 
 from hpcfl.entk._common import batches, logit_of, model_device_dtype
 from hpcfl.entk.coords import ParamColumns
-from hpcfl.entk.layers import ConvPlan, LayerPlan, LinearPlan, NormPlan, Task, Unsupported, Workspace
+from hpcfl.entk.layers import (
+    ConvPlan,
+    Form,
+    LayerPlan,
+    LinearPlan,
+    NormPlan,
+    Task,
+    Unsupported,
+    Workspace,
+)
 from hpcfl.entk.tasks import PIECES_PER_THREAD, run_tasks
 
 log = logging.getLogger("hpcfl.entk")
@@ -81,7 +90,9 @@ def _owner_map(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
     return owners
 
 
-def _layer_plan(module: nn.Module, cols: dict[str, ParamColumns], device: torch.device) -> LayerPlan:
+def _layer_plan(
+    module: nn.Module, cols: dict[str, ParamColumns], device: torch.device, form: Form | None
+) -> LayerPlan:
     kind = type(module).__name__
     extra = set(cols) - {"weight", "bias"}
     if extra:
@@ -90,11 +101,11 @@ def _layer_plan(module: nn.Module, cols: dict[str, ParamColumns], device: torch.
     if isinstance(module, nn.Linear):
         if weight is None:
             raise Unsupported(kind, "a Linear whose weight is outside the scope but whose bias is inside")
-        return LinearPlan(module, weight, bias, device)
+        return LinearPlan(module, weight, bias, device, form=form)
     if isinstance(module, nn.Conv2d):
         if weight is None:
             raise Unsupported(kind, "a Conv2d whose weight is outside the scope but whose bias is inside")
-        return ConvPlan(module, weight, bias, device)
+        return ConvPlan(module, weight, bias, device, form=form)
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and isinstance(module, _NORMS):
         if module.running_mean is None or module.running_var is None:
             raise Unsupported(kind, "BatchNorm without running statistics normalises with batch statistics")
@@ -105,9 +116,18 @@ def _layer_plan(module: nn.Module, cols: dict[str, ParamColumns], device: torch.
 
 
 def build_plan(
-    model: nn.Module, named: list[tuple[str, nn.Parameter]], columns: list[ParamColumns], device: torch.device
+    model: nn.Module,
+    named: list[tuple[str, nn.Parameter]],
+    columns: list[ParamColumns],
+    device: torch.device,
+    *,
+    form: Form | None = None,
 ) -> FusedPlan:
     """Check every parametrised layer in scope and precompute its index vectors.
+
+    ``form`` forces every Linear and Conv2d weight not kept whole to ``"gather"`` or
+    ``"materialise"`` (tests, ``benchmarks/entk_layer_costs.py``); None (the default) lets the cost
+    model choose per layer (:func:`hpcfl.entk.layers.choose_layer_form`).
 
     Raises:
         Unsupported: a layer type without a gather, a parameter shared by several modules, or a
@@ -123,7 +143,7 @@ def build_plan(
             )
         mod_name, module, attr = found[0]
         per_module.setdefault(mod_name, (module, {}))[1][attr] = col
-    layers = {name: _layer_plan(module, cols, device) for name, (module, cols) in per_module.items()}
+    layers = {name: _layer_plan(module, cols, device, form) for name, (module, cols) in per_module.items()}
     return FusedPlan(structure_signature(model, named), layers)
 
 
@@ -276,3 +296,31 @@ def _forward(model: nn.Module, x: Tensor, plan: FusedPlan, capture: _Capture) ->
 
 def _module(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name) if name else model
+
+
+def layer_inputs_and_deltas(
+    model: nn.Module, x: Tensor, *, plan: FusedPlan, logit: int = 0
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """Each planned layer's input ``a`` and output gradient ``δ`` for one batch ``x`` — what its
+    plan's tasks take — from the same forward and backward as :func:`fused_features` (model already
+    in eval mode); layers that did not run or do not reach the logit are left out. For timing the
+    per-layer forms one by one (``benchmarks/entk_layer_costs.py``)."""
+    device, dtype = model_device_dtype(model)
+    x = x.to(device=device)
+    if x.is_floating_point():
+        x = x.to(dtype).requires_grad_(True)
+    names = list(plan.layers)
+    capture = _Capture(model, names)
+    try:
+        with torch.enable_grad():
+            score = logit_of(_forward(model, x, plan, capture), logit).sum()  # Σ_b f_logit(x_b)
+            ran = [name for name in names if name in capture.records]
+            edges = [capture.records[name][2] for name in ran]
+            deltas = torch.autograd.grad(score, edges, allow_unused=True) if edges else ()
+    finally:
+        capture.close()
+    return {
+        name: (capture.records[name][0], delta)
+        for name, delta in zip(ran, deltas, strict=True)
+        if delta is not None
+    }

@@ -5,16 +5,20 @@ Each plan is built once per (model, scope, p, seed, device) with its index vecto
 and writes straight into column slices of the (B, p) output. Its work comes as independent tasks
 (column ranges of a Linear weight, sample tiles of a conv weight, a bias) that
 :func:`hpcfl.entk.tasks.run_tasks` spreads over the CPU cores. For a weight whose kept coordinates
-are all of it (``p = P``) the per-sample gradient is written without any gather; otherwise a cost
-model picks, per layer, between
+are all of it (``p = P``) the per-sample gradient is written without any gather (``"full"``);
+otherwise a cost model (:func:`choose_layer_form`) picks, per Linear or Conv2d weight, one of the
+two :data:`Form`\\ s
 
-- **sparse**: the direct gathers of :mod:`triton_kernels` (Triton on CUDA, pure torch on CPU),
-  work ∝ n·L per sample (n kept coordinates, L output positions), and
-- **dense** (convolutions only): the layer's full per-sample weight gradient for a tile of
-  samples (unfold + one bmm, work ∝ O·K·L), then a gather of the n kept entries.
+- ``"gather"``: the direct gathers of :mod:`triton_kernels` (Triton on CUDA, pure torch on CPU),
+  work ∝ n·L per sample (n kept coordinates, L output positions; L = 1 for a Linear), and
+- ``"materialise"``: the layer's whole per-sample weight gradient for a tile of samples by ONE
+  batched matrix product (Linear: δ_b a_bᵀ, (B, O, I); Conv2d: δ_b·unfold(x_b)ᵀ, work ∝ O·K·L),
+  then one ``index_select`` of the n kept entries.
 
-Linear weights always use the gather: their dense per-sample gradient (B, O, I) costs O·I writes
-per sample against 3n for the gather, and the gather wins unless n ≈ O·I, which is the "full" case.
+On the CPU the model's constants make every Linear gather (its materialised gradient costs O·I
+writes per sample against n gathered products) and a conv materialise where its unfolded products
+are cheaper than n·L gathered terms. The CUDA constants are estimates until
+``benchmarks/entk_layer_costs.py --device cuda`` fits them; a plan's ``form=`` forces one form.
 """
 
 from __future__ import annotations
@@ -28,47 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hpcfl.entk.coords import ParamColumns
+from hpcfl.entk.costs import FORMS, Form, choose_layer_form, materialise_tile
 from triton_kernels import channel_sum_gather, conv2d_gather, linear_gather, norm_weight_gather
-
-DENSE_TILE_ELEMS = 1 << 20
-"""Elements of the per-tile temporaries of the dense conv path (unfolded input + per-sample
-gradient, 4 MiB in float32): each tile is unfolded, multiplied and gathered while it is in cache
-(simplecnn conv3, 256 samples, 1 thread: bmm + gather 17 ms in tiles of 8-32 samples, 25 ms in one
-(256, 128, 576) block; unfolding the whole batch once instead of per tile was ~15% slower overall),
-and a fresh 75 MB buffer per batch would cost more in page faults (~25 ms) than the bmm itself."""
-
-# Cost model, in nanoseconds per sample for one layer. CPU constants fitted on the 2-core dev box
-# (1 thread, MKL) over every conv layer of simplecnn, resnet8, resnet18 and vgg11 (p = 1e5 / 2e4):
-# the dense path costs ~0.03 ns per bmm MAC plus ~0.3 ns per element of unfolded input and
-# per-sample gradient streamed through cache, plus ~1 ns per gathered element; one term of the
-# sparse gather-and-reduce costs ~1 ns (0.7-1.4 ns measured on vgg11/resnet-shaped layers, 1 thread,
-# with its temporaries reused within a call; 2-3.4 ns before, when each chunk page-faulted in fresh
-# ones). Examples (ms, dense vs sparse): simplecnn conv3, 28% of its weights kept, 256 samples:
-# 18 vs 79; resnet8 layer3.0.conv2, 25% kept, 128 samples: 13 vs 53; a vgg11 512→512 conv at
-# 4×4, 1% kept, 32 samples: sparse 16 ms. Where the model's two estimates are within ~20% the
-# measured times were too.
-# CUDA constants are estimates (no GPU in the dev environment): the Triton gather reads its
-# operands from L2 at roughly memory speed, and a tensor-core bmm is far cheaper per MAC than a
-# gathered load.
-_COSTS = {
-    "cpu": {"mac": 0.03, "mem": 0.3, "gather": 1.0, "sparse": 1.0},
-    "cuda": {"mac": 0.001, "mem": 0.01, "gather": 0.02, "sparse": 0.02},
-}
-
-
-def conv_costs(
-    *, n: int, out_channels: int, k: int, unfold_rows: int, length: int, device: torch.device
-) -> tuple[float, float]:
-    """(dense, sparse) estimated cost per sample of a conv weight with n kept coordinates.
-
-    ``k`` = (C/G)·kh·kw columns of the weight, ``unfold_rows`` = C·kh·kw rows of the unfolded
-    input, ``length`` = L output positions.
-    """
-    c = _COSTS["cuda" if device.type == "cuda" else "cpu"]
-    dense = out_channels * k * length * c["mac"] + (unfold_rows * length + out_channels * k) * c["mem"]
-    dense += n * c["gather"]
-    sparse = n * length * c["sparse"]
-    return dense, sparse
 
 
 class Unsupported(Exception):
@@ -127,11 +92,27 @@ def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
     return None if t is None else t.to(device)
 
 
+def _check_form(form: str | None) -> Form | None:
+    if form is not None and form not in FORMS:
+        raise ValueError(f"unknown eNTK layer form {form!r} (one of {FORMS})")
+    return form  # type: ignore[return-value]
+
+
 class LinearPlan(LayerPlan):
-    """``nn.Linear`` on (B, I) inputs: weight g[b,j] = δ[b,o_j]·a[b,i_j]; bias g[b,j] = δ[b,o_j]."""
+    """``nn.Linear`` on (B, I) inputs: weight g[b,j] = δ[b,o_j]·a[b,i_j] by the gather, or by picking
+    the kept entries of the materialised δ_b a_bᵀ (B, O, I); bias g[b,j] = δ[b,o_j].
+
+    ``form`` forces ``"gather"`` or ``"materialise"`` for a weight not kept whole (tests, the cost
+    fit); None lets :func:`choose_layer_form` decide."""
 
     def __init__(
-        self, module: nn.Linear, weight: ParamColumns, bias: ParamColumns | None, device: torch.device
+        self,
+        module: nn.Linear,
+        weight: ParamColumns,
+        bias: ParamColumns | None,
+        device: torch.device,
+        *,
+        form: Form | None = None,
     ):
         self.columns = (weight, bias)
         self.shape = (module.out_features, module.in_features)
@@ -139,9 +120,34 @@ class LinearPlan(LayerPlan):
         o = weight.local.div(width, rounding_mode="floor")
         self.o = o.to(device)  # (n,)
         self.i = weight.local.remainder(width).to(device)  # (n,)
+        self.local = weight.local.to(device)  # (n,) into the flat (O·I) per-sample gradient
         # where the output row o changes: the gather splits into pieces only at these positions
         self.row_starts = [0, *(torch.nonzero(o[1:] != o[:-1]).flatten() + 1).tolist()]
         self.bias_index = _on(bias.local, device) if bias is not None else None
+        self.device = device
+        self.forced = _check_form(form)
+        self._form: dict[int, Form] = {}  # batch -> chosen form
+
+    def form(self, batch: int) -> Form:
+        """``"full"``, ``"gather"`` or ``"materialise"`` for this weight at ``batch`` samples."""
+        weight = self.columns[0]
+        assert weight is not None
+        if weight.full:
+            return "full"
+        if self.forced is not None:
+            return self.forced
+        if batch not in self._form:
+            out_features, in_features = self.shape
+            self._form[batch] = choose_layer_form(
+                batch=batch,
+                n=weight.n,
+                out_channels=out_features,
+                k=in_features,
+                unfold_rows=0,
+                length=1,
+                device_type=self.device.type,
+            )
+        return self._form[batch]
 
     def _pieces(self, pieces: int) -> list[tuple[int, int]]:
         """≤ ``pieces`` column ranges of about equal size, cut at row boundaries."""
@@ -161,8 +167,16 @@ class LinearPlan(LayerPlan):
         work: list[Task] = []
         if weight is not None and weight.n:
             dst = out[:, weight.col0 : weight.col1]  # (B, n)
-            if weight.full:  # p = P: the whole outer product, written in place, no gather
+            form = self.form(act.shape[0])
+            if form == "full":  # p = P: the whole outer product, written in place, no gather
                 work.append(lambda: self._outer(act, delta, dst))
+            elif form == "materialise":
+                batch = act.shape[0]
+                tile = materialise_tile(batch, self.shape[0] * self.shape[1], self.device.type)
+                for b0 in range(0, batch, tile):
+                    work.append(
+                        lambda b0=b0: self._materialise(act, delta, dst, ws, b0, min(batch, b0 + tile), tile)
+                    )
             else:
                 for j0, j1 in self._pieces(pieces):
                     work.append(
@@ -183,6 +197,18 @@ class LinearPlan(LayerPlan):
             torch.mul(delta[:, :, None], act[:, None, :], out=view)
         else:
             _write(view, delta[:, :, None] * act[:, None, :])
+
+    def _materialise(
+        self, act: Tensor, delta: Tensor, dst: Tensor, ws: Workspace, b0: int, b1: int, tile: int
+    ) -> None:
+        """Per-sample weight gradients of samples [b0, b1) as ONE batched product δ_b a_bᵀ, then
+        one pick of the kept entries."""
+        out_features, in_features = self.shape
+        bt = b1 - b0
+        scratch = ws.get("linear_materialise", tile * out_features * in_features, act.dtype, act.device)
+        grads = scratch[: bt * out_features * in_features].view(bt, out_features, in_features)
+        torch.bmm(delta[b0:b1, :, None], act[b0:b1, None, :], out=grads)  # (bt, O, I)
+        _write(dst[b0:b1], grads.view(bt, -1).index_select(1, self.local))  # (bt, n)
 
 
 def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:
@@ -249,8 +275,11 @@ def unfold_nhwc(
 
 
 class ConvPlan(LayerPlan):
-    """``nn.Conv2d`` (any stride, padding, dilation, groups): weight by the dense or sparse path,
-    bias g[b,j] = Σ_pos δ[b,o_j,pos]."""
+    """``nn.Conv2d`` (any stride, padding, dilation, groups): weight by the gather or the
+    materialise form, bias g[b,j] = Σ_pos δ[b,o_j,pos].
+
+    ``form`` forces ``"gather"`` or ``"materialise"`` for a weight not kept whole (tests, the cost
+    fit); None lets :func:`choose_layer_form` decide."""
 
     def __init__(
         self,
@@ -258,6 +287,8 @@ class ConvPlan(LayerPlan):
         weight: ParamColumns,
         bias: ParamColumns | None,
         device: torch.device,
+        *,
+        form: Form | None = None,
     ):
         self.columns = (weight, bias)
         self.stride, self.dilation = _pair(module.stride), _pair(module.dilation)
@@ -282,26 +313,31 @@ class ConvPlan(LayerPlan):
         self.local_ko = (local.remainder(self.k) * out_c + o).to(device)  # order (c, ky, kx, o)
         self.bias_index = _on(bias.local, device) if bias is not None else None
         self.device = device
-        self._mode: dict[int, str] = {}  # output positions L -> "dense" | "sparse"
+        self.forced = _check_form(form)
+        self._form: dict[tuple[int, int, int], Form] = {}  # (B, L, C) -> chosen form
 
-    def mode(self, length: int, in_channels: int) -> str:
-        """ "full", "dense" or "sparse" for this layer at L output positions (cost model)."""
+    def form(self, batch: int, length: int, in_channels: int) -> Form:
+        """``"full"``, ``"gather"`` or ``"materialise"`` for this weight at ``batch`` samples and L
+        output positions (the cost model, unless ``form=`` forced one)."""
         weight = self.columns[0]
         assert weight is not None
         if weight.full:
             return "full"
-        if length not in self._mode:
+        if self.forced is not None:
+            return self.forced
+        key = (batch, length, in_channels)
+        if key not in self._form:
             kh, kw = self.kernel
-            dense, sparse = conv_costs(
+            self._form[key] = choose_layer_form(
+                batch=batch,
                 n=weight.n,
                 out_channels=self.out_channels,
                 k=self.k,
                 unfold_rows=in_channels * kh * kw,
                 length=length,
-                device=self.device,
+                device_type=self.device.type,
             )
-            self._mode[length] = "dense" if dense < sparse else "sparse"
-        return self._mode[length]
+        return self._form[key]
 
     def tasks(
         self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace, *, pieces: int
@@ -312,12 +348,12 @@ class ConvPlan(LayerPlan):
         work: list[Task] = []
         if weight is not None and weight.n:
             dst = out[:, weight.col0 : weight.col1]  # (B, n)
-            mode = self.mode(length, channels)
-            if mode == "sparse":
+            form = self.form(batch, length, channels)
+            if form == "gather":
                 step = -(-batch // pieces)
                 for b0 in range(0, batch, step):
                     work.append(
-                        lambda b0=b0: self._sparse(
+                        lambda b0=b0: self._gather(
                             act[b0 : b0 + step], delta[b0 : b0 + step], dst[b0 : b0 + step]
                         )
                     )
@@ -326,7 +362,9 @@ class ConvPlan(LayerPlan):
                 for b0 in range(0, batch, tile):
                     b1 = min(batch, b0 + tile)
                     work.append(
-                        lambda b0=b0, b1=b1: self._dense(act, delta, dst, ws, b0, b1, full=mode == "full")
+                        lambda b0=b0, b1=b1: self._materialise(
+                            act, delta, dst, ws, b0, b1, full=form == "full"
+                        )
                     )
         if bias is not None and bias.n:
             assert self.bias_index is not None
@@ -338,7 +376,7 @@ class ConvPlan(LayerPlan):
             )
         return work
 
-    def _sparse(self, act: Tensor, delta: Tensor, dst: Tensor) -> None:
+    def _gather(self, act: Tensor, delta: Tensor, dst: Tensor) -> None:
         conv2d_gather(
             delta,
             act,
@@ -353,10 +391,11 @@ class ConvPlan(LayerPlan):
         )
 
     def _layout(self, channels: int, full: bool) -> str:
-        """Operand layout of the dense bmm (all give the same numbers, in different orders).
+        """Operand layout of the materialise bmm (all give the same numbers, in different orders).
 
         - ``"weight"``: δ (O, L) @ Uᵀ → (O, K), the weight's own order: for p = P (written with no
-          gather) and grouped convolutions.
+          gather), grouped convolutions, and off the CPU (the two below are CPU measurements; on a
+          GPU the activations are NCHW and the NCHW unfold is one strided copy; unmeasured there).
         - ``"nhwc"``: δ (O, L) @ U_nhwc (L, kh·kw·C) → order (o, ky, kx, c), from C ≥ 16 on: the
           channels-last unfold copies C contiguous values at a time (simplecnn conv3: 3.1 vs
           6.6 ms per 256 samples for the NCHW unfold).
@@ -364,28 +403,29 @@ class ConvPlan(LayerPlan):
           unfold is 3-4× faster than the channels-last one and the bmm with the wide O as its
           last dimension 1.4-1.8× faster (simplecnn conv1: 1.2 vs 4.7 ms per 256 samples).
         """
-        if full or self.groups != 1:
+        if full or self.groups != 1 or self.device.type != "cpu":
             return "weight"
         return "nhwc" if channels >= 16 else "ko"
 
     def _tile(self, act: Tensor, delta: Tensor) -> int:
-        """Samples per tile of the dense path (its temporaries stay within ``DENSE_TILE_ELEMS``)."""
+        """Samples per tile of the materialise path (:func:`materialise_tile`)."""
         channels = act.shape[1]
         length = delta.shape[2] * delta.shape[3]
         kh, kw = self.kernel
         per_sample = channels * kh * kw * length + self.out_channels * self.k  # unfolded input + gradient
-        return max(1, min(act.shape[0], DENSE_TILE_ELEMS // per_sample))
+        return materialise_tile(act.shape[0], per_sample, self.device.type)
 
-    def _dense(
+    def _materialise(
         self, act: Tensor, delta: Tensor, dst: Tensor, ws: Workspace, b0: int, b1: int, *, full: bool
     ) -> None:
-        """Per-sample weight gradients of samples [b0, b1) by unfold + bmm, then gather."""
+        """Per-sample weight gradients of samples [b0, b1) by unfold + ONE bmm, then one pick of the
+        kept entries (all of them, in place, for p = P)."""
         channels = act.shape[1]
         groups, out_c, k = self.groups, self.out_channels, self.k
         out_hw = tuple(delta.shape[2:])
         length = out_hw[0] * out_hw[1]
         bt = b1 - b0
-        scratch = ws.get("conv_dense", self._tile(act, delta) * out_c * k, act.dtype, act.device)
+        scratch = ws.get("conv_materialise", self._tile(act, delta) * out_c * k, act.dtype, act.device)
         layout = self._layout(channels, full)
         index = {"weight": self.local, "nhwc": self.local_nhwc, "ko": self.local_ko}[layout]
         geometry = (self.kernel, self.dilation, self.padding, self.stride, out_hw)

@@ -1,7 +1,7 @@
 """Running the per-layer gathers of a batch on all CPU cores.
 
 PyTorch's CPU gathers (``index_select`` along a non-leading dimension) run on one thread, and the
-small per-tile matrix products of the dense conv path scale poorly across threads. So after the
+small per-tile matrix products of the materialise conv path scale poorly across threads. So after the
 batched backward, each layer's work is cut into independent tasks writing disjoint parts of the
 output, and the calling thread plus ``workers - 1`` helper threads run them, each with intra-op
 threading set to one (ATen releases the GIL inside every op). Measured on the 2-core dev box
