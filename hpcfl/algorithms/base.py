@@ -381,6 +381,14 @@ class Algorithm(ABC, Generic[P, S, C]):
     #: the hyper-parameters (``Params`` fields) besides the learning rate whose size can make the
     #: model NaN/inf (a server step's rate, FedDyn's α): a divergence message names them
     divergence_params: ClassVar[tuple[str, ...]] = ()
+    #: the differential-privacy levels (``privacy.level``: ``client``, ``sample``) this algorithm
+    #: supports: client level (DP-FedAvg) clips and noises the one model upload ``x`` and needs a
+    #: server step that reads only its mean; sample level (DP-SGD) needs that local training is the
+    #: run's trainer alone. Empty (the default): no DP; ``privacy.level`` other than none is refused
+    dp_levels: ClassVar[tuple[str, ...]] = ()
+    #: why the levels not in :attr:`dp_levels` are refused: one clause, read in the refusal
+    #: "privacy.level=L does not support algorithm 'A': <dp_refusal>"
+    dp_refusal: ClassVar[str] = "it declares no differential-privacy support (Algorithm.dp_levels)"
 
     def __init__(self, params: P, *, layout: StateLayout, participation: Participation | None = None) -> None:
         self.params: P = params

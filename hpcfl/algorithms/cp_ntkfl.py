@@ -132,6 +132,7 @@ class CPNTKFL(NTKFL):
     """NTK-FL with subsampling, input projection (in the stage plan), top-k Jacobians, shuffling."""
 
     name = "cp-ntkfl"
+    dp_refusal = "it uploads Jacobians, not a clippable update"
     Params = CPNTKFLParams
     example_params = CPNTKFLParams(grid=(10, 20))
     params: CPNTKFLParams

@@ -205,6 +205,7 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
     """NTK-FL: gathered Jacobians, the kernel evolution on every rank, t* by training loss."""
 
     name = "ntkfl"
+    dp_refusal = "it uploads Jacobians and labels, not a clippable update"
     Params = NTKFLParams
     logs_validation = False  # the evolved model is evaluated on the test set only
     example_params = NTKFLParams(grid=(10, 20))

@@ -46,6 +46,7 @@ class TCT(Algorithm[TCTParams, ServerState, ClientState]):
     """Stage 1 of TCT is plain FedAvg (Algorithm 2's stage 1 with no correction)."""
 
     name = "tct"
+    dp_refusal = "it uploads eNTK features, not a clippable update"
     Params = TCTParams
     legacy_sections = ("stage1", "stage2")
     logs_validation = False  # stage 2 evaluates the linear model on the test set only
