@@ -34,6 +34,7 @@ import torch
 
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.errors import ConfigError
+from hpcfl.registry import STAGE_HOOKS
 from hpcfl.training.batched import ClientJob, batched_local_sgd
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.layout import StateLayout
@@ -314,9 +315,11 @@ class ServerContext:
     world: int = 1
 
 
-#: A stage hook by reference, ``"package.module:function"``: how an algorithm's file names its stage
-#: code (``hpcfl.tct.*``, ``hpcfl.ntk.*``), which sits above the contract and depends on it, so the
-#: algorithm never imports it; the runner imports it when it calls the hook.
+#: A stage hook by name: a name of :data:`hpcfl.registry.STAGE_HOOKS` (the built-ins'
+#: ``"tct.enter_stage2"``, ``"ntkfl.enter"``, ...; a plugin registers its own), or, for a plugin,
+#: ``"package.module:function"``. Stage code (``hpcfl.tct.*``, ``hpcfl.ntk.stage``) sits above the
+#: contract and depends on it, so an algorithm never imports it; the runner resolves the name when
+#: it calls the hook.
 HookRef = str
 
 
@@ -324,8 +327,12 @@ def resolve_hook(hook: Callable[..., Any] | HookRef) -> Callable[..., Any]:
     """The function a stage hook names (a callable is returned as it is)."""
     if callable(hook):
         return hook
-    module, _, name = hook.partition(":")
-    return getattr(importlib.import_module(module), name)
+    if ":" in hook:  # a plugin's "package.module:function"
+        module, _, name = hook.partition(":")
+        return getattr(importlib.import_module(module), name)
+    if hook not in STAGE_HOOKS:
+        raise ConfigError(f"stage hook {hook!r} is not registered (hpcfl.registry.STAGE_HOOKS)")
+    return STAGE_HOOKS[hook]
 
 
 @dataclass(frozen=True)
