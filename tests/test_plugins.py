@@ -241,7 +241,9 @@ def test_the_plugin_declares_client_level_dp_and_runs_as_dp_fedavg(tmp_path: Pat
     and noised rounds (same noise draws) give the same losses and the same ε per round."""
     assert ALGORITHMS["example_slr"].dp_levels == ("client",)
     hpcfl.run_experiment(config_from_dict(dict(PRIVATE_RUN)), tmp_path / "plugin")
-    hpcfl.run_experiment(config_from_dict({**PRIVATE_RUN, "algorithm": "fedavg", "params": {}}), tmp_path / "fedavg")
+    hpcfl.run_experiment(
+        config_from_dict({**PRIVATE_RUN, "algorithm": "fedavg", "params": {}}), tmp_path / "fedavg"
+    )
     plugin, fedavg = _rows(tmp_path / "plugin"), _rows(tmp_path / "fedavg")
     eps = [r["epsilon"] for r in plugin if "epsilon" in r]
     assert len(eps) == 3 and eps == sorted(eps) and eps == [r["epsilon"] for r in fedavg if "epsilon" in r]

@@ -28,6 +28,7 @@ from hpcfl.registry import ALGORITHMS
 LEVELS = ("none", "client", "sample")
 ACCOUNTANTS = ("rdp", "prv")  # Opacus's Rényi-DP and privacy-random-variable accountants
 
+
 @dataclass(frozen=True)
 class AdaptiveClipSection:
     """Andrew et al. (2021) adaptive clipping, client level only: the clip S follows the
