@@ -1,11 +1,16 @@
 """The registry of algorithms, models and datasets: built-ins by name, plugins found on demand.
 
-Three :class:`Registry` mappings, name → object, that import nothing until a name is looked up
+Four :class:`Registry` mappings, name → object, that import nothing until a name is looked up
 (this module imports neither torch nor any algorithm, so importing it is free):
 
 - :data:`ALGORITHMS`: name → :class:`hpcfl.algorithms.Algorithm` subclass;
 - :data:`MODEL_SPECS`: name → :class:`ModelSpec` (how :func:`hpcfl.build_model` builds it);
-- :data:`DATASET_SPECS`: name → :class:`DatasetSpec` (how :func:`hpcfl.load_dataset` loads it).
+- :data:`DATASET_SPECS`: name → :class:`DatasetSpec` (how :func:`hpcfl.load_dataset` loads it);
+- :data:`STAGE_HOOKS`: name → the stage code an algorithm's :class:`~hpcfl.algorithms.Stage` names.
+
+This module is the one place that names modules by string (its built-in tables): those imports
+happen when a name is looked up, never when a module is imported, and ``tests/import_graph.py``
+lists them apart from the import edges and checks that each resolves.
 
 A name that is not built in comes from, in this order: :func:`register_algorithm` /
 :func:`register_model` / :func:`register_dataset` (a notebook or script, this process only), a
@@ -41,6 +46,7 @@ __all__ = [
     "ALGORITHMS",
     "DATASET_SPECS",
     "MODEL_SPECS",
+    "STAGE_HOOKS",
     "DatasetSpec",
     "ModelSpec",
     "Registry",
@@ -48,6 +54,7 @@ __all__ = [
     "register_algorithm",
     "register_dataset",
     "register_model",
+    "register_stage_hook",
 ]
 
 
@@ -211,10 +218,13 @@ class Registry(Mapping[str, T], Generic[T]):
 
 
 def _check_algorithm(name: str, obj: Any, origin: str) -> type[Algorithm]:
-    from hpcfl.algorithms.base import Algorithm, HyperParams
-
-    if not (isinstance(obj, type) and issubclass(obj, Algorithm)):
+    # The contract is looked up, not imported: a class can only subclass Algorithm once
+    # hpcfl.algorithms.base has been imported, so a missing module means "not an Algorithm". The
+    # registry thus stays below the contract that re-exports it, with no import back up (issue 43).
+    contract = sys.modules.get("hpcfl.algorithms.base")
+    if contract is None or not (isinstance(obj, type) and issubclass(obj, contract.Algorithm)):
         raise ConfigError(f"{origin} is {obj!r}, not a subclass of hpcfl.algorithms.Algorithm")
+    HyperParams = contract.HyperParams
     if getattr(obj, "name", None) != name:
         raise ConfigError(
             f"{origin}: class {obj.__name__} has name {getattr(obj, 'name', None)!r}; "
@@ -222,6 +232,17 @@ def _check_algorithm(name: str, obj: Any, origin: str) -> type[Algorithm]:
         )
     if not (isinstance(obj.Params, type) and issubclass(obj.Params, HyperParams)):
         raise ConfigError(f"{origin}: {obj.__name__}.Params must be a frozen HyperParams dataclass")
+    levels = obj.dp_levels
+    if not (isinstance(levels, tuple) and set(levels) <= {"client", "sample"}):
+        raise ConfigError(
+            f"{origin}: {obj.__name__}.dp_levels must be a tuple of 'client'/'sample', got {levels!r}"
+        )
+    return obj
+
+
+def _check_hook(name: str, obj: Any, origin: str) -> Callable[..., Any]:
+    if not callable(obj):
+        raise ConfigError(f"{origin} is {obj!r}, not a function")
     return obj
 
 
@@ -275,6 +296,23 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
     _check_algorithm,
 )
 
+#: Stage hooks by name (:class:`hpcfl.algorithms.Stage`'s ``enter``/``check``/``finish``): an
+#: algorithm names its stage code, which sits above the contract and imports it, so the algorithm
+#: never imports that code; the runner resolves the name here when it calls the hook. Built-ins
+#: are ``<algorithm>.<step>``; a plugin adds its own through the entry point group
+#: ``hpcfl.stage_hooks`` or :func:`register_stage_hook` (or passes a function itself).
+STAGE_HOOKS: Registry[Callable[..., Any]] = Registry(
+    "stage hook",
+    "hpcfl.stage_hooks",
+    {
+        "tct.keep_stage1_model": _attr("hpcfl.tct.pipeline", "keep_stage1_model"),
+        "tct.enter_stage2": _attr("hpcfl.tct.pipeline", "enter_stage2"),
+        "tct.check_features_fit": _attr("hpcfl.tct.features", "check_features_fit"),
+        "ntkfl.enter": _attr("hpcfl.ntk.stage", "enter_ntk"),
+    },
+    _check_hook,
+)
+
 MODEL_SPECS: Registry[ModelSpec] = Registry(
     "model",
     "hpcfl.models",
@@ -302,6 +340,11 @@ def register_algorithm(cls: type[Algorithm], name: str | None = None) -> type[Al
     as a class decorator. Other processes (sweep workers, MPI ranks, SLURM jobs) see it through an
     entry point or a config's ``imports:`` module that calls this."""
     return ALGORITHMS.register(name if name is not None else getattr(cls, "name", ""), cls)
+
+
+def register_stage_hook(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``hook`` usable as the stage hook ``name`` in this process (see :data:`STAGE_HOOKS`)."""
+    return STAGE_HOOKS.register(name, hook)
 
 
 def register_model(

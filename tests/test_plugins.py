@@ -226,6 +226,45 @@ def test_register_in_a_script_reaches_run_experiment(tmp_path: Path, reference: 
     assert _accuracies(tmp_path / "run") == reference
 
 
+#: client-level DP on the plugin's run: a client sample (q = 2/4), DP-FedAvg's clip and noise
+PRIVATE_RUN = {
+    **PLUGIN_RUN,
+    "params": {"server_lr": 1.0},
+    "clients_per_round": 2,
+    "privacy": {"level": "client", "noise_multiplier": 1.0, "clip": 0.5},
+}
+
+
+def test_the_plugin_declares_client_level_dp_and_runs_as_dp_fedavg(tmp_path: Path) -> None:
+    """Issue 43: DP support is the algorithm's declaration (``dp_levels``), so a plugin can have it.
+    With η_g = 1 the example algorithm is FedAvg, so its DP run is DP-FedAvg's: the same clipped
+    and noised rounds (same noise draws) give the same losses and the same ε per round."""
+    assert ALGORITHMS["example_slr"].dp_levels == ("client",)
+    hpcfl.run_experiment(config_from_dict(dict(PRIVATE_RUN)), tmp_path / "plugin")
+    hpcfl.run_experiment(
+        config_from_dict({**PRIVATE_RUN, "algorithm": "fedavg", "params": {}}), tmp_path / "fedavg"
+    )
+    plugin, fedavg = _rows(tmp_path / "plugin"), _rows(tmp_path / "fedavg")
+    eps = [r["epsilon"] for r in plugin if "epsilon" in r]
+    assert len(eps) == 3 and eps == sorted(eps) and eps == [r["epsilon"] for r in fedavg if "epsilon" in r]
+    losses = [r["test_loss"] for r in plugin if "test_loss" in r]
+    assert len(losses) == 3
+    assert losses == pytest.approx([r["test_loss"] for r in fedavg if "test_loss" in r], rel=1e-5)
+    with pytest.raises(ConfigError, match="privacy.level=sample does not support algorithm 'example_slr'"):
+        config_from_dict({**PRIVATE_RUN, "privacy": {"level": "sample", "noise_multiplier": 1.0}})
+
+
+def test_an_algorithm_that_declares_no_dp_is_refused_in_one_line() -> None:
+    """An algorithm class without ``dp_levels`` (the contract's default) gets one line saying so."""
+    undeclared = type("NoDP", (ALGORITHMS["example_slr"],), {"name": "nodp_slr", "dp_levels": ()})
+    hpcfl.register_algorithm(undeclared)
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({**PRIVATE_RUN, "algorithm": "nodp_slr"})
+    text = str(err.value)
+    assert "\n" not in text and "does not support algorithm 'nodp_slr'" in text
+    assert "declares no differential-privacy support" in text and "use one of fedavg" in text
+
+
 def test_the_example_algorithm_imports_only_from_hpcfl_algorithms_config_error_included() -> None:
     """Issue 45 item 7: a plugin's algorithm needs nothing but ``hpcfl.algorithms``: ConfigError,
     its one-line error for a bad hyper-parameter, is re-exported there (the same class)."""

@@ -414,6 +414,22 @@ def test_refused_combinations_give_one_line(tmp_path: Path, over: dict, words: s
     assert len(lines) == 1 and words in lines[0], proc.stderr
 
 
+def test_every_builtin_declares_its_dp_support_in_its_own_class() -> None:
+    """Issue 43: DP support is each algorithm's declaration, in its own file (a subclass does not
+    inherit its parent's silently); the decisions are those the privacy section listed before."""
+    from hpcfl.algorithms import Algorithm
+    from hpcfl.registry import ALGORITHMS
+
+    supported = {}
+    for name in ALGORITHMS.builtin_names():
+        cls = ALGORITHMS[name]
+        assert "dp_levels" in vars(cls) or "dp_refusal" in vars(cls), name
+        assert cls.dp_levels or cls.dp_refusal != Algorithm.dp_refusal, name
+        supported[name] = cls.dp_levels
+    assert {n for n, levels in supported.items() if levels} == {"fedavg", "fedprox", "fedadam", "fedavgm"}
+    assert {levels for levels in supported.values() if levels} == {("client", "sample")}
+
+
 def test_an_unreachable_target_epsilon_is_refused_before_opacus_searches(monkeypatch) -> None:
     """Issue 44: privacy.epsilon=1e-9 was refused only after Opacus's search had doubled σ past its
     limit (153 s at sample level); now one accountant evaluation at the largest σ it would try."""

@@ -89,6 +89,9 @@ class APFLClientState(ClientState):
 
 class APFL(Algorithm[APFLParams, ServerState, APFLClientState]):
     name = "apfl"
+    dp_refusal = (
+        "its personal models and mixing weights train outside the clipped update (not analysed for DP)"
+    )
     Params = APFLParams
     personalised = True
     unbatched_reason = "its local steps train the global copy, the personal model and α together"

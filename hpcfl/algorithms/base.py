@@ -34,6 +34,7 @@ import torch
 
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.errors import ConfigError
+from hpcfl.registry import STAGE_HOOKS
 from hpcfl.training.batched import ClientJob, batched_local_sgd
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.layout import StateLayout
@@ -339,9 +340,11 @@ class ServerContext:
     world: int = 1
 
 
-#: A stage hook by reference, ``"package.module:function"``: how an algorithm's file names its stage
-#: code (``hpcfl.tct.*``, ``hpcfl.ntk.*``), which sits above the contract and depends on it, so the
-#: algorithm never imports it; the runner imports it when it calls the hook.
+#: A stage hook by name: a name of :data:`hpcfl.registry.STAGE_HOOKS` (the built-ins'
+#: ``"tct.enter_stage2"``, ``"ntkfl.enter"``, ...; a plugin registers its own), or, for a plugin,
+#: ``"package.module:function"``. Stage code (``hpcfl.tct.*``, ``hpcfl.ntk.stage``) sits above the
+#: contract and depends on it, so an algorithm never imports it; the runner resolves the name when
+#: it calls the hook.
 HookRef = str
 
 
@@ -349,8 +352,12 @@ def resolve_hook(hook: Callable[..., Any] | HookRef) -> Callable[..., Any]:
     """The function a stage hook names (a callable is returned as it is)."""
     if callable(hook):
         return hook
-    module, _, name = hook.partition(":")
-    return getattr(importlib.import_module(module), name)
+    if ":" in hook:  # a plugin's "package.module:function"
+        module, _, name = hook.partition(":")
+        return getattr(importlib.import_module(module), name)
+    if hook not in STAGE_HOOKS:
+        raise ConfigError(f"stage hook {hook!r} is not registered (hpcfl.registry.STAGE_HOOKS)")
+    return STAGE_HOOKS[hook]
 
 
 @dataclass(frozen=True)
@@ -406,6 +413,14 @@ class Algorithm(ABC, Generic[P, S, C]):
     #: the hyper-parameters (``Params`` fields) besides the learning rate whose size can make the
     #: model NaN/inf (a server step's rate, FedDyn's α): a divergence message names them
     divergence_params: ClassVar[tuple[str, ...]] = ()
+    #: the differential-privacy levels (``privacy.level``: ``client``, ``sample``) this algorithm
+    #: supports: client level (DP-FedAvg) clips and noises the one model upload ``x`` and needs a
+    #: server step that reads only its mean; sample level (DP-SGD) needs that local training is the
+    #: run's trainer alone. Empty (the default): no DP; ``privacy.level`` other than none is refused
+    dp_levels: ClassVar[tuple[str, ...]] = ()
+    #: why the levels not in :attr:`dp_levels` are refused: one clause, read in the refusal
+    #: "privacy.level=L does not support algorithm 'A': <dp_refusal>"
+    dp_refusal: ClassVar[str] = "it declares no differential-privacy support (Algorithm.dp_levels)"
 
     def __init__(self, params: P, *, layout: StateLayout, participation: Participation | None = None) -> None:
         self.params: P = params

@@ -73,13 +73,6 @@ class CPNTKFLParams(NTKFLParams):
             )
 
 
-def projection_matrix(d_in: int, d_out: int, seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """P (d_in, d_out) with N(0, 1/d_out) entries from ``seed`` (the same on every client and rank)."""
-    g = torch.Generator().manual_seed(int(seed))
-    # host: seeded on every rank alike; moved by its user
-    return torch.randn(d_in, d_out, generator=g, dtype=torch.float64).div_(math.sqrt(d_out)).to(dtype)
-
-
 def sparsify(J: Tensor, keep: float) -> dict[str, Any]:
     """Top-k of |J| as {"index": flat indices, "value": values, "shape": J's shape}; indices int32
     when J has fewer than 2³¹ entries."""
@@ -132,6 +125,7 @@ class CPNTKFL(NTKFL):
     """NTK-FL with subsampling, input projection (in the stage plan), top-k Jacobians, shuffling."""
 
     name = "cp-ntkfl"
+    dp_refusal = "it uploads Jacobians, not a clippable update"
     Params = CPNTKFLParams
     example_params = CPNTKFLParams(grid=(10, 20))
     params: CPNTKFLParams

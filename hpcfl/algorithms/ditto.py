@@ -79,6 +79,7 @@ class DittoClientState(ClientState):
 
 class Ditto(Algorithm[DittoParams, ServerState, DittoClientState]):
     name = "ditto"
+    dp_refusal = "its personal models train outside the clipped update (not analysed for DP)"
     Params = DittoParams
     personalised = True
     unbatched_reason = "each participant trains the global model, then its personal model"

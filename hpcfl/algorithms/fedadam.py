@@ -75,6 +75,7 @@ class FedAdamServerState(ServerState):
 
 class FedAdam(Algorithm[FedAdamParams, FedAdamServerState, ClientState]):
     name = "fedadam"
+    dp_levels = ("client", "sample")  # the upload is the model and the server step reads its mean
     Params = FedAdamParams
     divergence_params = ("server_lr",)
 

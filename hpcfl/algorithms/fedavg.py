@@ -43,6 +43,7 @@ def local_training(
 
 class FedAvg(Algorithm[FedAvgParams, ServerState, ClientState]):
     name = "fedavg"
+    dp_levels = ("client", "sample")  # the upload is the model and the server step reads its mean
     Params = FedAvgParams
 
     def local_task(

@@ -66,6 +66,7 @@ class FedAvgM(Algorithm[FedAvgMParams, FedAvgMServerState, ClientState]):
     name = "fedavgm"
     Params = FedAvgMParams
     divergence_params = ("server_lr",)
+    dp_levels = ("client", "sample")  # the upload is the model and the server step reads its mean
     example_params = FedAvgMParams(beta=0.5)
 
     def init_server(self, x0: torch.Tensor) -> FedAvgMServerState:

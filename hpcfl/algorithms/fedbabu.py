@@ -83,6 +83,7 @@ class FedBABUParams(HyperParams):
 
 class FedBABU(Algorithm[FedBABUParams, ServerState, ClientState]):
     name = "fedbabu"
+    dp_refusal = "its upload is the body alone and it fine-tunes on client data (not analysed for DP)"
     Params = FedBABUParams
     example_params = FedBABUParams(finetune_epochs=1)
     personalised = True

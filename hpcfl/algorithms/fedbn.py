@@ -79,6 +79,7 @@ class FedBNClientState(ClientState):
 
 class FedBN(Algorithm[FedBNParams, ServerState, FedBNClientState]):
     name = "fedbn"
+    dp_refusal = "it keeps BatchNorm layers (refused under DP) as client state outside the clipped update"
     Params = FedBNParams
     personalised = True
 

@@ -120,6 +120,7 @@ def cka_regulariser(
 
 class FedCKA(PreviousModelAlgorithm[FedCKAParams, FedCKAClientState]):
     name = "fedcka"
+    dp_refusal = "its loss reads previous local models outside the clipped update"
     legacy_sections = ("fedcka",)
     Params = FedCKAParams
     State = FedCKAClientState

@@ -159,6 +159,7 @@ def client_alpha(params: FedDynParams, k: int, population: Population) -> float:
 
 class FedDyn(Algorithm[FedDynParams, FedDynServerState, FedDynClientState]):
     name = "feddyn"
+    dp_refusal = "its server state h is a second, unclipped statistic of the uploads"
     Params = FedDynParams
     divergence_params = ("alpha",)
 

@@ -62,6 +62,7 @@ class FedNovaParams(HyperParams):
 
 class FedNova(Algorithm[FedNovaParams, ServerState, ClientState]):
     name = "fednova"
+    dp_refusal = "its normalised update is weighted by each client's local step count"
     Params = FedNovaParams
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:

@@ -76,6 +76,7 @@ class HeadState(ClientState):
 
 class FedPer(Algorithm[FedPerParams, ServerState, HeadState]):
     name = "fedper"
+    dp_refusal = "its upload is the shared body alone, its head client state (not analysed for DP)"
     Params = FedPerParams
     personalised = True
 

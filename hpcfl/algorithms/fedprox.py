@@ -37,6 +37,7 @@ class FedProxParams(HyperParams):
 
 class FedProx(Algorithm[FedProxParams, ServerState, ClientState]):
     name = "fedprox"
+    dp_levels = ("client", "sample")  # the upload is the model and the server step reads its mean
     legacy_sections = ("fedprox",)
     Params = FedProxParams
 

@@ -183,6 +183,7 @@ def spans_of(entries: list[Entry]) -> tuple[tuple[int, int], ...]:
 
 class FedPVR(Algorithm[FedPVRParams, FedPVRServerState, FedPVRClientState]):
     name = "fedpvr"
+    dp_refusal = "its control variates are a second upload the clip does not bound"
     Params = FedPVRParams
 
     def __init__(

@@ -74,6 +74,7 @@ def passes(schedule: LocalSchedule, times: int) -> LocalSchedule:
 
 class FedRep(FedPer):
     name = "fedrep"
+    dp_refusal = "its upload is the shared body alone, its head client state (not analysed for DP)"
     Params = FedRepParams  # type: ignore[assignment]
     example_params = FedRepParams(head_epochs=2, body_epochs=1)
     unbatched_reason = "each participant trains its head, then its body (two local phases)"

@@ -128,6 +128,7 @@ def _classifier(model: nn.Module) -> nn.Module:
 
 class FedUV(Algorithm[FedUVParams, ServerState, ClientState]):
     name = "feduv"
+    dp_refusal = "its regularised local objective is not the one DP-FedAvg/DP-SGD analyse"
     Params = FedUVParams
     unbatched_reason = "its local loss reads the classifier's input and output through hooks"
 

@@ -125,6 +125,7 @@ def _features(frozen: nn.Module) -> Represent:
 
 class Moon(PreviousModelAlgorithm[MoonParams, MoonClientState]):
     name = "moon"
+    dp_refusal = "its contrastive loss reads previous local models outside the clipped update"
     legacy_sections = ("moon",)
     Params = MoonParams
     State = MoonClientState

@@ -205,6 +205,7 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
     """NTK-FL: gathered Jacobians, the kernel evolution on every rank, t* by training loss."""
 
     name = "ntkfl"
+    dp_refusal = "it uploads Jacobians and labels, not a clippable update"
     Params = NTKFLParams
     logs_validation = False  # the evolved model is evaluated on the test set only
     example_params = NTKFLParams(grid=(10, 20))
@@ -244,7 +245,7 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
         return [others[i] for i in self.participation.sample(sub, generator)]
 
     def stages(self) -> Sequence[Stage]:
-        return (Stage("train", -1, enter="hpcfl.ntk.stage:enter_ntk"),)
+        return (Stage("train", -1, enter="ntkfl.enter"),)
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
         names = ("jacobian", "output", "label") + (("input",) if self.params.select == "train" else ())

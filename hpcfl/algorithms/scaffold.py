@@ -182,6 +182,7 @@ class AfterStepShift:
 
 class Scaffold(Algorithm[ScaffoldParams, ScaffoldServerState, ScaffoldClientState]):
     name = "scaffold"
+    dp_refusal = "its control variates are a second upload the clip does not bound"
     Params = ScaffoldParams
 
     @property

@@ -46,6 +46,7 @@ class TCT(Algorithm[TCTParams, ServerState, ClientState]):
     """Stage 1 of TCT is plain FedAvg (Algorithm 2's stage 1 with no correction)."""
 
     name = "tct"
+    dp_refusal = "it uploads eNTK features, not a clippable update"
     Params = TCTParams
     legacy_sections = ("stage1", "stage2")
     logs_validation = False  # stage 2 evaluates the linear model on the test set only
@@ -61,11 +62,11 @@ class TCT(Algorithm[TCTParams, ServerState, ClientState]):
     def stages(self) -> Sequence[Stage]:
         p = self.params
         return (
-            Stage("stage1", p.stage1.rounds, finish="hpcfl.tct.pipeline:keep_stage1_model"),
+            Stage("stage1", p.stage1.rounds, finish="tct.keep_stage1_model"),
             Stage(
                 "stage2",
                 p.stage2.rounds,
-                enter="hpcfl.tct.pipeline:enter_stage2",
-                check="hpcfl.tct.features:check_features_fit",
+                enter="tct.enter_stage2",
+                check="tct.check_features_fit",
             ),
         )

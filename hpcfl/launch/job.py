@@ -27,8 +27,9 @@ from hpcfl.launch.records import error_path, missing_slurm_extra
 
 try:
     import submitit
-    from submitit.core.job_environment import SignalHandler
-    from submitit.core.utils import DelayedSubmission
+    from submitit.helpers import DelayedSubmission
+
+    from hpcfl.launch.submitit_internals import checkpoint_and_requeue, preemption_signal
 except ImportError as err:
     raise missing_slurm_extra("a SLURM job of hpcfl") from err
 
@@ -89,9 +90,7 @@ class HpcflJob(submitit.helpers.Checkpointable):
         stop = StopRequest()
         stop.install()  # SIGUSR1 / SIGTERM
         try:  # and submitit's preemption / time-limit signal, which replaces its immediate requeue
-            signal.signal(
-                submitit.JobEnvironment._usr_sig(), lambda signum, frame: setattr(stop, "requested", True)
-            )
+            signal.signal(preemption_signal(), lambda signum, frame: setattr(stop, "requested", True))
         except (ValueError, RuntimeError):  # not the main thread, or an unknown SUBMITIT_PREEMPT_SIGNAL
             pass
         try:
@@ -140,8 +139,5 @@ class HpcflJob(submitit.helpers.Checkpointable):
                 f"hpcfl: stopped by a signal after round {rounds_done} (checkpoint saved); requeueing",
                 file=sys.stderr,
             )
-            delayed = DelayedSubmission.load(env.paths.submitted_pickle)
-            handler = SignalHandler(env, env.paths, delayed)
-            handler._start_time = t_start  # so submitit tells a time limit (counted) from a preemption
-            handler.checkpoint_and_try_requeue(env._usr_sig())
+            checkpoint_and_requeue(env, t_start)  # t_start: submitit tells a time limit from a preemption
         sys.exit(REQUEUE_EXIT)

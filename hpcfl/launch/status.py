@@ -280,11 +280,11 @@ def run_status(run_dir: Path, views: dict[str, SlurmView] | None = None) -> RunS
     from hpcfl.launch.records import missing_slurm_extra
 
     try:  # a submitted job: its log path is submitit's
-        from submitit.core.utils import JobPaths
+        from hpcfl.launch.submitit_internals import job_stderr
     except ImportError as err:
         raise missing_slurm_extra(f"hpcfl status of the submitted job {record.job_id}") from err
 
-    status.log = str(JobPaths(folder, job_id=record.job_id, task_id=0).stderr)
+    status.log = str(job_stderr(folder, record.job_id))
     return status
 
 

@@ -31,7 +31,8 @@ from hpcfl.launch.records import JOBS_FILE, SLURM_DIR, JobRecord, missing_slurm_
 
 try:
     import submitit
-    from submitit.core.utils import FailedJobError
+
+    from hpcfl.launch.submitit_internals import FailedJobError, RenderOnlySlurmExecutor, sbatch_text
 except ImportError as err:
     raise missing_slurm_extra("hpcfl submit") from err
 
@@ -157,14 +158,6 @@ def _slurm_parameters(options: SubmitOptions, name: str) -> dict[str, Any]:
     return params
 
 
-class _RenderOnlySlurmExecutor(submitit.SlurmExecutor):
-    """A SlurmExecutor usable where ``srun`` is missing: only to print the sbatch script."""
-
-    @classmethod
-    def affinity(cls) -> int:
-        return 2
-
-
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.,:+@%=/-")
 _CONSTRAINT = frozenset("&|[]*!()")  # SLURM's constraint syntax; inert on an #SBATCH line
 
@@ -209,7 +202,7 @@ def make_executor(options: SubmitOptions, folder: Path, name: str, *, render_onl
         local.update_parameters(timeout_min=options.time_min, tasks_per_node=1)
         return local
     if render_only:
-        executor: submitit.SlurmExecutor = _RenderOnlySlurmExecutor(
+        executor: submitit.SlurmExecutor = RenderOnlySlurmExecutor(
             folder, max_num_timeout=options.max_requeues
         )
     else:
@@ -227,7 +220,7 @@ def make_executor(options: SubmitOptions, folder: Path, name: str, *, render_onl
 def render_sbatch(options: SubmitOptions, folder: Path, name: str) -> str:
     """The sbatch script ``hpcfl submit`` would queue (``--dry-run``; golden-file tested)."""
     executor = make_executor(options, folder, name, render_only=True)
-    return str(executor._make_submission_file_text(executor._submitit_command_str, "dry-run"))
+    return sbatch_text(executor)
 
 
 def _sbatch_reason(stderr: str) -> str:

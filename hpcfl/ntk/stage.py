@@ -8,18 +8,22 @@ import dataclasses
 import math
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from hpcfl.algorithms import ClientData, FederationView, ServerState, StageInput, StagePlan, Trainer
-from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import ConfigError
 from hpcfl.node import memory_share
 from hpcfl.ntk.memory import RoundShape, check_round_memory, largest_round
+from hpcfl.ntk.projection import projection_matrix
 from hpcfl.training.evaluate import JointCounts, accuracy_loss, shard_counts
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.layout import StateLayout
+
+if TYPE_CHECKING:  # annotations only: the stage code reads the algorithm through the contract
+    from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
 
 BUDGET_FRACTION = 0.8
 """Share of this node's available memory a round may use under ``memory_budget: auto``."""
@@ -99,8 +103,6 @@ def _projected(
 ) -> tuple[FlatModel, Callable[[int], ClientData], torch.Tensor]:
     """The model on d₁′ inputs (built from the run's seed), the projected client data, and the
     projected test inputs."""
-    from hpcfl.algorithms.cp_ntkfl import projection_matrix
-
     if not fed.flat_inputs:
         raise ConfigError(
             f"params.projection_dim needs a model on flat inputs (model: mlp), got model: {fed.model_name}; "
@@ -121,8 +123,7 @@ def _projected(
 def enter_ntk(entry: StageInput) -> StagePlan:
     """The plan of NTK-FL's single stage; raises the memory guard's ConfigError before any round."""
     fed = entry.fed
-    algo = fed.algorithm
-    assert isinstance(algo, NTKFL)
+    algo = cast("NTKFL", fed.algorithm)  # the stage NTK-FL (and CP-NTK-FL) declare
     if fed.chosen_metrics:
         raise ConfigError(
             f"{algo.name} uploads Jacobians, not models: set cka_metrics: false and drift_diversity: false"

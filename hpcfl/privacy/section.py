@@ -11,6 +11,10 @@ Two kinds of differential privacy (DP), chosen by ``level``:
 
 Either ``noise_multiplier`` z is given, or a target ``epsilon`` (with ``delta``), from which z is
 calibrated up front by the accountant library for the run's rounds, sampling rate and steps.
+
+Which levels an algorithm supports is its own declaration (``Algorithm.dp_levels``, and
+``Algorithm.dp_refusal`` for why not), read here from the class the registry names: this module
+names no algorithm, so a plugin can declare DP support as a built-in does.
 """
 
 from __future__ import annotations
@@ -19,25 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpcfl.errors import ConfigError
+from hpcfl.registry import ALGORITHMS
 
 LEVELS = ("none", "client", "sample")
 ACCOUNTANTS = ("rdp", "prv")  # Opacus's Rényi-DP and privacy-random-variable accountants
-
-# Algorithms whose upload is the local model and whose server step reads only its (clipped, noised)
-# mean: FedAvg's clients with FedAvg's, FedAdam's or a momentum (FedAvgM-style) server step.
-SUPPORTED = ("fedavg", "fedprox", "fedadam", "fedavgm")
-# Why the others cannot be bounded by one clip of the model update (the refusal's reason).
-REFUSED_BECAUSE = {
-    "scaffold": "its control variates are a second upload the clip does not bound",
-    "feddyn": "its server state h is a second, unclipped statistic of the uploads",
-    "fednova": "its normalised update is weighted by each client's local step count",
-    "fedpvr": "its control variates are a second upload the clip does not bound",
-    "moon": "its contrastive loss reads previous local models outside the clipped update",
-    "fedcka": "its loss reads previous local models outside the clipped update",
-    "ntkfl": "it uploads Jacobians and labels, not a clippable update",
-    "cp-ntkfl": "it uploads Jacobians, not a clippable update",
-    "tct": "it uploads eNTK features, not a clippable update",
-}
 
 
 @dataclass(frozen=True)
@@ -79,6 +68,12 @@ class PrivacySection:
         return self.adaptive_clip.target_quantile is not None
 
 
+def _supporting(level: str) -> list[str]:
+    """The built-in algorithms that declare ``level`` (for the refusal's advice; imports them all,
+    on the error path only)."""
+    return [name for name in ALGORITHMS.builtin_names() if level in ALGORITHMS[name].dp_levels]
+
+
 def validate_privacy(p: PrivacySection, cfg: Any) -> None:
     """Refuse, in one line, a privacy section that is out of range or does not fit the run."""
     if p.level not in LEVELS:
@@ -116,11 +111,11 @@ def validate_privacy(p: PrivacySection, cfg: Any) -> None:
             raise ConfigError(
                 f"config key 'privacy.adaptive_clip.count_stddev' must be > 0, got {ac.count_stddev}"
             )
-    if cfg.algorithm not in SUPPORTED:
-        why = REFUSED_BECAUSE.get(cfg.algorithm, "its upload is not the local model alone")
+    algorithm = ALGORITHMS[cfg.algorithm]  # the class only (config has loaded it already)
+    if p.level not in algorithm.dp_levels:
         raise ConfigError(
-            f"privacy.level={p.level} does not support algorithm {cfg.algorithm!r}: {why}; "
-            f"use one of {', '.join(SUPPORTED)}"
+            f"privacy.level={p.level} does not support algorithm {cfg.algorithm!r}: {algorithm.dp_refusal}; "
+            f"use one of {', '.join(_supporting(p.level))}"
         )
     if p.level == "client":
         sampled = cfg.participation is not None and cfg.participation < 1

@@ -30,7 +30,7 @@ from hpcfl.algorithms.participation import Population
 from hpcfl.algorithms.tct_params import Stage2Section
 from hpcfl.comm.base import Communicator
 from hpcfl.errors import StoreError
-from hpcfl.features import FeatureStoreReader, open_feature_store
+from hpcfl.features import FeatureMeta, FeatureStoreReader, open_feature_store
 from hpcfl.files import atomic_torch_save, load_torch_file
 from hpcfl.tct.features import (
     HELD_OUT_STORE,
@@ -40,7 +40,13 @@ from hpcfl.tct.features import (
     feature_meta,
     test_shards,
 )
-from hpcfl.tct.problem import LinearProblem, centred_one_hot, design_matrix, federated_moments
+from hpcfl.tct.problem import (
+    FeatureMoments,
+    LinearProblem,
+    centred_one_hot,
+    design_matrix,
+    federated_moments,
+)
 from hpcfl.tct.solvers import ClosedFormSolver, LocalSolver, PrimalSolver
 from hpcfl.tct.stage2 import Stage2, Stage2Params, auto_lr, check_stability, spectrum
 from hpcfl.training.evaluate import JointCounts
@@ -81,22 +87,60 @@ def prepare_stage2(
     extract: bool = True,
     stop: Callable[[], bool] | None = None,
 ) -> Stage2Setup:
-    """Everything before stage 2's first round, collectively on every rank.
+    """Everything before stage 2's first round, collectively on every rank: TCT's stage-2 recipe
+    (Algorithm 2's setup), one named step each.
 
     With ``extract=False`` the feature stores must already be complete and match (tct-stage2).
     ``stop()`` is polled during the extraction (see :func:`hpcfl.tct.features.ensure_store`).
     """
-    ds = fed.dataset
     # 1. convexify: a copy of the bootstrapped model with a fresh 1-output head from a fixed seed
     fed.flat.load(theta)
     model = convexified_model(fed.flat.model, cfg2)
     meta = feature_meta(model, cfg2)
-    # 2. features of every owned client and test shard, into Zarr (reused when complete)
+    # 2. features: the eNTK features of every owned client and test shard, in Zarr (reused when complete)
+    stores = _extract_features(fed, comm, run_dir, cfg2, model, meta, extract=extract, stop=stop)
+    # 3. moments: standardise with ONE allreduce of (Σz, Σz², n) over all clients' training features
+    problems, moments = _training_problems(fed, comm, stores, cfg2, meta)
+    test, held = _evaluation_problems(fed, stores, moments, cfg2)
+    # 4. solver: each client's local solver, and the stability check before any round is spent
+    solvers, every, lr = _local_solvers(problems, cfg2, comm)
+    # 5. server state: the stage-2 algorithm and its round plan, ψ₀ = 0 (Stage2Setup.initial_server)
+    return _stage2_setup(fed, comm, problems, test, held, solvers, every, lr, meta.p, cfg2)
+
+
+@dataclass
+class _FeatureStores:
+    """Stage 2's features as this rank reads them: the training and test stores, the held-out
+    shares' store (``client_eval``; None without it), and which clients and test shards it owns."""
+
+    train: FeatureStoreReader
+    test: FeatureStoreReader
+    held: FeatureStoreReader | None
+    held_ids: list[int]  # this rank's clients with a held-out share
+    owned: list[int]  # this rank's clients
+    shards: list[int]  # this rank's test shards
+    num_clients: int
+
+
+def _extract_features(
+    fed: FederationView,
+    comm: Communicator,
+    run_dir: Path,
+    cfg2: Stage2Section,
+    model: torch.nn.Module,
+    meta: FeatureMeta,
+    *,
+    extract: bool,
+    stop: Callable[[], bool] | None,
+) -> _FeatureStores:
+    """z = S(∂f(x; θ)/∂θ) of every sample this rank owns, written once into the run's stores
+    (features.zarr, features_test.zarr, the held-out store), or, with ``extract=False``, the
+    existing stores checked against ``meta``; the images are done with when this returns."""
+    ds = fed.dataset
     K = len(fed.parts)
     shards = test_shards(ds.test.y.numel(), K, comm)
     items = {k: (d.x, d.y) for k, d in fed.clients.items()}  # this rank's clients, on the device
-    owned = list(items)
-    held = _held_out_items(fed, owned)  # client_eval's held-out shares of this rank's clients
+    held = _held_out_items(fed, list(items))  # client_eval's held-out shares of this rank's clients
     if not extract:
         for name in ("features.zarr", "features_test.zarr", *((HELD_OUT_STORE,) if held is not None else ())):
             open_feature_store(run_dir / name, expect=meta)  # StoreError names what differs
@@ -110,73 +154,77 @@ def prepare_stage2(
         error = comm.bcast(error)
         if error is not None:
             raise StoreError(error)
-    ensure_store(
-        run_dir / "features.zarr",
-        meta,
-        items,
-        list(range(K)),
-        model,
-        cfg2,
-        comm,
-        stop=stop,
-    )
-    ensure_store(
-        run_dir / "features_test.zarr",
-        meta,
-        {s: (ds.test.x[a:b], ds.test.y[a:b]) for s, (a, b) in shards.items()},
-        list(range(K)),
-        model,
-        cfg2,
-        comm,
-        stop=stop,
-    )
+    every_client = list(range(K))
+    ensure_store(run_dir / "features.zarr", meta, items, every_client, model, cfg2, comm, stop=stop)
+    test_items = {s: (ds.test.x[a:b], ds.test.y[a:b]) for s, (a, b) in shards.items()}
+    ensure_store(run_dir / "features_test.zarr", meta, test_items, every_client, model, cfg2, comm, stop=stop)
     if held is not None and extract:
         assert fed.client_eval is not None
-        ensure_store(
-            run_dir / HELD_OUT_STORE,
-            meta,
-            held,
-            [k for k, share in enumerate(fed.client_eval) if share.numel()],
-            model,
-            cfg2,
-            comm,
-            stop=stop,
-        )
+        with_share = [k for k, share in enumerate(fed.client_eval) if share.numel()]
+        ensure_store(run_dir / HELD_OUT_STORE, meta, held, with_share, model, cfg2, comm, stop=stop)
+    return _FeatureStores(
+        train=open_feature_store(run_dir / "features.zarr", expect=meta),
+        test=open_feature_store(run_dir / "features_test.zarr", expect=meta),
+        held=open_feature_store(run_dir / HELD_OUT_STORE, expect=meta) if held is not None else None,
+        held_ids=list(held) if held is not None else [],
+        owned=list(items),
+        shards=list(shards),
+        num_clients=K,
+    )
+
+
+def _training_problems(
+    fed: FederationView, comm: Communicator, stores: _FeatureStores, cfg2: Stage2Section, meta: FeatureMeta
+) -> tuple[dict[int, LinearProblem], FeatureMoments | None]:
+    """Each owned client's least-squares problem on standardised features (bias as a constant
+    feature, targets one-hot − 1/C), and the federation's moments that standardised them (one
+    allreduce; None with ``normalize: false``)."""
     device = fed.device  # stage 2 runs where the run does; the stores decode on the host
-    train = open_feature_store(run_dir / "features.zarr", expect=meta)
-    test = open_feature_store(run_dir / "features_test.zarr", expect=meta)
-    del items  # the images are done with; the features replace them
-    raw = {k: _read_to(train, k, device) for k in owned}
-    # 3. standardise with ONE allreduce of (Σz, Σz², n) over all clients' training features
+    raw = {k: _read_to(stores.train, k, device) for k in stores.owned}
     moments = (
-        federated_moments({k: z for k, (z, _) in raw.items()}, comm, p=meta.p, clients=K, device=device)
+        federated_moments(
+            {k: z for k, (z, _) in raw.items()}, comm, p=meta.p, clients=stores.num_clients, device=device
+        )
         if cfg2.normalize
         else None
     )
-    dtype, C = _dtype(cfg2), ds.num_classes
     # each client's raw block is freed as soon as its design matrix exists: the device then holds
     # the design matrices and one raw block, not both sets (at p = 1e5, 24 GB of float32 features
     # beside 48 GB of float64 ones for Fashion-MNIST's 60,000 samples)
     problems: dict[int, LinearProblem] = {}
     for k in list(raw):
         z, y = raw.pop(k)
-        problems[k] = LinearProblem(design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y)
+        problems[k] = _problem(z, y, moments, cfg2, fed.dataset.num_classes)
         del z
-    test_problems = []
-    for s in shards:
-        z, y = _read_to(test, s, device)
-        test_problems.append(
-            LinearProblem(design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y)
-        )
-    held_problems = {}
-    if held is not None:  # the held-out shares' features, standardised like the training ones
-        store = open_feature_store(run_dir / HELD_OUT_STORE, expect=meta)
-        for k in held:
-            z, y = _read_to(store, k, device)
-            held_problems[k] = LinearProblem(
-                design_matrix(z, moments, dtype=dtype), centred_one_hot(y, C, dtype), y
-            )
-    # 4. local solvers and the stability check (before any round is spent)
+    return problems, moments
+
+
+def _evaluation_problems(
+    fed: FederationView, stores: _FeatureStores, moments: FeatureMoments | None, cfg2: Stage2Section
+) -> tuple[list[LinearProblem], dict[int, LinearProblem]]:
+    """The test shards' problems and the held-out shares' (``client_eval``), standardised like the
+    training ones."""
+    C = fed.dataset.num_classes
+    test = [_problem(*_read_to(stores.test, s, fed.device), moments, cfg2, C) for s in stores.shards]
+    held = {}
+    if stores.held is not None:
+        held = {k: _problem(*_read_to(stores.held, k, fed.device), moments, cfg2, C) for k in stores.held_ids}
+    return test, held
+
+
+def _problem(
+    z: torch.Tensor, y: torch.Tensor, moments: FeatureMoments | None, cfg2: Stage2Section, num_classes: int
+) -> LinearProblem:
+    dtype = _dtype(cfg2)
+    return LinearProblem(design_matrix(z, moments, dtype=dtype), centred_one_hot(y, num_classes, dtype), y)
+
+
+def _local_solvers(
+    problems: dict[int, LinearProblem], cfg2: Stage2Section, comm: Communicator
+) -> tuple[dict[int, LocalSolver], dict[int, tuple[float, int]], float]:
+    """Each client's solver (the closed form, or the primal M-step reference), every client's
+    (λ_max, n_k) from all ranks, and η2 (the configured one, or half the largest stable rate); a
+    diverging η2 is refused here, before any round is spent."""
     solvers: dict[int, LocalSolver] = {
         k: ClosedFormSolver(pr) if cfg2.solver == "closed_form" else PrimalSolver(pr, loss=cfg2.loss)
         for k, pr in problems.items()
@@ -187,7 +235,24 @@ def prepare_stage2(
         check_stability(every, lr)
     if cfg2.auto_lr and comm.rank == 0:
         log.info("stage2.auto_lr: η2 = %.4g (half the largest stable rate)", lr)
-    shape = (meta.p + 1, C)
+    return solvers, every, lr
+
+
+def _stage2_setup(
+    fed: FederationView,
+    comm: Communicator,
+    problems: dict[int, LinearProblem],
+    test: list[LinearProblem],
+    held: dict[int, LinearProblem],
+    solvers: dict[int, LocalSolver],
+    every: dict[int, tuple[float, int]],
+    lr: float,
+    p: int,
+    cfg2: Stage2Section,
+) -> Stage2Setup:
+    """The stage-2 algorithm (SCAFFOLD/FedAvg over the linear problems, ψ of shape (p + 1, C)) and
+    the round plan the runner drives it with."""
+    shape = (p + 1, fed.dataset.num_classes)
     algo = Stage2(Stage2Params(lr=lr, local_steps=cfg2.local_steps, variant=cfg2.variant), solvers, shape)
     data = {k: ClientData(k, pr.z, pr.y) for k, pr in problems.items()}
     plan = RoundPlan(
@@ -195,15 +260,15 @@ def prepare_stage2(
         comm=comm,
         data=data.__getitem__,  # stage 2's clients stay on the rank that extracted their features
         trainer=None,
-        population=Population(tuple(n for _, n in (every[k] for k in range(K)))),
+        population=Population(tuple(n for _, n in (every[k] for k in range(len(fed.parts))))),
         # host: stage 2 is deterministic full-batch and draws nothing; the loop still asks for a generator
         generator=lambda rnd, k: torch.Generator(),
         seed=fed.seed,
         reduction=fed.reduction,
-        evaluate=_evaluator(problems, test_problems, shape, comm, device),
+        evaluate=_evaluator(problems, test, shape, comm, fed.device),
         eval_every=1,
         lr_hint=f" (stage-2 η is {lr:g})",
-        observers=_client_evaluation(fed, problems, held_problems, solvers, shape, lr),
+        observers=_client_evaluation(fed, problems, held, solvers, shape, lr),
         # dropped participants (their stage-2 uploads missing) as in stage 1; a stage-2 client's work is
         # the configured M closed-form steps, so ``system.work`` does not change it
         system=fed.system,
@@ -211,10 +276,10 @@ def prepare_stage2(
     return Stage2Setup(
         plan=plan,
         shape=shape,
-        dtype=dtype,
+        dtype=_dtype(cfg2),
         lr=lr,
         lambda_max={k: v[0] for k, v in every.items()},
-        device=device,
+        device=fed.device,
     )
 
 

@@ -40,6 +40,8 @@ class ServerLRFedAvg(Algorithm[ServerLRParams, ServerState, ClientState]):
     name = "example_slr"
     Params = ServerLRParams
     example_params = ServerLRParams(server_lr=0.5)
+    #: DP-FedAvg fits: the upload is the local model and the server step reads only its mean
+    dp_levels = ("client",)
 
     def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
