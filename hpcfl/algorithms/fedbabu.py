@@ -44,10 +44,8 @@ from hpcfl.algorithms.base import (
     Exchange,
     HyperParams,
     LocalTask,
-    Received,
     ServerContext,
     ServerState,
-    SumSpec,
     check_weighting,
     model_upload,
 )
@@ -101,8 +99,7 @@ class FedBABU(Algorithm[FedBABUParams, ServerState, ClientState]):
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
         """The body: the state vector without the head's slices."""
-        shared = self.split.shared_size
-        return Exchange(sums=(SumSpec("x", shared, dtype),), received=(Received("x", shared),))
+        return self.split.exchange(dtype)
 
     def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
@@ -134,5 +131,4 @@ class FedBABU(Algorithm[FedBABUParams, ServerState, ClientState]):
     def server_update(
         self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
     ) -> tuple[ServerState, dict[str, float]]:
-        body = aggregate.sums["x"] / aggregate.weight
-        return dataclasses.replace(server, x=self.split.with_shared(server.x, body)), {}
+        return self.split.averaged(server, aggregate), {}

@@ -29,7 +29,6 @@ kept; it matters only to a BN with ``momentum=None``, which no hpcfl model build
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -45,10 +44,8 @@ from hpcfl.algorithms.base import (
     Exchange,
     HyperParams,
     LocalTask,
-    Received,
     ServerContext,
     ServerState,
-    SumSpec,
     check_weighting,
     model_upload,
 )
@@ -89,8 +86,7 @@ class FedBN(Algorithm[FedBNParams, ServerState, FedBNClientState]):
         return Split.of(self.layout, [e for e in self.layout.entries if e.module_type in NORM_TYPES])
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
-        shared = self.split.shared_size
-        return Exchange(sums=(SumSpec("x", shared, dtype),), received=(Received("x", shared),))
+        return self.split.exchange(dtype)
 
     def init_client(self, k: int, server: ServerState) -> FedBNClientState:
         return FedBNClientState()
@@ -116,5 +112,4 @@ class FedBN(Algorithm[FedBNParams, ServerState, FedBNClientState]):
     def server_update(
         self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
     ) -> tuple[ServerState, dict[str, float]]:
-        shared = aggregate.sums["x"] / aggregate.weight
-        return dataclasses.replace(server, x=self.split.with_shared(server.x, shared)), {}
+        return self.split.averaged(server, aggregate), {}

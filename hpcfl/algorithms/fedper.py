@@ -25,7 +25,6 @@ on the whole model, so ``client_batch`` trains participants as one vectorised st
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +40,8 @@ from hpcfl.algorithms.base import (
     Exchange,
     HyperParams,
     LocalTask,
-    Received,
     ServerContext,
     ServerState,
-    SumSpec,
     check_weighting,
     model_upload,
 )
@@ -94,8 +91,7 @@ class FedPer(Algorithm[FedPerParams, ServerState, HeadState]):
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
         """The body: the state vector without the head's slices."""
-        shared = self.split.shared_size
-        return Exchange(sums=(SumSpec("x", shared, dtype),), received=(Received("x", shared),))
+        return self.split.exchange(dtype)
 
     def init_client(self, k: int, server: ServerState) -> HeadState:
         return HeadState()
@@ -122,5 +118,4 @@ class FedPer(Algorithm[FedPerParams, ServerState, HeadState]):
     def server_update(
         self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
     ) -> tuple[ServerState, dict[str, float]]:
-        body = aggregate.sums["x"] / aggregate.weight
-        return dataclasses.replace(server, x=self.split.with_shared(server.x, body)), {}
+        return self.split.averaged(server, aggregate), {}

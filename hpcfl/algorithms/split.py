@@ -10,11 +10,13 @@ back, on whatever device the vector is on.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from hpcfl.algorithms.base import Aggregate, Exchange, Received, ServerState, SumSpec
 from hpcfl.errors import ConfigError
 from hpcfl.training.layout import Entry, StateLayout
 
@@ -104,6 +106,18 @@ class Split:
         out = x.clone()
         self._put(out, self.shared, shared)
         return out
+
+    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        """Only the shared part travels: uploaded (summed) and downloaded."""
+        return Exchange(
+            sums=(SumSpec("x", self.shared_size, dtype),), received=(Received("x", self.shared_size),)
+        )
+
+    def averaged(self, server: ServerState, aggregate: Aggregate) -> ServerState:
+        """The server state with its shared part replaced by the participants' weighted mean (the
+        kept part is the clients' own: the server's copy is only their starting point)."""
+        shared = aggregate.sums["x"] / aggregate.weight
+        return dataclasses.replace(server, x=self.with_shared(server.x, shared))
 
     def param_mask(self, like: torch.Tensor, *, kept: bool) -> torch.Tensor:
         """A 0/1 vector over the trainable parameters (dtype and device of ``like``): 1 on the kept
