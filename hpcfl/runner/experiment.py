@@ -10,7 +10,6 @@ runs them in sequence, continuing round numbers and checkpoints across them.
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import sys
 import time
@@ -147,7 +146,7 @@ def set_threads(cfg: Config, comm: Communicator) -> None:
     Without this every rank of ``mpiexec -n R`` starts one thread per core and they oversubscribe
     the node, and spinning OpenMP threads make rounds many times slower.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(node.allowed_cores())
     if cfg.threads:
         if cfg.threads > cores and comm.rank == 0:  # torch segfaults creating 100,000 threads
             print(
@@ -161,7 +160,7 @@ def set_threads(cfg: Config, comm: Communicator) -> None:
     threads = torch.get_num_threads()
     if comm.rank == 0 and cfg.device == "cpu" and threads > 1:  # a shared node: say so once, with the remedy
         busy = node.busy_cores()
-        note = node.oversubscription_note(threads, comm.local_size, len(node.allowed_cores()), busy)
+        note = node.oversubscription_note(threads, comm.local_size, cores, busy)
         if note is not None:
             print(note, file=sys.stderr)
 
