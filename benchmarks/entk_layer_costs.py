@@ -170,8 +170,7 @@ def measure_model(name: str, args: argparse.Namespace, device: Any) -> tuple[lis
                     else costs.form_features(form, batch=args.batch, device_type=device.type, **dims)
                 )
                 predicted = sum(
-                    costs._COSTS[device.type if device.type == "cuda" else "cpu"][k] * v
-                    for k, v in feats.items()
+                    costs.constants(device.type)[k] * v for k, v in feats.items()
                 )
                 rows.append({"model": name, "layer": layer, "kind": kind, "batch": args.batch, "numel": weight.numel,
                              **dims, "form": form, "chosen": chosen, "ms": ms,
@@ -206,7 +205,6 @@ def whole_batches(
     columns = param_columns(named, coordinate_set(total, p, 0))
     out = torch.empty(args.batch, p, device=device)
     bench = timer(device, args)
-    key = "cuda" if device.type == "cuda" else "cpu"
     result: dict[str, float] = {}
 
     def plain() -> None:
@@ -214,10 +212,10 @@ def whole_batches(
         F.cross_entropy(model(x), y).backward()
 
     result["plain"] = bench(plain)
-    current = costs._COSTS[key]
+    current = costs.constants
     for policy in ("auto", "fitted", "gather", "materialise"):
         if policy == "fitted":
-            costs._COSTS[key] = fitted  # this process only: the fitted constants' choice
+            costs.constants = lambda device_type: fitted  # this process only: the fitted constants' choice
         try:
             with eval_mode(model):
                 plan = build_plan(
@@ -229,7 +227,7 @@ def whole_batches(
                     )
                 )
         finally:
-            costs._COSTS[key] = current
+            costs.constants = current
     print(f"  {name}: ms per batch of {args.batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
     return result
 
@@ -291,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         tt.AUTOTUNE = True  # read by the gathers on every launch
     key = "cuda" if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {"device": str(device), "batch": args.batch, "p": args.p, "models": [],
-                              "constants_now": dict(costs._COSTS[key]), "fitted": None, "batches": {},
+                              "constants_now": dict(costs.constants(key)), "fitted": None, "batches": {},
                               "autotune": args.autotune}  # fmt: skip
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
@@ -319,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({s['now_ms']:.2f} ms), by the fitted {s['right_fitted']}/{s['layers']} ({s['fitted_ms']:.2f} ms), "
                   f"always the faster {s['best_ms']:.2f} ms")  # fmt: skip
     else:
-        fitted = dict(costs._COSTS[key])
+        fitted = dict(costs.constants(key))
         print("\nno layer with both forms (every weight kept whole?): nothing to fit")
     if not args.no_batches:
         print("\nwhole fused batches (auto = current constants, fitted = the fit's choice):")

@@ -30,16 +30,20 @@
 #   layercosts  benchmarks/entk_layer_costs.py: every Linear/Conv2d weight of simplecnn, resnet8-GN,
 #               resnet18-GN, vgg11 (B = 256, p = 1e5) by the gather kernels and by materialising
 #               (one batched product, then a pick), do_bench-timed; fits the eNTK cost model's
-#               CUDA constants (paste the printed dict into CUDA_COSTS in hpcfl/entk/costs.py)
+#               CUDA constants (paste the printed dict into CUDA_COSTS in hpcfl/entk/costs.py); the
+#               steps after it use the fit through HPCFL_ENTK_COSTS (hpcfl/entk/costs.py)
 #   main        the README's main job (TCT vs FedAvg on Fashion-MNIST) with device=cuda, timed
 #   round       FedAvg round throughput at the default client_batch (auto) vs one by one vs a plain
 #               loop, K = 10, 100, 1000
 #   batched     benchmarks/batched_clients.py: groups vs one by one, simplecnn and resnet8
-#   entk        hpcfl bench entk on simplecnn, resnet8, vgg11
+#   entk        hpcfl bench entk, fused vs Opacus hooks (its fastest eNTK mode on this GPU: functorch
+#               was half as fast on resnet18 and simplecnn; vmap far slower), simplecnn, resnet8,
+#               vgg11, resnet18, with the constants layercosts fitted when it ran first
 #   profile     the fused eNTK batch's kernels (torch.profiler) beside plain training's: what a
 #               per-layer GPU cost model is fitted from
 #   dp          DP-SGD vs Opacus (hooks and ghost clipping) and non-private, simplecnn and resnet8-GN
-#   stage2      TCT stage 2's closed form on the GPU vs the CPU at n_k = 6,000, p = 100,000, M = 500
+#   stage2      TCT stage 2's closed form on the GPU vs the same machine's CPU at n_k = 6,000,
+#               p = 100,000, M = 500 (the CPU run one timed round)
 #   frameworks  BlazeFL's/Flower's published setup (100 clients x 500, 5 epochs, batch 50; CNN, ResNet-18)
 #   gathertune  layercosts again with the gathers launched through triton.autotune (tile sizes per
 #               shape; off by default until this step shows it pays): simplecnn, resnet18, vgg11
@@ -51,8 +55,8 @@ STEPS_ALL=(tests checkpoint entk18 layercosts main round batched entk profile dp
 
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
-    [tests]="170 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="90 30" [main]="120 60" [round]="120 50"
-    [batched]="120 40" [entk]="150 40" [profile]="45 20" [dp]="90 40" [stage2]="90 40" [frameworks]="150 60" [gathertune]="90 30"
+    [tests]="150 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="120 30" [main]="120 60" [round]="120 50"
+    [batched]="120 40" [entk]="170 40" [profile]="45 20" [dp]="90 40" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
 )
 declare -A CMD=(
     [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py tests/test_entk_forms.py --junitxml $OUTDIR/pytest_gpu.xml"
@@ -61,11 +65,11 @@ declare -A CMD=(
     [layercosts]="python3 benchmarks/entk_layer_costs.py --device cuda --models simplecnn resnet8 resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
     [main]="python3 -m hpcfl compare --set device=cuda --out $OUTDIR/compare_cuda"
     [round]="python3 benchmarks/round_throughput.py --device cuda --clients 10 100 1000 --rounds 2 --out $OUTDIR/round_throughput_cuda"
-    [batched]="python3 benchmarks/batched_clients.py --device cuda --models simplecnn resnet8 --clients 100 1000 --batches all auto --repeats 3 --no-yardstick --out $OUTDIR/batched_clients_cuda"
-    [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --out $OUTDIR/entk_simplecnn_cuda && python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --out $OUTDIR/entk_vgg11_cuda && python3 -m hpcfl bench entk --device cuda --model resnet8 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --out $OUTDIR/entk_resnet8_cuda"
+    [batched]="python3 benchmarks/batched_clients.py --device cuda --models resnet8 simplecnn --clients 100 1000 --batches all auto --repeats 3 --no-yardstick --out $OUTDIR/batched_clients_cuda"
+    [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_simplecnn_cuda && python3 -m hpcfl bench entk --device cuda --model resnet8 --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet8_cuda && python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_vgg11_cuda && python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
     [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
-    [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda"
+    [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda && python3 benchmarks/stage2_solver.py --device cpu --n 6000 --p 100000 --classes 10 --local-steps 500 --rounds 1 --check-rounds 1 --out $OUTDIR/stage2_cpu_of_gpu_host"
     [gathertune]="python3 benchmarks/entk_layer_costs.py --device cuda --autotune --models simplecnn resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
     [frameworks]="python3 benchmarks/fl_frameworks_setup.py --device cuda --models simplecnn resnet18 --batches auto --out $OUTDIR/fl_frameworks_setup_cuda"
 )
@@ -156,6 +160,11 @@ run() {
         local t0=$SECONDS
         timeout --kill-after=5 "$limit" bash -c "${CMD[$step]}"
         echo "== $step: exit $? after $((SECONDS - t0)) s ($((deadline - SECONDS)) s of the budget left)"
+        local fit=$OUTDIR/entk_layer_costs_cuda/entk_layer_costs_cuda.json
+        if [ "$step" = layercosts ] && grep -q '"fitted": {' "$fit" 2>/dev/null; then
+            export HPCFL_ENTK_COSTS=$PWD/$fit
+            echo "== the steps after it use the fitted eNTK layer-form constants: HPCFL_ENTK_COSTS=$HPCFL_ENTK_COSTS"
+        fi
         archive
     done
     echo "== done after $SECONDS s"

@@ -449,6 +449,7 @@ def _plot(rows: list[dict[str, Any]], config: dict[str, Any], path: Path) -> Non
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run every method (plus ``plain``) in its own subprocess, write CSV/JSON/PNG, print a table."""
+    from hpcfl.entk import costs
     from hpcfl.errors import ConfigError
     from hpcfl.files import atomic_write_text
 
@@ -477,6 +478,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         else os.environ.get("OMP_WAIT_POLICY", "default"),
         "keep_freed_memory": bool(args.keep_freed_memory),
         "malloc_env": {k: os.environ[k] for k in KEEP_FREED_MEMORY if k in os.environ},
+        "layer_form_costs": {"constants": costs.constants(args.device), "from": os.environ.get(costs.COSTS_ENV)},
     }
     best: dict[str, dict[str, Any]] = {}
     per_round: list[dict[str, Any]] = []

@@ -11,10 +11,15 @@ constants of a device are a non-negative least-squares fit on per-layer timings.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Literal
 
 import numpy as np
+
+from hpcfl.errors import ConfigError
 
 Form = Literal["full", "gather", "materialise"]
 """How a Linear/Conv2d weight's kept coordinates are formed (see the module docstring)."""
@@ -68,6 +73,34 @@ _COSTS = {"cpu": CPU_COSTS, "cuda": CUDA_COSTS}
 COST_TERMS: tuple[str, ...] = ("launch", "mac", "mem", "pick", "term", "store")
 """The cost model's constants, in the order of :func:`form_features`' columns."""
 
+COSTS_ENV = "HPCFL_ENTK_COSTS"
+"""Names a JSON file written by ``benchmarks/entk_layer_costs.py`` whose ``fitted`` constants
+replace the built-in ones for its ``device`` type: constants fitted on a cluster's own GPU model
+(an A100's differ from an H200's) without editing the package."""
+
+
+@lru_cache(maxsize=4)
+def _fitted_file(path: str) -> tuple[str, dict[str, float]]:
+    try:
+        report = json.loads(open(path, encoding="utf-8").read())
+        device_type = "cuda" if str(report["device"]).startswith("cuda") else "cpu"
+        fitted = {name: float(report["fitted"][name]) for name in COST_TERMS}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{COSTS_ENV}={path}: not a fitted-constants report of entk_layer_costs.py ({err})") from None
+    return device_type, fitted
+
+
+def constants(device_type: str) -> dict[str, float]:
+    """The cost constants for a device type: :data:`CUDA_COSTS` or :data:`CPU_COSTS`, or the fitted
+    ones of the file named by ``$HPCFL_ENTK_COSTS`` where it was fitted on that device type."""
+    key = "cuda" if device_type == "cuda" else "cpu"
+    path = os.environ.get(COSTS_ENV)
+    if path:
+        fitted_type, fitted = _fitted_file(path)
+        if fitted_type == key:
+            return fitted
+    return _COSTS[key]
+
 
 def materialise_tile(batch: int, per_sample: int, device_type: str) -> int:
     """Samples per tile of the materialise path: its temporaries (``per_sample`` elements a sample)
@@ -120,7 +153,7 @@ def layer_form_costs(
     *, batch: int, n: int, out_channels: int, k: int, unfold_rows: int, length: int, device_type: str
 ) -> dict[str, float]:
     """Each form's estimated time (ns) for one layer's weight over a batch (see :func:`form_features`)."""
-    consts = _COSTS["cuda" if device_type == "cuda" else "cpu"]
+    consts = constants(device_type)
     dims = dict(
         batch=batch,
         n=n,
