@@ -368,3 +368,28 @@ def test_vmap_in_several_chunks_equals_the_loop(monkeypatch):
     got = entk_features(model, x, p=p, seed=4, method="vmap")
     ref = entk_features(model, x, p=p, seed=4, method="loop")
     _assert_close(got, ref, "vmap in chunks vs loop")
+
+
+def test_bench_entk_keeps_every_coordinate_when_p_exceeds_the_model_and_takes_norm(tmp_path, capsys):
+    """``--p`` above P keeps all P coordinates (said, recorded) instead of failing every method (the
+    H200 session's resnet8 at p = 1e5 > 78,042); ``--norm gn`` builds the GroupNorm ResNet Opacus
+    accepts; ``--norm`` on a model without that option is one line, exit 2."""
+    import json
+
+    from hpcfl.cli.main import main
+    from hpcfl.entk import num_params
+    from hpcfl.models import build_model
+
+    out = tmp_path / "bench"
+    args = ["bench", "entk", "--model", "resnet8", "--norm", "gn", "--p", "10000000", "--batch", "2"]
+    args += ["--methods", "fused", "--repeats", "1", "--threads", "1", "--rounds", "1", "--out", str(out)]
+    assert main(args) == 0
+    total = num_params(build_model("resnet8", (3, 32, 32), 10, norm="gn"))
+    assert "every coordinate kept (p = " + f"{total:,})" in capsys.readouterr().out
+    report = json.loads((out / "entk_bench.json").read_text())
+    assert report["config"]["p"] == total and report["config"]["p_requested"] == 10_000_000
+    assert report["config"]["norm"] == "gn"
+    assert all(r["status"] == "ok" for r in report["results"]), report["results"]
+    assert main(["bench", "entk", "--model", "mlp", "--norm", "gn", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hpcfl: error: --norm applies to resnet8 and resnet18, not mlp"], err

@@ -155,8 +155,13 @@ def test_fused_entk_on_cuda_equals_cpu_reference(name, shape, options, full) -> 
 #: algorithms whose ``device: cuda`` run is compared with the CPU run: (id, config keys, tolerance on
 #: the final state relative to its largest entry). The runs are short (3 rounds of a few local steps):
 #: float32 rounding of other kernels (and vectorised clients, ``client_batch: auto``) stays small.
+#: simplecnn's convolutions are the exception: with TF32 off, the H200 run differed from the CPU's by
+#: 7.5e-4 (1.9e-3 with TF32), while two CPU runs that only reorder the same float32 sums (client_batch
+#: 1 vs 64) differ by 1.8e-5: cuDNN's convolution algorithms (FFT and Winograd kernels are among those
+#: it picks, see benchmarks/results/entk_profile_cuda.csv) round differently from a direct sum, and 3
+#: rounds of SGD amplify it. A device mix-up or a wrong step is orders of magnitude beyond 3e-3.
 CUDA_RUNS = [
-    pytest.param("fedavg", {"model": "simplecnn"}, 1e-4, id="fedavg"),
+    pytest.param("fedavg", {"model": "simplecnn"}, 3e-3, id="fedavg"),
     pytest.param("scaffold", {}, 1e-4, id="scaffold"),
     pytest.param("fedpvr", {}, 1e-4, id="fedpvr"),
     pytest.param("feddyn", {"params": {"max_grad_norm": 10.0}}, 1e-4, id="feddyn-clipped"),

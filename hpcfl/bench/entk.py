@@ -112,6 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + DEFAULT_METHODS["cuda"]
         + ")",
     )
+    parser.add_argument(
+        "--norm",
+        default=None,
+        choices=("bn", "gn"),
+        help="normalisation of resnet8/resnet18 (default: the model's, resnet8 bn, resnet18 gn; "
+        "Opacus needs gn: it refuses BatchNorm)",
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per method (default 5)")
     parser.add_argument("--loop-samples", type=int, default=16, help="samples timed for loop (default 16)")
@@ -205,7 +212,7 @@ def _make_runner(spec: dict[str, Any]) -> tuple[Callable[[], None], int, str, An
     torch.manual_seed(spec["seed"])
     shape = tuple(spec["input_shape"])
     device = torch.device(spec["device"])
-    model = build_model(spec["model"], shape, 10).to(device).eval()
+    model = build_model(spec["model"], shape, 10, **_model_options(spec)).to(device).eval()
     batch, p, method = spec["batch"], spec["p"], spec["method"]
     x = torch.randn(batch, *shape, device=device)
     named = scope_parameters(model, "all")
@@ -276,6 +283,11 @@ def _make_runner(spec: dict[str, Any]) -> tuple[Callable[[], None], int, str, An
 
         return run, batch, note, out
     raise ValueError(method)
+
+
+def _model_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """``build_model`` options of a spec: ``norm`` where ``--norm`` was given."""
+    return {"norm": spec["norm"]} if spec.get("norm") else {}
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -462,10 +474,21 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if min(args.p, args.batch, args.repeats, args.loop_samples, args.rounds) < 1:
         raise ConfigError("--p, --batch, --repeats, --loop-samples and --rounds must be positive")
     shape = INPUT_SHAPES.get(args.model, CIFAR_SHAPE)
+    if args.norm and args.model not in ("resnet8", "resnet18"):
+        raise ConfigError(f"--norm applies to resnet8 and resnet18, not {args.model}")
+    from hpcfl.entk import num_params
+    from hpcfl.models import build_model
+
+    total = num_params(build_model(args.model, shape, 10, **({"norm": args.norm} if args.norm else {})))
+    p = min(args.p, total)
+    if p < args.p:
+        print(f"--p {args.p} is more than {args.model}'s {total:,} parameters: every coordinate kept (p = {total:,})")
     config = {
         "model": args.model,
+        "norm": args.norm,
         "input_shape": list(shape),
-        "p": args.p,
+        "p": p,
+        "p_requested": args.p,
         "batch": args.batch,
         "device": args.device,
         "repeats": args.repeats,

@@ -56,17 +56,24 @@ launch of each kernel, so tiles are as large as memory comfortably allows (simpl
 CPU_COSTS: dict[str, float] = {"launch": 0.0, "mac": 0.03, "mem": 0.3, "pick": 1.0, "term": 1.0, "store": 0.0}
 
 CUDA_COSTS: dict[str, float] = {
-    "launch": 5000.0,
-    "mac": 0.001,
-    "mem": 0.01,
-    "pick": 0.02,
-    "term": 0.02,
-    "store": 0.0,
+    "launch": 6892.0,
+    "mac": 6.441e-05,
+    "mem": 0.001572,
+    "pick": 0.00845,
+    "term": 0.001973,
+    "store": 0.004891,
 }
-"""TO BE FITTED ON A GPU: estimates (no GPU in the dev environment), to be replaced by the dict that
-``benchmarks/entk_layer_costs.py --device cuda`` prints. The ideas behind them: a launch costs a
-few µs whatever its size (what small layers pay), the Triton gather reads its operands from L2 at
-roughly memory speed, and a batched product is far cheaper per MAC than a gathered load."""
+"""Fitted on one NVIDIA H200 (PyTorch 2.11, Triton 3.6; 2026-11-27, ``benchmarks/entk_layer_costs.py
+--device cuda``, batch 256, p = 1e5, results in ``benchmarks/results/entk_layer_costs_cuda.*``) over
+74 (layer, form) rows of simplecnn, resnet18-GN and vgg11 (resnet8 keeps every weight whole at
+p = 1e5). With them the model picks the faster form on 5/5, 21/21 and 11/11 layers (the estimates
+before the fit: 4/5 — simplecnn's conv1, 0.024 ms by the gathers, 0.190 ms materialised). A launch
+costs ~7 µs, a gathered term ~2 ps and a bmm MAC ~0.06 ps: on this GPU the gathers win every layer but
+simplecnn's conv2 and conv3 (L = 49 and 16 output positions over most of a small weight). Whole
+batches move less than the layer sums suggest: the layers' forms are 0.44 ms of simplecnn's ~2.3-2.9
+ms fused batch, the rest is the forward/backward and host-side launch overhead (the kernel profile's
+device time of a fused batch is about plain training's), and two policies that do the same work timed
+up to 25% apart (resnet8, every weight whole)."""
 
 _COSTS = {"cpu": CPU_COSTS, "cuda": CUDA_COSTS}
 
