@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcfl.report.methods import Cell
-from hpcfl.report.protocol import Protocol
+from hpcfl.report.protocol import VALIDATION, Protocol
 from hpcfl.report.targets import default_target
 
 if TYPE_CHECKING:
@@ -51,25 +51,58 @@ def run_cached(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
 class Setting:
     """One cell of a benchmark table to fill under the protocol: a method (``row``) in a setting
     (``column``, e.g. a partition), its config without ``lr`` and ``seed``, and the learning rates
-    to choose among (one value: fixed, no search). With more than one, ``config`` must hold out a
-    ``validation`` share: the choice is made on it, never on the test set."""
+    to choose among (one value: fixed, no search). With more than one candidate, ``config`` must
+    hold out a ``validation`` share: the choice is made on it, never on the test set.
+
+    ``own``: the method's own weight searched beside the lr, ``(params key, values)`` (every lr ×
+    every value); ``judge``: the per-round metric the choice is made by (default the server model's
+    ``val_accuracy``; a personalised method's ``personal_val_acc_mean``: each client's own model on
+    its own validation share); ``lr_keys``: the config keys a candidate's lr sets (``a.b``: key b of
+    section a), e.g. ``("lr", "finetune_eval.lr")`` for fine-tuning at the run's lr."""
 
     row: str
     column: str
     config: dict[str, Any]
     lrs: tuple[float, ...]
+    own: tuple[str, tuple[float, ...]] | None = None
+    judge: str = VALIDATION
+    lr_keys: tuple[str, ...] = ("lr",)
+
+    def candidates(self) -> list[Any]:
+        """What is chosen among: the lrs, or (lr, own value) pairs."""
+        if self.own is None:
+            return list(self.lrs)
+        return [(lr, v) for lr in self.lrs for v in self.own[1]]
+
+    def overrides(self, candidate: Any) -> dict[str, Any]:
+        """The config keys a candidate sets (sections merged with the config's)."""
+        lr, value = (candidate, None) if self.own is None else candidate
+        out: dict[str, Any] = {}
+        for key in self.lr_keys:
+            section, _, name = key.rpartition(".")
+            if section:
+                out[section] = {**self.config.get(section, {}), name: lr}
+            else:
+                out[name] = lr
+        if self.own is not None:
+            out["params"] = {**self.config.get("params", {}), self.own[0]: value}
+        return out
 
 
-def run_dir_of(out: Path, setting: Setting, lr: float, seed: int) -> Path:
-    """``out/runs/<column>/<row>/lr=<lr>,seed=<seed>`` (names as ``hpcfl sweep`` makes them)."""
+def run_dir_of(out: Path, setting: Setting, candidate: Any, seed: int) -> Path:
+    """``out/runs/<column>/<row>/lr=<lr>[,<own key>=<value>],seed=<seed>`` (names as ``hpcfl sweep``
+    makes them)."""
     from hpcfl.sweep.grid import point_name
 
+    point: dict[str, Any] = {"lr": candidate if setting.own is None else candidate[0]}
+    if setting.own is not None:
+        point[setting.own[0]] = candidate[1]
     return (
         out
         / "runs"
         / point_name({"partition": setting.column})
         / point_name({"method": setting.row})
-        / point_name({"lr": lr, "seed": seed})
+        / point_name({**point, "seed": seed})
     )
 
 
@@ -87,54 +120,66 @@ def _run_all(jobs: list[tuple[dict[str, Any], str]], parallel: int) -> None:
 def run_protocol(
     settings: list[Setting], *, seeds: list[int], out: Path, jobs: int, protocol: Protocol
 ) -> list[Cell]:
-    """The protocol for each setting: (1) every candidate lr at the first seed; (2) the lr whose
-    last-k mean validation accuracy is best (:func:`hpcfl.sweep.select.choose`); (3) the other
-    seeds at that lr (the first seed's run is reused). Runs are cached (a finished one is not
+    """The protocol for each setting: (1) every candidate (lr, or lr × own weight) at the first
+    seed; (2) the one whose last-k mean of the setting's ``judge`` metric (a validation figure) is
+    best (:func:`hpcfl.sweep.select.choose`: ties to the first, i.e. the smaller lr); (3) the other
+    seeds at that candidate (the first seed's run is reused). Runs are cached (a finished one is not
     re-run), every config is validated before the first run starts. Returns one
-    :class:`hpcfl.report.methods.Cell` per setting: the finished seeds at the chosen lr and the
-    choice (None when the lr was fixed)."""
+    :class:`hpcfl.report.methods.Cell` per setting: the finished seeds at the chosen candidate and
+    the choice (None when nothing was searched)."""
     from hpcfl.config import config_from_dict
     from hpcfl.report import summarise
-    from hpcfl.report.protocol import VALIDATION, last_k_mean
+    from hpcfl.report.protocol import last_k_mean
     from hpcfl.sweep.select import choose
 
-    def cfg(s: Setting, lr: float, seed: int) -> dict[str, Any]:
-        return {**s.config, "name": f"{s.column}-{s.row}-lr{lr:g}-s{seed}", "lr": lr, "seed": seed}
+    def label(s: Setting, c: Any) -> str:
+        return f"lr{c:g}" if s.own is None else f"lr{c[0]:g}-{s.own[0]}{c[1]:g}"
+
+    def cfg(s: Setting, c: Any, seed: int) -> dict[str, Any]:
+        return {
+            **s.config,
+            **s.overrides(c),
+            "name": f"{s.column}-{s.row}-{label(s, c)}-s{seed}",
+            "seed": seed,
+        }
 
     for s in settings:  # validate everything before the first run starts
-        if len(s.lrs) > 1 and not s.config.get("validation"):
-            raise ValueError(f"{s.row} on {s.column}: an lr search needs config key 'validation' > 0")
-        for lr in s.lrs:
-            config_from_dict(cfg(s, lr, seeds[0]))
-    first = [(cfg(s, lr, seeds[0]), str(run_dir_of(out, s, lr, seeds[0]))) for s in settings for lr in s.lrs]
+        if len(s.candidates()) > 1 and not s.config.get("validation"):
+            raise ValueError(f"{s.row} on {s.column}: a search needs config key 'validation' > 0")
+        for c in s.candidates():
+            config_from_dict(cfg(s, c, seeds[0]))
+    first = [
+        (cfg(s, c, seeds[0]), str(run_dir_of(out, s, c, seeds[0]))) for s in settings for c in s.candidates()
+    ]
     _run_all(first, jobs)
 
     def finished(path: Path) -> list[dict[str, Any]] | None:
         return summarise(path).rows if (path / "DONE").exists() else None
 
     chosen: dict[int, Choice | None] = {}
-    lr_of: dict[int, float | None] = {}
+    pick: dict[int, Any] = {}
     for i, s in enumerate(settings):
-        if len(s.lrs) == 1:
-            chosen[i], lr_of[i] = None, s.lrs[0]
+        cands = s.candidates()
+        if len(cands) == 1:
+            chosen[i], pick[i] = None, cands[0]
             continue
         vals = {}
-        for j, lr in enumerate(s.lrs):
-            rows = finished(run_dir_of(out, s, lr, seeds[0]))
-            vals[j] = [] if rows is None else [last_k_mean(rows, protocol.last_k, VALIDATION)]
-        chosen[i] = choose(s.lrs, vals)
-        lr_of[i] = None if chosen[i] is None else chosen[i].value
+        for j, c in enumerate(cands):
+            rows = finished(run_dir_of(out, s, c, seeds[0]))
+            vals[j] = [] if rows is None else [last_k_mean(rows, protocol.last_k, s.judge)]
+        chosen[i] = choose(cands, vals)
+        pick[i] = None if chosen[i] is None else chosen[i].value
     rest = [
-        (cfg(s, lr_of[i], seed), str(run_dir_of(out, s, lr_of[i], seed)))
+        (cfg(s, pick[i], seed), str(run_dir_of(out, s, pick[i], seed)))
         for i, s in enumerate(settings)
-        if lr_of[i] is not None
+        if pick[i] is not None
         for seed in seeds[1:]
     ]
     _run_all(rest, jobs)
     cells = []
     for i, s in enumerate(settings):
-        lr = lr_of[i]
-        dirs = [] if lr is None else [run_dir_of(out, s, lr, seed) for seed in seeds]
+        c = pick[i]
+        dirs = [] if c is None else [run_dir_of(out, s, c, seed) for seed in seeds]
         runs = [summarise(d) for d in dirs if (d / "DONE").exists()]
         cells.append(Cell(s.row, s.column, runs, chosen[i]))
     return cells
@@ -179,7 +224,7 @@ def write_tables(
                 {
                     "method": c.row,
                     "column": c.column,
-                    "chosen_lr": None if c.choice is None else c.choice.value,
+                    "chosen_lr": None if c.choice is None else c.choice.value,  # (lr, own) with own
                     "candidates_val_last_k": None if c.choice is None else c.choice.candidates,
                     "runs": [{"name": r.name, "rows": r.rows} for r in c.runs],
                 }

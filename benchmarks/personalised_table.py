@@ -6,34 +6,34 @@
 
 What each row is judged by (the figure a user of the method would deploy per client):
 
-- ``fedavg``, ``scaffold``: the global model on each client's held-out share (``client_acc_*``);
+- ``fedavg``, ``scaffold``, ``fedpvr``: the global model on each client's held-out share
+  (``client_acc_*``); ``tct``: its stage-2 linear model on each client's held-out share (through the
+  share's eNTK features); ``feduv`` learns a global model (``client_acc_*``);
 - ``fedavg + fine-tuning`` (row ``fedavg-ft``): FedAvg, the global model fine-tuned on each
   client's training data for ``--finetune-steps`` plain SGD steps before it is scored
-  (``finetune_eval``, which never changes the trajectory); its lr is chosen by that fine-tuned
-  figure, so its runs are its own (the same as the ``fedavg`` row's when both choose one lr);
+  (``finetune_eval``, which never changes the trajectory, at the run's lr);
 - ``fedper``, ``fedrep``, ``fedbabu``, ``ditto``, ``apfl``: each client's own model
-  (``personal_acc_*``); ``feduv`` learns a global model (``client_acc_*``).
+  (``personal_acc_*``).
 
-**Budget** (the defaults, small on purpose: a 2-core machine shared with others): the MLP, 20
-rounds × 10 local steps of batch 32, momentum 0.5, weight decay 1e-5, every method at its paper or
+**Budget** (the defaults, small on purpose: a 2-core machine shared with others): the MLP (784-100-10),
+20 rounds × 10 local steps of batch 32, momentum 0.5, weight decay 1e-5, every method at its paper or
 authors'-code defaults (FedRep 10 head passes + 1 body pass of the 10-step schedule, FedBABU τ_f = 5
-fine-tuning epochs, Ditto λ = 1, APFL α₀ = 0.5 adaptive, FedUV λ = 2.5, μ = 0.5), 25 % of each
-client held out for its evaluation, evaluated every 2 rounds (so the last-5 mean covers rounds
-12–20), 3 seeds. Not in the table at this budget: FedBN (the MLP has no normalisation layer, so
-FedBN is FedAvg bit for bit), FedPVR and TCT (TCT's stage 2 needs eNTK features: minutes per run
-even here), and the choice of each method's own weight (λ, α, ...).
+fine-tuning epochs, FedPVR's variance reduction on the classifier — its "last layers" on an MLP whose
+every layer is Linear, where the paper's default mask would make it SCAFFOLD), 10 % of each client's
+training data held out as its validation share and 25 % of the rest as its held-out (test) share,
+evaluated every 2 rounds (so the last-5 mean covers rounds 12–20), 3 seeds. TCT splits the 20 rounds
+as 10 FedAvg + 10 on the convexified problem (p = 2,000 eNTK coordinates, M = 500 local steps, η2
+automatic, closed form), as the Fashion-MNIST sweep does. Not in the table: FedBN (the MLP has no
+normalisation layer, so FedBN is FedAvg bit for bit).
 
-**The learning rate** of each method and partition is chosen from ``--lrs`` (default 0.02 0.05
-0.1) before any reported run, on a *selection replicate*: one run per candidate at
-``--selection-seed`` (default 100, not among the reported seeds 0 .. seeds−1, so its partition draw
-and its clients' held-out shares are its own), scored by the figure the table reports for that row
-(``personal_acc_mean`` for a personalised method, ``client_acc_mean`` for a global one,
-``finetune_acc_mean`` for FedAvg + fine-tuning, which therefore may run at another lr than the
-FedAvg row), last-k mean; ties go to the smaller lr. Why not ``validation:`` and ``hpcfl sweep
---search``: that split is scored by the server's model only (``val_accuracy``), which for FedPer
-and FedRep carries the initial head and for Ditto and APFL is FedAvg's w, so it cannot choose a
-personal model's lr; scoring each client's personal model on its own ``validation`` share is not in
-the runner yet. ``--lrs 0.05`` fixes the lr (no selection runs).
+**Hyper-parameters are chosen on validation, never on the held-out (test) share.** Per method and
+partition, every candidate — the lr from ``--lrs`` (default 0.02 0.05 0.1), crossed with the
+method's own weight where it has one (Ditto λ ∈ {0.1, 1}, APFL α ∈ {0.25, 0.5}, FedUV's variance
+weight ∈ {1, 2.5}) — runs at seed 0; the one with the best last-5 mean of the row's figure *on the
+clients' validation shares* (``personal_val_acc_mean``, ``finetune_val_acc_mean`` or
+``client_val_acc_mean``: the same models scored on each client's own validation share) is chosen
+(ties to the smaller lr), and seeds 1 and 2 run at it (seed 0's run is reused). TCT's stage 1 is
+FedAvg: it runs at FedAvg's chosen lr (its stage 2's η2 is set by the stability bound).
 
 Writes ``--out``/runs (ordinary run directories, reused when finished) and
 ``--results``/personalised_fmnist.{md,csv,json,png} (the protocol tables of every row, plus the
@@ -59,6 +59,8 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "fedavg": ("fedavg", {}),
     "fedavg-ft": ("fedavg", {}),  # FedAvg judged after per-client fine-tuning: its own lr choice
     "scaffold": ("scaffold", {}),
+    "fedpvr": ("fedpvr", {"layers": ["classifier"]}),
+    "tct": ("tct", {"stage2": {"p": 2000, "local_steps": 500, "auto_lr": True, "solver": "closed_form"}}),
     "fedper": ("fedper", {}),
     "fedrep": ("fedrep", {}),
     "fedbabu": ("fedbabu", {}),
@@ -67,6 +69,12 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "feduv": ("feduv", {}),
 }
 PERSONALISED = {"fedper", "fedrep", "fedbabu", "ditto", "apfl"}
+#: row -> (params key, values): the method's own weight, searched beside the lr
+OWN: dict[str, tuple[str, tuple[float, ...]]] = {
+    "ditto": ("lam", (0.1, 1.0)),
+    "apfl": ("alpha", (0.25, 0.5)),
+    "feduv": ("variance_weight", (1.0, 2.5)),
+}
 
 
 def judged_metric(row: str) -> str:
@@ -74,6 +82,12 @@ def judged_metric(row: str) -> str:
     if row in PERSONALISED:
         return "personal_acc"
     return "finetune_acc" if row == "fedavg-ft" else "client_acc"
+
+
+def validation_metric(row: str) -> str:
+    """What a row's candidates are chosen by: its judged figure on the clients' validation shares."""
+    model = judged_metric(row).removesuffix("_acc")
+    return f"{model}_val_acc_mean"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,7 +100,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
-    p.add_argument("--selection-seed", type=int, default=100, help="the replicate the lr is chosen on")
     p.add_argument("--momentum", type=float, default=0.5)
     p.add_argument("--model", default="mlp")
     p.add_argument("--eval-every", type=int, default=2)
@@ -100,9 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config(args: argparse.Namespace, partition: str, row: str, lr: float) -> dict[str, Any]:
-    """The run of ``row`` on ``partition`` (without ``lr`` and ``seed``; ``lr`` sets FedAvg's
-    fine-tuning lr, which follows the run's)."""
+def config(args: argparse.Namespace, partition: str, row: str) -> dict[str, Any]:
+    """The run of ``row`` on ``partition`` (without ``lr`` and ``seed``)."""
     algorithm, params = ROWS[row]
     cfg: dict[str, Any] = dict(
         dataset="fashion-mnist",
@@ -116,71 +128,51 @@ def config(args: argparse.Namespace, partition: str, row: str, lr: float) -> dic
         momentum=args.momentum,
         weight_decay=1e-5,
         eval_every=args.eval_every,
+        validation=0.1,
         client_eval=0.25,
         threads=args.threads,
         progress=False,
         params=params,
     )
-    if row == "fedavg-ft":  # FedAvg's trajectory, scored after per-client fine-tuning
-        cfg["finetune_eval"] = {"steps": args.finetune_steps, "lr": lr}
+    if row == "tct":  # the rounds split in halves: FedAvg, then the convexified problem
+        first = args.rounds // 2
+        cfg["params"] = {
+            "stage1": {"rounds": first},
+            "stage2": {**params["stage2"], "rounds": args.rounds - first},
+        }
+    if row == "fedavg-ft":  # FedAvg's trajectory, scored after per-client fine-tuning at the run's lr
+        cfg["finetune_eval"] = {"steps": args.finetune_steps}  # lr: the run's (Setting.lr_keys)
     if args.data_root:
         cfg["data_root"] = args.data_root
     return cfg
 
 
-def choose_lrs(args: argparse.Namespace, protocol: Protocol) -> dict[tuple[str, str], Any]:
-    """Each (row, partition)'s lr: every candidate of ``--lrs`` run once at ``--selection-seed`` (a
-    replicate none of the reported runs is), the one with the best last-k mean of the row's judged
-    figure chosen (:func:`hpcfl.sweep.select.choose`: ties to the first, i.e. the smaller lr). With
-    one candidate, that value (no runs). Returns (row, partition) -> Choice or the fixed lr."""
-    from _runs import _run_all, run_dir_of
-
-    from hpcfl.report import summarise
-    from hpcfl.report.protocol import last_k_mean
-    from hpcfl.sweep.select import choose
-
-    lrs = sorted(args.lrs)
-    pairs = [(row, part) for part in args.partitions for row in args.rows]
-    if len(lrs) == 1:
-        return {pair: lrs[0] for pair in pairs}
-    selection = args.out / "selection"
-
-    def cfg(row: str, part: str, lr: float) -> dict[str, Any]:
-        name = f"select-{part}-{row}-lr{lr:g}"
-        return {**config(args, part, row, lr), "name": name, "lr": lr, "seed": args.selection_seed}
-
-    def where(row: str, part: str, lr: float) -> Path:
-        return run_dir_of(selection, Setting(row, part, {}, ()), lr, args.selection_seed)
-
-    _run_all([(cfg(r, p, lr), str(where(r, p, lr))) for r, p in pairs for lr in lrs], args.jobs)
-    chosen = {}
-    for row, part in pairs:
-        vals: dict[int, list[float | None]] = {}
-        for i, lr in enumerate(lrs):
-            d = where(row, part, lr)
-            rows = summarise(d).rows if (d / "DONE").exists() else []
-            score = last_k_mean(rows, protocol.last_k, f"{judged_metric(row)}_mean")
-            vals[i] = [score]
-        chosen[(row, part)] = choose(lrs, vals)
-    return chosen
-
-
-def lr_table(chosen: dict[tuple[str, str], Any], partitions: list[str], k: int) -> str:
-    """Which lr each row got per partition, with every candidate's selection score."""
-    lines = ["| method | " + " | ".join(partitions) + " |", "|---|" + "---|" * len(partitions)]
-    for row in dict.fromkeys(r for r, _ in chosen):
-        cells = []
+def choices_table(cells: list[Cell], partitions: list[str], fixed: dict[tuple[str, str], float]) -> str:
+    """Which candidate each row got per partition, with every candidate's validation score
+    (``fixed``: the lr of a row that was not searched)."""
+    lines = ["| method (chosen by) | " + " | ".join(partitions) + " |", "|---|" + "---|" * len(partitions)]
+    by = {(c.row, c.column): c for c in cells}
+    for row in dict.fromkeys(c.row for c in cells):
+        out = []
         for part in partitions:
-            c = chosen[(row, part)]
-            if c is None:
-                cells.append("— (every candidate failed)")
-            elif isinstance(c, float):
-                cells.append(f"{c:g} (fixed)")
-            else:
-                scores = ", ".join(f"{float(v):g}: {100 * m:.2f}" for v, m in c.candidates.items())
-                cells.append(f"**{c.value:g}** ({scores})")
-        lines.append(f"| {row} ({judged_metric(row)}) | " + " | ".join(cells) + " |")
+            c = by.get((row, part))
+            if c is None or c.choice is None:
+                lr = fixed.get((row, part))
+                out.append("— (every candidate failed)" if lr is None else f"lr {lr:g} (fixed)")
+                continue
+            scores = ", ".join(f"{_show(v)}: {100 * m:.2f}" for v, m in c.choice.candidates.items())
+            out.append(f"**{_show(repr(c.choice.value))}** ({scores})")
+        by_what = "FedAvg's lr" if row == "tct" else validation_metric(row)
+        lines.append(f"| {row} ({by_what}) | " + " | ".join(out) + " |")
     return "\n".join(lines)
+
+
+def _show(value: str) -> str:
+    """A candidate's repr as the table shows it: ``0.05`` or ``lr 0.05, lam 0.1``."""
+    import ast
+
+    v = ast.literal_eval(value)
+    return f"lr {v[0]:g}, own {v[1]:g}" if isinstance(v, tuple) else f"lr {v:g}"
 
 
 def judged(cells: list[Cell], partitions: list[str], k: int) -> str:
@@ -218,40 +210,63 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     protocol = Protocol(last_k=args.last)
     t0 = time.perf_counter()
-    chosen = choose_lrs(args, protocol)
+    lrs = tuple(sorted(args.lrs))
+    seeds = list(range(args.seeds))
 
-    def lr_of(row: str, part: str) -> float | None:
-        c = chosen[(row, part)]
-        return c if isinstance(c, float) else None if c is None else float(c.value)
+    def setting(row: str, part: str, lrs: tuple[float, ...]) -> Setting:
+        return Setting(
+            row,
+            part,
+            config(args, part, row),
+            lrs,
+            own=OWN.get(row),
+            judge=validation_metric(row),
+            lr_keys=("lr", "finetune_eval.lr") if row == "fedavg-ft" else ("lr",),
+        )
 
-    settings = [
-        Setting(row, part, config(args, part, row, lr), (lr,))
-        for part in args.partitions
-        for row in args.rows
-        if (lr := lr_of(row, part)) is not None
-    ]
-    cells = run_protocol(
-        settings, seeds=list(range(args.seeds)), out=args.out, jobs=args.jobs, protocol=protocol
-    )
+    searched = [setting(row, part, lrs) for part in args.partitions for row in args.rows if row != "tct"]
+    cells = run_protocol(searched, seeds=seeds, out=args.out, jobs=args.jobs, protocol=protocol)
+    fixed: dict[tuple[str, str], float] = {}
+    if "tct" in args.rows:  # stage 1 is FedAvg: FedAvg's chosen lr (run FedAvg's search if not asked)
+        fedavg = {c.column: c for c in cells if c.row == "fedavg"}
+        missing = [p for p in args.partitions if p not in fedavg]
+        if missing:
+            extra = [setting("fedavg", p, lrs) for p in missing]
+            for c in run_protocol(extra, seeds=seeds[:1], out=args.out, jobs=args.jobs, protocol=protocol):
+                fedavg[c.column] = c
+        tct = []
+        for part in args.partitions:
+            choice = fedavg[part].choice
+            lr = lrs[0] if len(lrs) == 1 else None if choice is None else float(choice.value)
+            if lr is not None:
+                fixed[("tct", part)] = lr
+                tct.append(setting("tct", part, (lr,)))
+        cells += run_protocol(tct, seeds=seeds, out=args.out, jobs=args.jobs, protocol=protocol)
+    for c in cells:
+        if c.choice is None and len(lrs) == 1:
+            fixed.setdefault((c.row, c.column), lrs[0])
+    order = {row: i for i, row in enumerate(ROWS)}
+    cells.sort(key=lambda c: (args.partitions.index(c.column), order[c.row]))
     targets = column_targets(cells, args.partitions, protocol)
-    lr_text = (
-        f"lr {args.lrs[0]:g} fixed (no selection)"
-        if len(args.lrs) == 1
-        else f"lr chosen per method and partition from {sorted(args.lrs)} on a selection replicate "
-        f"(seed {args.selection_seed}, not reported; see below)"
+    search = (
+        f"lr {lrs[0]:g} fixed (no search)"
+        if len(lrs) == 1
+        else f"lr from {list(lrs)} (× the method's own weight) chosen on the clients' validation shares"
     )
     header = (
         "# Personalised FL, Fashion-MNIST, judged per client\n\n"
         f"**Budget.** {args.model}, {args.clients} clients, {args.rounds} rounds × {args.local_steps} local "
-        f"steps (batch {args.batch}), {lr_text}, momentum {args.momentum}, weight decay "
-        f"1e-5, paper or authors'-code defaults for every method, 25 % of each client held out, evaluated every "
-        f"{args.eval_every} rounds, {args.seeds} seeds, {args.jobs} run(s) at a time × {args.threads} "
-        f"thread(s); wall time {time.perf_counter() - t0:.0f} s (runs already finished count 0).\n\n"
-        f"## Per-client accuracy (%, last-{args.last} evaluated rounds, mean ± std over seeds)\n\n"
+        f"steps (batch {args.batch}), {search}, momentum {args.momentum}, weight decay 1e-5, paper or "
+        f"authors'-code defaults for every method, 10 % of each client's data held out for validation and "
+        f"25 % of the rest for its evaluation, evaluated every {args.eval_every} rounds, {args.seeds} seeds, "
+        f"{args.jobs} run(s) at a time × {args.threads} thread(s); wall time "
+        f"{time.perf_counter() - t0:.0f} s (runs already finished count 0).\n\n"
+        f"## Per-client accuracy on each client's held-out share (%, last-{args.last} evaluated rounds, "
+        "mean ± std over seeds)\n\n"
         + judged(cells, args.partitions, args.last)
-        + f"\n\n## The lr of each row (selection replicate: last-{args.last} mean of the judged figure, %)\n\n"
-        + lr_table(chosen, args.partitions, args.last)
-        + "\n\n# The protocol tables (test accuracy of each method's global model)"
+        + f"\n\n## What each row was chosen by (seed 0, last-{args.last} mean on the validation shares, %)\n\n"
+        + choices_table(cells, args.partitions, fixed)
+        + "\n\n# The protocol tables (test accuracy of each method's global model on the test set)"
     )
     stem = args.results / "personalised_fmnist"
     text = write_tables(cells, protocol, targets, stem, header)

@@ -303,6 +303,18 @@ def test_personal_models_are_scored_per_client_beside_the_global_model(tmp_path)
     assert rows[-1]["personal_acc_mean"] > rows[-1]["client_acc_mean"]
 
 
+def test_with_validation_personal_models_are_also_scored_on_each_clients_validation_share(tmp_path):
+    """What a personal model's settings are chosen by: the personal model, built once, is scored on
+    the client's held-out share and on its own validation share (``personal_val_acc_*``)."""
+    rows, clients = _personal_run(tmp_path, "fedper", validation=0.2)
+    last = clients[-1]["clients"]
+    vals = [e["personal_val_accuracy"] for e in last.values()]
+    assert all(0.0 <= v <= 1.0 for v in vals) and {"val_accuracy", "personal_accuracy"} <= set(last["0"])
+    assert rows[-1]["personal_val_acc_mean"] == pytest.approx(sum(vals) / len(vals), rel=1e-12)
+    assert rows[-1]["personal_val_acc_min"] == min(vals)
+    assert rows[-1]["personal_val_acc_mean"] > rows[-1]["client_val_acc_mean"]  # own heads on label skew
+
+
 def test_global_algorithms_have_no_personal_columns(tmp_path):
     rows, clients = _personal_run(tmp_path, "fedavg")
     assert "personal_acc_mean" not in rows[-1]

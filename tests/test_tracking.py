@@ -91,6 +91,49 @@ def test_client_values_equal_a_direct_evaluation_of_the_final_model(tmp_path):
     assert row["client_eval_clients"] == 5
 
 
+def test_with_validation_every_model_is_also_scored_on_each_clients_validation_share(tmp_path):
+    """``validation`` + ``client_eval``: the global model's ``val_accuracy`` per client is a direct
+    evaluation on that client's own validation share (its slice of the run's validation set), and
+    the fine-tuned model is the one scored on the held-out share (its two figures from one tuning);
+    the ``*_val_acc_*`` spreads are of those values. What a personalised method's lr is chosen by."""
+    from hpcfl.runner.client_eval import finetune_generator
+    from hpcfl.training.sgd import LocalSchedule
+
+    cfg = load_config(_cfg(tmp_path, validation=0.2, finetune_eval={"steps": 3, "lr": 0.05}))
+    run = tmp_path / "run"
+    result = run_experiment(cfg, run)
+    fed = build_federation(cfg, LocalComm())
+    assert fed.validation_parts is not None
+    assert torch.equal(torch.cat(fed.validation_parts), fed.validation)
+    last = read_jsonl(run / "client_metrics.jsonl")[-1]["clients"]
+    final = final_state(run)
+    fed.flat.load(final)
+    schedule = LocalSchedule(lr=0.05, batch_size=cfg.batch_size, steps=3, weight_decay=cfg.weight_decay)
+    val_accs, tuned_accs = [], []
+    for k, share in enumerate(fed.validation_parts):
+        x, y = fed.dataset.train.x[share], fed.dataset.train.y[share]
+        fed.flat.load(final)
+        assert last[str(k)]["val_accuracy"] == evaluate(fed.flat.model, x, y, LocalComm())[0]
+        tuned, _ = fed.trainer.train(
+            final,
+            fed.client_data(k),
+            finetune_generator(cfg.seed, 2, k),
+            schedule=schedule,  # round 3, counted from 0
+        )
+        fed.flat.load(tuned)
+        assert last[str(k)]["finetune_val_accuracy"] == evaluate(fed.flat.model, x, y, LocalComm())[0]
+        held = fed.client_eval[k]
+        assert (
+            last[str(k)]["finetune_accuracy"]
+            == evaluate(fed.flat.model, fed.dataset.train.x[held], fed.dataset.train.y[held], LocalComm())[0]
+        )
+        val_accs.append(last[str(k)]["val_accuracy"])
+        tuned_accs.append(last[str(k)]["finetune_val_accuracy"])
+    row = result.metrics[-1]
+    assert {k: row[k] for k in spread([], "client_val_acc")} == spread(val_accs, "client_val_acc")
+    assert {k: row[k] for k in spread([], "finetune_val_acc")} == spread(tuned_accs, "finetune_val_acc")
+
+
 class CountingComm(LocalComm):
     """One process that records the length of every allreduced tensor."""
 
@@ -111,9 +154,11 @@ def test_an_evaluated_round_reduces_test_validation_and_client_counts_once(tmp_p
         runs[name] = (comm.sizes, rows.metrics)
     (plain, _), (counted, rows) = runs["plain"], runs["clients"]
     assert len(counted) == len(plain)  # validation and 5 clients' table add no allreduce
-    joint = 3 + 3 + 5 * 3  # test (correct, loss, n), validation, and (accuracy, loss, n) per client
+    # test (correct, loss, n), validation, and per client (accuracy, loss, val_accuracy, n): with
+    # ``validation``, each client's model is also scored on its own validation share
+    joint = 3 + 3 + 5 * 4
     assert counted.count(joint) == len(rows) == 3
-    assert all("val_accuracy" in r and "client_acc_mean" in r for r in rows)
+    assert all("val_accuracy" in r and "client_acc_mean" in r and "client_val_acc_mean" in r for r in rows)
 
 
 _TCT = dict(

@@ -240,13 +240,14 @@ class FederationView(Protocol):
         self,
         score: Callable[[torch.Tensor, int], tuple[float, float]],
         place: Callable[[list[int]], list[int]],
-        finetune: Callable[[torch.Tensor, int, int], tuple[float, float]] | None,
+        finetune: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None,
     ) -> Observer | None:
         """Per-client evaluation (``client_eval``, issue 28) of a model the stage evaluates itself
         (TCT's stage 2), with the run's sample, spread and ``client_metrics.jsonl``; None when off.
         ``score(x, k)``: (accuracy, loss) of server vector x on client k's held-out share;
         ``place(ids)``: which of the evaluated clients this rank scores; ``finetune(x, k, steps)``:
-        (accuracy, loss) after ``finetune_eval.steps`` local steps (None: not offered)."""
+        the vector after ``finetune_eval.steps`` local steps from x, None when they diverged (the
+        argument None: not offered)."""
         ...
 
     @property

@@ -101,12 +101,14 @@ def sampled_clients(num_clients: int, m: int | None, seed: int, rnd: int) -> lis
 
 #: (accuracy, loss) of a server vector on client k's held-out share, computed on this rank alone.
 Score = Callable[[torch.Tensor, int], tuple[float, float]]
-#: (accuracy, loss) on client k's held-out share after fine-tuning the server vector in round r
-#: (NaN, NaN when the fine-tuning diverged).
-Tune = Callable[[torch.Tensor, int, int], tuple[float, float]]
-#: (accuracy, loss) on client k's held-out share of its personal model in round r, from the server
-#: state and the client's state (NaN, NaN when building the model diverged).
-Personal = Callable[[ServerState, ClientState, int, int], tuple[float, float]]
+#: The vector client k fine-tunes from a server vector in round r (None when the fine-tuning diverged).
+Tune = Callable[[torch.Tensor, int, int], "torch.Tensor | None"]
+#: Client k's personal model in round r, from the server state and the client's state (None when
+#: building it diverged).
+Personal = Callable[[ServerState, ClientState, int, int], "torch.Tensor | None"]
+
+#: The models a client is judged by, in table order: (spread prefix, per-client key).
+_MODELS = (("client", ""), ("finetune", "finetune_"), ("personal", "personal_"))
 
 
 class ClientEval(Observer):
@@ -119,24 +121,12 @@ class ClientEval(Observer):
     """
 
     group = "clients"
-    columns = (
-        "client_acc_mean",
-        "client_acc_std",
-        "client_acc_p10",
-        "client_acc_p90",
-        "client_acc_min",
-        "client_eval_clients",
-        "finetune_acc_mean",
-        "finetune_acc_std",
-        "finetune_acc_p10",
-        "finetune_acc_p90",
-        "finetune_acc_min",
-        "personal_acc_mean",
-        "personal_acc_std",
-        "personal_acc_p10",
-        "personal_acc_p90",
-        "personal_acc_min",
-    )
+    columns = tuple(
+        f"{model}_{share}acc_{stat}"
+        for share in ("", "val_")
+        for model, _ in _MODELS
+        for stat in ("mean", "std", "p10", "p90", "min")
+    ) + ("client_eval_clients",)
 
     def __init__(
         self,
@@ -149,32 +139,35 @@ class ClientEval(Observer):
         sample: int | None,
         seed: int,
         personal: Personal | None = None,
+        val_score: Score | None = None,
     ) -> None:
         self.score, self.held_sizes, self.place, self.tune = score, list(held_sizes), place, tune
         self.last_only, self.sample, self.seed = last_only, sample, seed
-        self.personal = personal
+        self.personal, self.val_score = personal, val_score
         self._ids: list[int] = []
         self._tuned = False
 
     @classmethod
     def for_federation(cls, fed: Federation) -> ClientEval:
         """The observer of a federation with ``client_eval``: the configured network (held-out
-        shares sliced once, lazily), placed on ranks balanced by held-out size."""
+        shares sliced once, lazily), placed on ranks balanced by held-out size. With ``validation``
+        as well, every model is also scored on each client's own validation share (its
+        ``*_val_acc_*`` columns: what a method's settings are chosen by, never the held-out share)."""
         assert fed.client_eval is not None
-        shares, cache = fed.client_eval, {}
         train, model, load = fed.dataset.train, fed.flat.model, fed.flat.load
         alone = LocalComm()  # each rank evaluates its clients whole: no collective per client
 
-        def held_out(k: int) -> ClientData:
-            if k not in cache:
-                idx = shares[k]
-                cache[k] = ClientData(k=k, x=train.x[idx].to(fed.device), y=train.y[idx].to(fed.device))
-            return cache[k]
+        def scorer(shares: list[torch.Tensor]) -> Score:
+            cache: dict[int, ClientData] = {}
 
-        def score(x: torch.Tensor, k: int) -> tuple[float, float]:
-            load(x)
-            data = held_out(k)
-            return evaluate(model, data.x, data.y, alone)
+            def score(x: torch.Tensor, k: int) -> tuple[float, float]:
+                if k not in cache:
+                    idx = shares[k]
+                    cache[k] = ClientData(k=k, x=train.x[idx].to(fed.device), y=train.y[idx].to(fed.device))
+                load(x)
+                return evaluate(model, cache[k].x, cache[k].y, alone)
+
+            return score
 
         ft = fed.cfg.finetune_eval
         tune = None
@@ -183,31 +176,31 @@ class ClientEval(Observer):
                 lr=ft.lr, batch_size=fed.cfg.batch_size, steps=ft.steps, weight_decay=fed.cfg.weight_decay
             )
 
-            def tune(x: torch.Tensor, k: int, rnd: int) -> tuple[float, float]:
+            def tune(x: torch.Tensor, k: int, rnd: int) -> torch.Tensor | None:
                 try:
                     tuned, _ = fed.trainer.train(
                         x, fed.client_data(k), finetune_generator(fed.cfg.seed, rnd, k), schedule=schedule
                     )
                 except NonFiniteLoss:
-                    return math.nan, math.nan
-                return score(tuned, k)
+                    return None
+                return tuned
 
         algo = fed.algorithm
         personal = None
         if algo.personalised:
 
-            def personal(server: ServerState, state: ClientState, k: int, rnd: int) -> tuple[float, float]:
+            def personal(server: ServerState, state: ClientState, k: int, rnd: int) -> torch.Tensor | None:
                 gen = finetune_generator(fed.cfg.seed, rnd, k, salt=_PERSONAL_SALT)
                 ctx = ClientContext(rnd, (), fed.population, fed.trainer, gen)
                 try:
                     x = algo.personal_model(server, state, fed.client_data(k), ctx)
                 except NonFiniteLoss:
-                    return math.nan, math.nan
+                    return None
                 if not bool(torch.isfinite(x).all()):  # host: evaluation reads per evaluated client
-                    return math.nan, math.nan  # a model that diverged while built (fine-tuning)
-                return score(x, k)
+                    return None  # a model that diverged while built (fine-tuning)
+                return x
 
-        sizes = [int(s.numel()) for s in shares]
+        sizes = [int(s.numel()) for s in fed.client_eval]
         train_sizes = fed.population.sizes
 
         def place(ids: list[int]) -> list[int]:
@@ -220,7 +213,7 @@ class ClientEval(Observer):
             return [k for k in ids if k in mine]
 
         return cls(
-            score=score,
+            score=scorer(fed.client_eval),
             held_sizes=sizes,
             place=place,
             tune=tune,
@@ -228,54 +221,73 @@ class ClientEval(Observer):
             sample=fed.cfg.client_eval_clients,
             seed=fed.cfg.seed,
             personal=personal,
+            val_score=None if fed.validation_parts is None else scorer(fed.validation_parts),
         )
 
-    def _width(self) -> int:
-        return 3 + 2 * self._tuned + 2 * (self.personal is not None)
+    def _layout(self) -> dict[str, int]:
+        """Column of each figure in a client's row of this round's table: ``{key}accuracy``,
+        ``{key}loss`` on the held-out share and ``{key}val_accuracy`` on the validation share for
+        every model judged (``key`` of :data:`_MODELS`), then ``n``."""
+        judged = [key for _, key in _MODELS if self._judges(key)]
+        names = [f"{key}{stat}" for key in judged for stat in ("accuracy", "loss")]
+        if self.val_score is not None:
+            names += [f"{key}val_accuracy" for key in judged]
+        return {name: i for i, name in enumerate([*names, "n"])}
+
+    def _judges(self, key: str) -> bool:
+        return (
+            key == ""
+            or (key == "finetune_" and self._tuned)
+            or (key == "personal_" and self.personal is not None)
+        )
 
     def eval_counts(self, end: RoundEnd) -> torch.Tensor:
-        """This rank's clients' rows of the (M, 3, 5 or 7) table: accuracy, loss, n (, fine-tuned
-        accuracy, loss) (, personal model's accuracy, loss); the other rows are zero, so the
-        evaluation's allreduce sums them exactly."""
+        """This rank's clients' rows of the (M, columns) table (:meth:`_layout`); the other rows
+        are zero, so the evaluation's allreduce sums them exactly. Each judged model is built once
+        (fine-tuned, personal) and scored on both shares."""
         start = end.work.start
         self._ids = ids = sampled_clients(len(self.held_sizes), self.sample, self.seed, start.round)
-        self._tuned = tune = self.tune is not None and (not self.last_only or start.final)
-        table = torch.zeros(len(ids), self._width(), dtype=torch.float64)  # host: per-client floats
+        self._tuned = self.tune is not None and (not self.last_only or start.final)
+        col = self._layout()
+        table = torch.zeros(len(ids), len(col), dtype=torch.float64)  # host: per-client floats
         at = {k: i for i, k in enumerate(ids)}
         x = end.server.evaluated()[""]  # the reported model, as test_accuracy is
         for k in self.place(ids):
+            row = table[at[k]]
             if self.held_sizes[k] == 0:  # a one-sample client keeps its sample for training
-                table[at[k]] = math.nan
-                table[at[k], 2] = 0
+                row.fill_(math.nan)
+                row[col["n"]] = 0
                 continue
-            table[at[k], 0], table[at[k], 1] = self.score(x, k)
-            table[at[k], 2] = self.held_sizes[k]
-            if tune:
+            models: dict[str, torch.Tensor | None] = {"": x}
+            if self._tuned:
                 assert self.tune is not None
-                table[at[k], 3], table[at[k], 4] = self.tune(x, k, start.round)
+                models["finetune_"] = self.tune(x, k, start.round)
             if self.personal is not None:
                 assert end.client_state is not None, "personal evaluation needs the round's client states"
-                table[at[k], -2], table[at[k], -1] = self.personal(
-                    end.server, end.client_state(k), k, start.round
-                )
+                models["personal_"] = self.personal(end.server, end.client_state(k), k, start.round)
+            for key, vec in models.items():
+                acc, loss = (math.nan, math.nan) if vec is None else self.score(vec, k)
+                row[col[f"{key}accuracy"]], row[col[f"{key}loss"]] = acc, loss
+                if self.val_score is not None:
+                    row[col[f"{key}val_accuracy"]] = math.nan if vec is None else self.val_score(vec, k)[0]
+            row[col["n"]] = self.held_sizes[k]
         return table.view(-1)
 
     def row(self, end: RoundEnd, slots: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        ids, tune, personal = self._ids, self._tuned, self.personal is not None
-        table = slots[EVAL_SLOT].view(len(ids), self._width())
-        out: dict[str, Any] = {**spread(table[:, 0].tolist(), "client_acc"), "client_eval_clients": len(ids)}
+        ids, col = self._ids, self._layout()
+        table = slots[EVAL_SLOT].view(len(ids), len(col))
+        out: dict[str, Any] = {"client_eval_clients": len(ids)}
+        for prefix, key in _MODELS:
+            if not self._judges(key):
+                continue
+            out.update(spread(table[:, col[f"{key}accuracy"]].tolist(), f"{prefix}_acc"))
+            if self.val_score is not None:
+                out.update(spread(table[:, col[f"{key}val_accuracy"]].tolist(), f"{prefix}_val_acc"))
         per_client: dict[str, dict[str, float]] = {}
         for k, values in zip(ids, table.tolist(), strict=True):
-            entry = {"accuracy": values[0], "loss": values[1], "n": int(values[2])}
-            if tune:
-                entry.update(finetune_accuracy=values[3], finetune_loss=values[4])
-            if personal:
-                entry.update(personal_accuracy=values[-2], personal_loss=values[-1])
+            entry = {name: values[i] for name, i in col.items()}
+            entry["n"] = int(values[col["n"]])
             per_client[str(k)] = entry
-        if tune:
-            out.update(spread(table[:, 3].tolist(), "finetune_acc"))
-        if personal:
-            out.update(spread(table[:, -2].tolist(), "personal_acc"))
         out[CLIENT_ROWS] = per_client
         return out
 

@@ -48,6 +48,7 @@ class Federation:
     parts: list[torch.Tensor]  # train indices of every client (all ranks know all of them)
     owned: list[int]  # the clients this rank trains under full participation (static placement)
     validation: torch.Tensor | None  # train indices held out from every client (cfg.validation), or None
+    validation_parts: list[torch.Tensor] | None  # the same per client (``validation`` joins them)
     client_eval: list[torch.Tensor] | None  # each client's held-out share (cfg.client_eval), or None
     flat: FlatModel
     algorithm: Algorithm
@@ -115,7 +116,7 @@ class Federation:
         self,
         score: Callable[[torch.Tensor, int], tuple[float, float]],
         place: Callable[[list[int]], list[int]],
-        finetune: Callable[[torch.Tensor, int, int], tuple[float, float]] | None,
+        finetune: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None,
     ) -> Observer | None:
         """:meth:`FederationView.client_evaluation`: a :class:`~hpcfl.runner.client_eval.ClientEval`
         over the given functions, with the config's sample, fine-tuning steps and seed."""
@@ -280,17 +281,8 @@ def make_algorithm(cfg: Config, model: torch.nn.Module) -> Algorithm:
     return cls(params, layout=StateLayout.of_model(model), participation=participation_of(cfg))
 
 
-def hold_out(
-    parts: list[torch.Tensor], fraction: float, seed: int
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Move a seeded ``fraction`` of every client's samples (at least one, never its last) into a
-    validation set: (the clients' remaining indices, in their order; the validation indices).
-
-    Per client, so the validation set follows the clients' label skew, as FedPVR's 1% split does;
-    the clients never train on it, and it is drawn from the training split, never the test set.
-    """
-    kept, held = split_clients(parts, fraction, seed, salt=0x76616C)  # "val"
-    return kept, torch.cat(held) if held else torch.empty(0, dtype=torch.long)  # host: index bookkeeping
+#: The seed salt of ``validation``'s held-out shares ("val").
+VALIDATION_SALT = 0x76616C
 
 
 #: The seed salt of ``client_eval``'s held-out shares ("cev"), apart from validation's.
@@ -330,9 +322,12 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         natural=dataset.natural_clients,
         min_size=cfg.min_client_size,
     )
-    validation = None
+    validation = validation_parts = None
     if cfg.validation > 0:
-        parts, validation = hold_out(parts, cfg.validation, cfg.seed)
+        # per client, so the validation set follows the clients' label skew (as FedPVR's 1 % split
+        # does) and each client's own share can judge its personal model (ClientEval)
+        parts, validation_parts = split_clients(parts, cfg.validation, cfg.seed, salt=VALIDATION_SALT)
+        validation = torch.cat(validation_parts)
     client_eval = None
     if cfg.client_eval > 0:  # drawn from what validation left: disjoint from it and from training
         parts, client_eval = split_clients(parts, cfg.client_eval, cfg.seed, salt=CLIENT_EVAL_SALT)
@@ -363,6 +358,7 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         parts=parts,
         owned=owned,
         validation=validation,
+        validation_parts=validation_parts,
         client_eval=client_eval,
         flat=flat,
         algorithm=algorithm,
