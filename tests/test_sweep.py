@@ -351,6 +351,29 @@ def test_search_reports_the_test_accuracy_of_the_value_chosen_on_validation(
     assert "the test set played no part in the choice" in md and "last 2 evaluated rounds" in md
 
 
+def test_a_personalised_search_is_chosen_by_the_clients_own_models_on_their_validation_shares(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FedPer's server model is the shared body with the initial head: its ``val_accuracy`` says
+    nothing of the deployed models. With ``client_eval``, the search is chosen by each client's own
+    model on its validation share (``personal_val_acc_mean``), and selection.csv says so."""
+    cfg = synthetic_config(tmp_path, rounds=3, algorithm="fedper", client_eval=0.25, num_clients=4)
+    out = tmp_path / "sweep"
+    argv = ["sweep", str(cfg), "--out", str(out), "--seeds", "2", "--search", "lr=0.001,0.05,0.2"]
+    assert main([*argv, "--validation", "0.2"]) == 0
+    assert main(["report", str(out), "--last", "2"]) == 0
+    capsys.readouterr()
+    val = {}
+    for lr in (0.001, 0.05, 0.2):
+        runs = [_all(out / "runs" / f"lr={lr},seed={s}") for s in (7, 8)]
+        val[lr] = np.mean([np.mean([r["personal_val_acc_mean"] for r in rows[-2:]]) for rows in runs])
+    chosen = max(val, key=lambda lr: (val[lr], -lr))
+    selection = list(csv.DictReader((out / "report" / "selection.csv").open()))
+    assert {r["metric"] for r in selection} == {"personal_val_acc_mean"}
+    assert [float(r["lr"]) for r in selection if r["chosen"] == "True"] == [chosen]
+    assert {float(r["lr"]): float(r["val_last2_mean"]) for r in selection} == pytest.approx(val, abs=1e-12)
+
+
 def _all(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -10,8 +10,9 @@ and best single-round accuracy; the form an algorithm ran in where its runs reco
 worst-10 % client accuracy ``client_acc_p10`` (last-k mean, mean ± std over seeds) beside test
 accuracy; ``curves.png`` draws the mean test accuracy per round
 with a band of ± one standard deviation. With a ``--search``, each cell uses only the value chosen
-on the validation split by the same last-k mean of ``val_accuracy`` (``selection.csv`` lists every
-candidate's).
+on the validation split by the same last-k mean of ``val_accuracy`` — for a personalised method
+that logs it, ``personal_val_acc_mean`` (each client's own model on its own validation share) —
+(``selection.csv`` lists every candidate's).
 
 :func:`protocol_markdown`, :func:`summary_csv` and :func:`plot_bands` take any list of
 :class:`Cell`, so the benchmark scripts print the same tables (``benchmarks/_runs.py``).
@@ -41,6 +42,16 @@ CLIENT_P10 = "client_acc_p10"  # the worst-10 % client accuracy (client_eval), s
 CLIENT_MEAN = "client_acc_mean"  # the global model's per-client mean (client_eval)
 FINETUNE_MEAN = "finetune_acc_mean"  # the global model fine-tuned per client (finetune_eval)
 PERSONAL_MEAN, PERSONAL_P10 = "personal_acc_mean", "personal_acc_p10"  # each client's own model (issue 41)
+#: What a personalised method's search is chosen by: its clients' own models on their own validation
+#: shares (logged with ``client_eval`` and ``validation``); the server model's ``val_accuracy`` is the
+#: shared body with the initial head (FedPer, FedRep) or FedAvg's w (Ditto, APFL), not what is deployed.
+PERSONAL_VAL = "personal_val_acc_mean"
+
+
+def search_metric(runs: list[RunSummary]) -> str:
+    """The validation figure a group of runs is chosen by: :data:`PERSONAL_VAL` where they log it
+    (a personalised method), else ``val_accuracy``."""
+    return PERSONAL_VAL if any(PERSONAL_VAL in row for r in runs for row in r.rows) else VALIDATION
 
 
 def _show(value: Any) -> str:
@@ -68,7 +79,8 @@ def _labels(values: dict[str, Any], row: str | None, scoped: list[Axis], cols: l
 
 def collect(sweep: Sweep, protocol: Protocol | None = None) -> tuple[list[Cell], int]:
     """The table's cells in grid order, and how many points are not finished (left out). With a
-    search, each cell keeps the value whose seeds have the best mean last-k validation accuracy."""
+    search, each cell keeps the value whose seeds have the best mean last-k validation figure
+    (:func:`search_metric`)."""
     k = (protocol or Protocol()).last_k
     row, scoped, cols = layout(sweep)
     search = (sweep.search or {}).get("key")
@@ -87,7 +99,8 @@ def collect(sweep: Sweep, protocol: Protocol | None = None) -> tuple[list[Cell],
     for (label, column), by_value in groups.items():
         cell = Cell(label, column)
         if search:
-            vals = {i: [last_k_mean(r.rows, k, VALIDATION) for r in runs] for i, runs in by_value.items()}
+            metric = search_metric([r for runs in by_value.values() for r in runs])
+            vals = {i: [last_k_mean(r.rows, k, metric) for r in runs] for i, runs in by_value.items()}
             cell.choice = choose(search_values, vals)
             if cell.choice is not None:
                 cell.runs = by_value[search_values.index(cell.choice.value)]
@@ -229,8 +242,9 @@ def write_sweep_report(
         md.append(
             f"Each cell uses the {search} chosen by the mean validation accuracy of the last "
             f"{protocol.label([r.rows for r in runs], VALIDATION)} evaluated rounds (mean over seeds) on a "
-            f"{100 * sweep.search['validation']:g}% split of the clients' training data (selection.csv); "
-            "the test set played no part in the choice."
+            f"{100 * sweep.search['validation']:g}% split of the clients' training data (selection.csv; a "
+            f"personalised method that logs {PERSONAL_VAL} is chosen by it: its clients' own models on their "
+            "validation shares); the test set played no part in the choice."
         )
         atomic_write_text(out / "selection.csv", _selection_csv(cells, search, protocol.last_k))
     md += ["", *protocol_markdown(cells, protocol, level, search=search)]
@@ -277,12 +291,13 @@ def summary_csv(cells: list[Cell], target: float, protocol: Protocol | None = No
 def _selection_csv(cells: list[Cell], key: str, k: int) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(["method", "column", key, f"val_accuracy_last{k}_mean", "chosen"])
+    writer.writerow(["method", "column", key, f"val_last{k}_mean", "chosen", "metric"])
     for c in cells:
         if c.choice is None:
             continue
+        metric = search_metric(c.runs)
         for value, mean in c.choice.candidates.items():
-            writer.writerow([c.row, c.column, value, mean, value == repr(c.choice.value)])
+            writer.writerow([c.row, c.column, value, mean, value == repr(c.choice.value), metric])
     return buf.getvalue()
 
 
