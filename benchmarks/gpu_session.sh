@@ -43,7 +43,8 @@
 #               per-layer GPU cost model is fitted from
 #   dp          DP-SGD vs Opacus (hooks and ghost clipping) and non-private, simplecnn and resnet8-GN
 #   stage2      TCT stage 2's closed form on the GPU vs the same machine's CPU at n_k = 6,000,
-#               p = 100,000, M = 500 (the CPU run one timed round)
+#               p = 100,000, M = 500 (the CPU run: one timed round, its primal extrapolated from 3
+#               steps; session 2's CPU run without that bound did not reach its timed round in 90 s)
 #   frameworks  BlazeFL's/Flower's published setup (100 clients x 500, 5 epochs, batch 50; CNN, ResNet-18)
 #   gathertune  layercosts again with the gathers launched through triton.autotune (tile sizes per
 #               shape; off by default until this step shows it pays): simplecnn, resnet18, vgg11
@@ -69,7 +70,7 @@ declare -A CMD=(
     [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_simplecnn_cuda && python3 -m hpcfl bench entk --device cuda --model resnet8 --norm gn --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet8_cuda && python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_vgg11_cuda && python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
     [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
-    [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda && python3 benchmarks/stage2_solver.py --device cpu --n 6000 --p 100000 --classes 10 --local-steps 500 --rounds 1 --check-rounds 1 --out $OUTDIR/stage2_cpu_of_gpu_host"
+    [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda && python3 benchmarks/stage2_solver.py --device cpu --n 6000 --p 100000 --classes 10 --local-steps 500 --rounds 1 --check-rounds 1 --check-steps 2 --max-primal-seconds 5 --out $OUTDIR/stage2_cpu_of_gpu_host"
     [gathertune]="python3 benchmarks/entk_layer_costs.py --device cuda --autotune --models simplecnn resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
     [frameworks]="python3 benchmarks/fl_frameworks_setup.py --device cuda --models simplecnn resnet18 --batches auto --out $OUTDIR/fl_frameworks_setup_cuda"
 )
