@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from hpcfl.entk._common import batches, eval_mode, model_device_dtype
 from hpcfl.entk.coords import ParamColumns, coordinate_set, param_columns, scope_parameters
+from hpcfl.entk.cuda_graph import cuda_graph_wanted
 from hpcfl.entk.fused import FusedPlan, build_plan, fused_features, structure_signature
 from hpcfl.entk.layers import Unsupported
 from hpcfl.entk.methods import EntkMethod
@@ -76,6 +77,7 @@ def entk_features(
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
     out: Tensor | None = None,
+    cuda_graph: bool | None = None,
 ) -> Tensor:
     """Subsampled eNTK features z = S(∂f_logit(x; θ)/∂θ) of each input → Tensor (n, p).
 
@@ -103,6 +105,11 @@ def entk_features(
         progress: show a tqdm bar over samples.
         out: optional (n, p) destination (any device/dtype), e.g. a reused buffer when streaming
             batches to a feature store; it is filled and returned.
+        cuda_graph: replay full batches of the fused path as CUDA graphs (one capture per batch
+            shape, checked against the eager batch, eager after any failure; see
+            :mod:`hpcfl.entk.cuda_graph`). None (the default) reads ``HPCFL_ENTK_CUDA_GRAPH``
+            (1 = on) on every call. A no-op on the CPU (one INFO line per process), so one config
+            runs on CPU and GPU nodes alike; ignored by ``loop`` and ``vmap``.
 
     Returns:
         (n, p) features on the model's device (or ``out``).
@@ -140,7 +147,8 @@ def entk_features(
             key = (params, total, int(p), int(seed), str(device))
             try:
                 plan = _plan(model, named, columns, key, device)
-                return _run_fused(model, inputs, plan, logit, out, target, batch_size, progress)
+                graph = cuda_graph_wanted(cuda_graph)
+                return _run_fused(model, inputs, plan, logit, out, target, batch_size, progress, graph)
             except Unsupported as err:
                 _PLANS.setdefault(model, {})[key] = (structure_signature(model, named), err)
                 log.warning(
@@ -188,10 +196,18 @@ def _run_fused(
     target: Tensor,
     batch_size: int,
     progress: bool,
+    cuda_graph: bool,
 ) -> Tensor:
     def run(x: Tensor, dst: Tensor) -> Tensor:
         return fused_features(
-            model, x, plan=plan, logit=logit, out=dst, batch_size=batch_size, progress=False
+            model,
+            x,
+            plan=plan,
+            logit=logit,
+            out=dst,
+            batch_size=batch_size,
+            progress=False,
+            cuda_graph=cuda_graph,
         )
 
     return _stage(run, inputs, out, target, batch_size, progress)

@@ -466,7 +466,12 @@ class NormPlan(LayerPlan):
             var, mean = torch.var_mean(act.reshape(batch, groups, -1), dim=2, unbiased=False)  # (B, G)
             rstd = torch.rsqrt(var + module.eps)
             reps = channels // groups
-            return mean.repeat_interleave(reps, dim=1), rstd.repeat_interleave(reps, dim=1)  # (B, C)
+            # each group's value for its C/G channels; an expand, not repeat_interleave, whose
+            # tensor-repeats form sizes its output on the host (a sync, which breaks CUDA-graph capture)
+            return (
+                mean[:, :, None].expand(batch, groups, reps).reshape(batch, channels),
+                rstd[:, :, None].expand(batch, groups, reps).reshape(batch, channels),
+            )  # (B, C)
         assert isinstance(module, nn.modules.batchnorm._BatchNorm)
         assert module.running_mean is not None and module.running_var is not None
         mean = module.running_mean.to(act.dtype)
