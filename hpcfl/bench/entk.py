@@ -245,7 +245,7 @@ def _make_runner(spec: dict[str, Any]) -> tuple[Callable[[], None], int, str, An
             )
 
         if graph:
-            note = _graph_setup(run)
+            note = _graph_setup(run, device)
         return run, batch, note, out
     if method == "loop":
         n = min(batch, spec["loop_samples"])
@@ -304,10 +304,13 @@ def _make_runner(spec: dict[str, Any]) -> tuple[Callable[[], None], int, str, An
     raise ValueError(method)
 
 
-def _graph_setup(run: Callable[[], None]) -> str:
+def _graph_setup(run: Callable[[], None], device: Any) -> str:
     """Run ``fused-graph``'s eager batch and its capture, so every timed batch replays → its note:
-    the graph in use, or the warning that turned it off."""
+    the graph in use and the memory set-up reserved (the graph's private pool among it, held from
+    then on, so outside the peak the worker measures), or the warning that turned it off."""
     import logging
+
+    import torch
 
     class Keep(logging.Handler):
         def __init__(self) -> None:
@@ -320,6 +323,7 @@ def _graph_setup(run: Callable[[], None]) -> str:
     keep = Keep()
     logger = logging.getLogger("hpcfl.entk")
     logger.addHandler(keep)
+    before = torch.cuda.memory_reserved(device)
     try:
         run()  # eager: compiles (and with HPCFL_TRITON_AUTOTUNE=1 tunes) the gathers for this shape
         run()  # captured, replayed once, checked against its eager result
@@ -327,7 +331,8 @@ def _graph_setup(run: Callable[[], None]) -> str:
         logger.removeHandler(keep)
     if keep.lines:
         return f"CUDA graph OFF: {keep.lines[0]}"[:200]
-    return "CUDA graph replay (captured and checked in set-up)"
+    held = (torch.cuda.memory_reserved(device) - before) / 2**20
+    return f"CUDA graph replay (captured, checked in set-up; set-up reserved {held:,.0f} MiB, outside the peak)"
 
 
 def _model_options(spec: dict[str, Any]) -> dict[str, Any]:

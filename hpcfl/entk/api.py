@@ -45,17 +45,18 @@ def _method(method: EntkMethod | str) -> EntkMethod:
 def _plan(
     model: nn.Module,
     named: list[tuple[str, nn.Parameter]],
-    columns: list[ParamColumns],
+    columns: Callable[[], list[ParamColumns]],
     key: tuple,
     device: torch.device,
 ) -> FusedPlan:
-    """The cached fused plan for ``key``; raises the cached :class:`Unsupported` when not fusable."""
+    """The cached fused plan for ``key``; raises the cached :class:`Unsupported` when not fusable.
+    ``columns()`` is only called to build a plan (on a cached plan it would be per-call host work)."""
     per_model = _PLANS.setdefault(model, {})
     signature = structure_signature(model, named)
     entry = per_model.get(key)
     if entry is None or entry[0] != signature:
         try:
-            entry = (signature, build_plan(model, named, columns, device))
+            entry = (signature, build_plan(model, named, columns(), device))
         except Unsupported as err:
             entry = (signature, err)
         per_model[key] = entry
@@ -130,7 +131,6 @@ def entk_features(
     named = scope_parameters(model, params)
     total = sum(t.numel() for _, t in named)
     coords = _cached_coords(total, int(p), int(seed))
-    columns = param_columns(named, coords)
     device, _ = model_device_dtype(model)
     n = inputs.shape[0]
     if out is None:
@@ -146,7 +146,7 @@ def entk_features(
         if chosen in (EntkMethod.AUTO, EntkMethod.FUSED):
             key = (params, total, int(p), int(seed), str(device))
             try:
-                plan = _plan(model, named, columns, key, device)
+                plan = _plan(model, named, lambda: param_columns(named, coords), key, device)
                 graph = cuda_graph_wanted(cuda_graph)
                 return _run_fused(model, inputs, plan, logit, out, target, batch_size, progress, graph)
             except Unsupported as err:
@@ -158,6 +158,7 @@ def entk_features(
                 )
                 chosen = EntkMethod.VMAP
         if chosen is EntkMethod.VMAP:
+            columns = param_columns(named, coords)
             return _stage(
                 lambda x, dst: vmap_features(
                     model,
