@@ -466,8 +466,9 @@ class NormPlan(LayerPlan):
             var, mean = torch.var_mean(act.reshape(batch, groups, -1), dim=2, unbiased=False)  # (B, G)
             rstd = torch.rsqrt(var + module.eps)
             reps = channels // groups
-            # each group's value for its C/G channels; an expand, not repeat_interleave, whose
-            # tensor-repeats form sizes its output on the host (a sync, which breaks CUDA-graph capture)
+            # each group's value for its C/G channels by an explicit expand: sync-free in any PyTorch
+            # (repeat_interleave's tensor-repeats form reads its output size back to the host, which
+            # a CUDA-graph capture cannot do)
             return (
                 mean[:, :, None].expand(batch, groups, reps).reshape(batch, channels),
                 rstd[:, :, None].expand(batch, groups, reps).reshape(batch, channels),
