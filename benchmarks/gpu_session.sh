@@ -21,7 +21,9 @@
 #   tests       pytest -m gpu (compiled Triton gathers, CKA kernel, fused eNTK vs CPU reference,
 #               CUDA-vs-CPU runs of FedAvg, SCAFFOLD, FedPVR, FedDyn, NTK-FL, DP-SGD, TCT) + the
 #               eNTK layer forms on CUDA (test_entk_forms: fixed and autotuned gathers) + the
-#               CKA/Triton test files on CUDA
+#               CKA/Triton test files on CUDA + the fused eNTK's CUDA-graph replay (test_entk_cuda_graph:
+#               replay equals eager on simplecnn/resnet18-GN/vgg11, fallback on a host sync, no host
+#               sync in the fused batch, autotune never under capture)
 #   checkpoint  a tiny device: cuda run (tests/fixtures/cuda_checkpoint.yaml) whose checkpoint files
 #               are written again from CUDA tensors (hpcfl itself now writes host copies) by
 #               tests/fixtures/make_checkpoint_cuda.py; the run directory is the CPU suite's fixture
@@ -36,9 +38,11 @@
 #   round       FedAvg round throughput at the default client_batch (auto) vs one by one vs a plain
 #               loop, K = 10, 100, 1000
 #   batched     benchmarks/batched_clients.py: groups vs one by one, simplecnn and resnet8
-#   entk        hpcfl bench entk, fused vs Opacus hooks (its fastest eNTK mode on this GPU: functorch
-#               was half as fast on resnet18 and simplecnn; vmap far slower), simplecnn, resnet8,
-#               vgg11, resnet18, with the constants layercosts fitted when it ran first
+#   entk        hpcfl bench entk, fused and fused-graph (fused with its full batches replayed as one
+#               CUDA graph, hpcfl/entk/cuda_graph.py) vs Opacus hooks (its fastest eNTK mode on this
+#               GPU: functorch was half as fast on resnet18 and simplecnn; vmap far slower),
+#               simplecnn, resnet8, vgg11, resnet18, with the constants layercosts fitted when it
+#               ran first (simplecnn first: the host-bound model the graph is for)
 #   profile     the fused eNTK batch's kernels (torch.profiler) beside plain training's: what a
 #               per-layer GPU cost model is fitted from
 #   dp          DP-SGD vs Opacus (hooks and ghost clipping) and non-private, simplecnn and resnet8-GN
@@ -60,14 +64,14 @@ declare -A LIMIT=(
     [batched]="120 40" [entk]="170 40" [profile]="45 20" [dp]="90 40" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
 )
 declare -A CMD=(
-    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py tests/test_entk_forms.py --junitxml $OUTDIR/pytest_gpu.xml"
+    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py tests/test_entk_forms.py tests/test_entk_cuda_graph.py --junitxml $OUTDIR/pytest_gpu.xml"
     [checkpoint]="python3 tests/fixtures/make_checkpoint_cuda.py $OUTDIR/checkpoint_cuda"
     [entk18]="python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
     [layercosts]="python3 benchmarks/entk_layer_costs.py --device cuda --models simplecnn resnet8 resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
     [main]="python3 -m hpcfl compare --set device=cuda --out $OUTDIR/compare_cuda"
     [round]="python3 benchmarks/round_throughput.py --device cuda --clients 10 100 1000 --rounds 2 --out $OUTDIR/round_throughput_cuda"
     [batched]="python3 benchmarks/batched_clients.py --device cuda --models resnet8 simplecnn --clients 100 1000 --batches all auto --repeats 3 --no-yardstick --out $OUTDIR/batched_clients_cuda"
-    [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_simplecnn_cuda && python3 -m hpcfl bench entk --device cuda --model resnet8 --norm gn --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet8_cuda && python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_vgg11_cuda && python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods fused,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
+    [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_simplecnn_cuda && python3 -m hpcfl bench entk --device cuda --model resnet8 --norm gn --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet8_cuda && python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_vgg11_cuda && python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
     [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
     [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda && python3 benchmarks/stage2_solver.py --device cpu --n 6000 --p 100000 --classes 10 --local-steps 500 --rounds 1 --check-rounds 1 --check-steps 2 --max-primal-seconds 5 --out $OUTDIR/stage2_cpu_of_gpu_host"

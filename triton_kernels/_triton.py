@@ -38,7 +38,17 @@ tunes every layer's shape)."""
 
 def bench_config(fn: Any, quantiles: Any = None) -> Any:
     """How ``triton.autotune`` times one config: ``triton.testing.do_bench`` on a GPU; under the
-    interpreter one untimed run (every config is still launched once, and the first one is kept)."""
+    interpreter one untimed run (every config is still launched once, and the first one is kept).
+
+    Refuses to time anything while a CUDA graph is being captured (the timing syncs and would
+    record every config's launches into the graph): the fused eNTK path captures a shape only after
+    an eager batch of it has been tuned, so this fires only if that order is broken, and the
+    capture then fails with this reason and the batch runs eagerly."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "Triton autotune would time kernels during CUDA-graph capture (HPCFL_TRITON_AUTOTUNE=1): "
+            "run one eager batch of this shape first"
+        )
     if INTERPRET:
         fn()
         return [1.0, 1.0, 1.0] if quantiles is not None else 1.0

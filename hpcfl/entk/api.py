@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from hpcfl.entk._common import batches, eval_mode, model_device_dtype
 from hpcfl.entk.coords import ParamColumns, coordinate_set, param_columns, scope_parameters
+from hpcfl.entk.cuda_graph import cuda_graph_wanted
 from hpcfl.entk.fused import FusedPlan, build_plan, fused_features, structure_signature
 from hpcfl.entk.layers import Unsupported
 from hpcfl.entk.methods import EntkMethod
@@ -44,17 +45,18 @@ def _method(method: EntkMethod | str) -> EntkMethod:
 def _plan(
     model: nn.Module,
     named: list[tuple[str, nn.Parameter]],
-    columns: list[ParamColumns],
+    columns: Callable[[], list[ParamColumns]],
     key: tuple,
     device: torch.device,
 ) -> FusedPlan:
-    """The cached fused plan for ``key``; raises the cached :class:`Unsupported` when not fusable."""
+    """The cached fused plan for ``key``; raises the cached :class:`Unsupported` when not fusable.
+    ``columns()`` is only called to build a plan (on a cached plan it would be per-call host work)."""
     per_model = _PLANS.setdefault(model, {})
     signature = structure_signature(model, named)
     entry = per_model.get(key)
     if entry is None or entry[0] != signature:
         try:
-            entry = (signature, build_plan(model, named, columns, device))
+            entry = (signature, build_plan(model, named, columns(), device))
         except Unsupported as err:
             entry = (signature, err)
         per_model[key] = entry
@@ -76,6 +78,7 @@ def entk_features(
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
     out: Tensor | None = None,
+    cuda_graph: bool | None = None,
 ) -> Tensor:
     """Subsampled eNTK features z = S(∂f_logit(x; θ)/∂θ) of each input → Tensor (n, p).
 
@@ -103,6 +106,11 @@ def entk_features(
         progress: show a tqdm bar over samples.
         out: optional (n, p) destination (any device/dtype), e.g. a reused buffer when streaming
             batches to a feature store; it is filled and returned.
+        cuda_graph: replay full batches of the fused path as CUDA graphs (one capture per batch
+            shape, checked against the eager batch, eager after any failure; see
+            :mod:`hpcfl.entk.cuda_graph`). None (the default) reads ``HPCFL_ENTK_CUDA_GRAPH``
+            (1 = on) on every call. A no-op on the CPU (one INFO line per process), so one config
+            runs on CPU and GPU nodes alike; ignored by ``loop`` and ``vmap``.
 
     Returns:
         (n, p) features on the model's device (or ``out``).
@@ -123,7 +131,6 @@ def entk_features(
     named = scope_parameters(model, params)
     total = sum(t.numel() for _, t in named)
     coords = _cached_coords(total, int(p), int(seed))
-    columns = param_columns(named, coords)
     device, _ = model_device_dtype(model)
     n = inputs.shape[0]
     if out is None:
@@ -139,8 +146,9 @@ def entk_features(
         if chosen in (EntkMethod.AUTO, EntkMethod.FUSED):
             key = (params, total, int(p), int(seed), str(device))
             try:
-                plan = _plan(model, named, columns, key, device)
-                return _run_fused(model, inputs, plan, logit, out, target, batch_size, progress)
+                plan = _plan(model, named, lambda: param_columns(named, coords), key, device)
+                graph = cuda_graph_wanted(cuda_graph)
+                return _run_fused(model, inputs, plan, logit, out, target, batch_size, progress, graph)
             except Unsupported as err:
                 _PLANS.setdefault(model, {})[key] = (structure_signature(model, named), err)
                 log.warning(
@@ -150,6 +158,7 @@ def entk_features(
                 )
                 chosen = EntkMethod.VMAP
         if chosen is EntkMethod.VMAP:
+            columns = param_columns(named, coords)
             return _stage(
                 lambda x, dst: vmap_features(
                     model,
@@ -188,10 +197,18 @@ def _run_fused(
     target: Tensor,
     batch_size: int,
     progress: bool,
+    cuda_graph: bool,
 ) -> Tensor:
     def run(x: Tensor, dst: Tensor) -> Tensor:
         return fused_features(
-            model, x, plan=plan, logit=logit, out=dst, batch_size=batch_size, progress=False
+            model,
+            x,
+            plan=plan,
+            logit=logit,
+            out=dst,
+            batch_size=batch_size,
+            progress=False,
+            cuda_graph=cuda_graph,
         )
 
     return _stage(run, inputs, out, target, batch_size, progress)

@@ -23,6 +23,10 @@ other processes share the cores. Measured on the 2-core dev box at load ~7 (simp
 0.18 s with ``torch.set_num_threads(1)`` throughout. On shared cores, run with one thread per
 process or ``OMP_WAIT_POLICY=PASSIVE``; on dedicated cores the default is fastest.
 
+On CUDA, ``cuda_graph=True`` (or ``HPCFL_ENTK_CUDA_GRAPH=1``) replays full batches as one CUDA
+graph, for models whose batch is bound by host-side launches (:mod:`hpcfl.entk.cuda_graph`);
+:func:`_fused_batch` is written to be capturable (no host sync, no branch on a tensor's value).
+
 Supported parametrised layers: Linear (2-d inputs), Conv2d (zero padding, any stride, dilation,
 groups), BatchNorm1d/2d with running statistics, GroupNorm. Anything else raises
 :class:`~hpcfl.entk.layers.Unsupported` naming the layer type and the reason; the caller falls back
@@ -43,6 +47,7 @@ from torch.func import functional_call
 
 from hpcfl.entk._common import batches, logit_of, model_device_dtype
 from hpcfl.entk.coords import ParamColumns
+from hpcfl.entk.cuda_graph import BatchGraphs, batch_key, bindings, capture_batch, cuda_graph_applies
 from hpcfl.entk.layers import (
     ConvPlan,
     Form,
@@ -54,6 +59,7 @@ from hpcfl.entk.layers import (
     Workspace,
 )
 from hpcfl.entk.tasks import PIECES_PER_THREAD, run_tasks
+from triton_kernels import HAS_TRITON
 
 log = logging.getLogger("hpcfl.entk")
 
@@ -80,6 +86,8 @@ class FusedPlan:
     """Whether the CPU forward runs channels-last (None: not tried yet; False: the model failed)."""
     cl_weights: tuple[tuple, dict[str, Tensor]] | None = None
     """Channels-last copies of the conv weights and the (name, data pointer, version) they copy."""
+    graphs: BatchGraphs = field(default_factory=BatchGraphs)
+    """CUDA graphs of full batches (``cuda_graph=True``), and whether capturing failed for this plan."""
 
 
 def _owner_map(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
@@ -210,8 +218,13 @@ def fused_features(
     out: Tensor,
     batch_size: int,
     progress: bool,
+    cuda_graph: bool = False,
 ) -> Tensor:
     """Fill ``out`` (n, p) batch by batch with the fused path (model already in eval mode).
+
+    ``cuda_graph``: replay full batches of ``batch_size`` rows as a CUDA graph captured once per
+    batch key (see :mod:`hpcfl.entk.cuda_graph`: opt-in, self-checked against the eager batch,
+    eager again after any failure; a no-op off CUDA).
 
     Raises:
         Unsupported: discovered while running (a layer called twice, an in-place op on a layer's
@@ -221,40 +234,89 @@ def fused_features(
     workers = torch.get_num_threads() if device.type == "cpu" else 1
     pieces = PIECES_PER_THREAD * workers if workers > 1 else 1
     names = list(plan.layers)
-    capture = _Capture(model, names)
+    graphs = plan.graphs if cuda_graph and cuda_graph_applies(device) else None
+    if graphs is not None and not HAS_TRITON:
+        graphs.fail("Triton is not installed, and the torch gathers sync with the host")
+    capture: _Capture | None = None  # hooks registered only for batches that run the Python path
+
+    def run(x: Tensor, rows: Tensor, workspace: Workspace) -> None:
+        nonlocal capture
+        if capture is None:
+            capture = _Capture(model, names)
+        _fused_batch(model, x, plan, capture, logit, rows, workspace, pieces, workers)
+
     try:
         for start, stop in batches(inputs.shape[0], batch_size, progress=progress, desc="eNTK fused"):
             rows = out[start:stop]  # (B, p)
-            capture.records.clear()
-            x = inputs[start:stop].to(device=device)  # (B, ...)
+            batch = inputs[start:stop]  # (B, ...)
+            if graphs is not None:
+                key = batch_key(batch, rows, logit)
+                action = graphs.action(key, full=stop - start == batch_size, current=lambda: bindings(model))
+                if action == "replay":
+                    graphs.graphs[key].replay(batch, rows)
+                    continue
+                if action == "capture" and capture_batch(
+                    graphs,
+                    key,
+                    batch,
+                    rows,
+                    run=run,
+                    workspace=Workspace(),
+                    input_dtype=dtype if batch.is_floating_point() else batch.dtype,
+                    current=bindings(model),
+                ):
+                    continue
+            x = batch.to(device=device)
             if x.is_floating_point():  # a leaf requiring grad gives every layer output a grad_fn
                 x = x.to(dtype).requires_grad_(True)
-            with torch.enable_grad():
-                score = logit_of(_forward(model, x, plan, capture), logit).sum()  # Σ_b f_logit(x_b)
-                ran = [name for name in names if name in capture.records]
-                edges = [capture.records[name][2] for name in ran]
-                deltas = torch.autograd.grad(score, edges, allow_unused=True) if edges else ()
-            del score
-            done = set()
-            work: list[Task] = []
-            for name, delta in zip(ran, deltas, strict=True):
-                act, version, _ = capture.records.pop(name)
-                if act._version != version:
-                    kind = type(dict(model.named_modules())[name]).__name__
-                    raise Unsupported(kind, f"the input of {name!r} is modified in place after the layer ran")
-                if delta is None:
-                    continue
-                work += plan.layers[name].tasks(
-                    _module(model, name), act, delta, rows, plan.workspace, pieces=pieces
-                )
-                done.add(name)
-            run_tasks(work, workers)
-            for name in names:
-                if name not in done:
-                    plan.layers[name].zero(rows)
+            run(x, rows, plan.workspace)
+            if graphs is not None and stop - start == batch_size:
+                graphs.warmed(key)
     finally:
-        capture.close()
+        if capture is not None:
+            capture.close()
     return out
+
+
+def _fused_batch(
+    model: nn.Module,
+    x: Tensor,
+    plan: FusedPlan,
+    capture: _Capture,
+    logit: int,
+    rows: Tensor,
+    workspace: Workspace,
+    pieces: int,
+    workers: int,
+) -> None:
+    """One batch: forward, ``autograd.grad`` to every planned layer's output, the layers' gathers
+    into ``rows`` (B, p). ``x`` (B, ...) is on the model's device in its dtype (requiring grad when
+    floating). No host syncs and no branch on a tensor's value, so it can be captured as a CUDA
+    graph: every Python decision here (which layers ran, which reach the logit, the layer forms)
+    depends on the model's structure and the batch's shape only."""
+    names = list(plan.layers)
+    capture.records.clear()
+    with torch.enable_grad():
+        score = logit_of(_forward(model, x, plan, capture), logit).sum()  # Σ_b f_logit(x_b)
+        ran = [name for name in names if name in capture.records]
+        edges = [capture.records[name][2] for name in ran]
+        deltas = torch.autograd.grad(score, edges, allow_unused=True) if edges else ()
+    del score
+    done = set()
+    work: list[Task] = []
+    for name, delta in zip(ran, deltas, strict=True):
+        act, version, _ = capture.records.pop(name)
+        if act._version != version:
+            kind = type(dict(model.named_modules())[name]).__name__
+            raise Unsupported(kind, f"the input of {name!r} is modified in place after the layer ran")
+        if delta is None:
+            continue
+        work += plan.layers[name].tasks(_module(model, name), act, delta, rows, workspace, pieces=pieces)
+        done.add(name)
+    run_tasks(work, workers)
+    for name in names:
+        if name not in done:
+            plan.layers[name].zero(rows)
 
 
 def _channels_last_weights(model: nn.Module, plan: FusedPlan) -> dict[str, Tensor]:

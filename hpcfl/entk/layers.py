@@ -466,7 +466,13 @@ class NormPlan(LayerPlan):
             var, mean = torch.var_mean(act.reshape(batch, groups, -1), dim=2, unbiased=False)  # (B, G)
             rstd = torch.rsqrt(var + module.eps)
             reps = channels // groups
-            return mean.repeat_interleave(reps, dim=1), rstd.repeat_interleave(reps, dim=1)  # (B, C)
+            # each group's value for its C/G channels by an explicit expand: sync-free in any PyTorch
+            # (repeat_interleave's tensor-repeats form reads its output size back to the host, which
+            # a CUDA-graph capture cannot do)
+            return (
+                mean[:, :, None].expand(batch, groups, reps).reshape(batch, channels),
+                rstd[:, :, None].expand(batch, groups, reps).reshape(batch, channels),
+            )  # (B, C)
         assert isinstance(module, nn.modules.batchnorm._BatchNorm)
         assert module.running_mean is not None and module.running_var is not None
         mean = module.running_mean.to(act.dtype)
