@@ -50,18 +50,23 @@
 #               p = 100,000, M = 500 (the CPU run: one timed round, its primal extrapolated from 3
 #               steps; session 2's CPU run without that bound did not reach its timed round in 90 s)
 #   frameworks  BlazeFL's/Flower's published setup (100 clients x 500, 5 epochs, batch 50; CNN, ResNet-18)
+#   tcttable    TCT's Fashion-MNIST Table 2 at the largest budget that fits a step (not the paper's 200
+#               rounds x 5 epochs, p = 1e5): #C = 1 and #C = 2, SimpleCNN, 10 clients, 20 rounds x 1
+#               epoch (TCT 10 + 10, p = 20,000), lr 0.05 fixed, one seed; the step order puts it after
+#               the unmeasured GPU items
 #   gathertune  layercosts again with the gathers launched through triton.autotune (tile sizes per
 #               shape; off by default until this step shows it pays): simplecnn, resnet18, vgg11
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUTDIR=benchmarks/out/gpu_session
-STEPS_ALL=(tests checkpoint entk18 layercosts main round batched entk profile dp stage2 frameworks gathertune)
+STEPS_ALL=(tests entk stage2 batched gathertune tcttable layercosts checkpoint entk18 main round profile dp frameworks)
 
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
-    [tests]="150 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="120 30" [main]="120 60" [round]="120 50"
-    [batched]="120 40" [entk]="170 40" [profile]="45 20" [dp]="90 40" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
+    [tests]="200 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="120 30" [main]="120 60" [round]="120 50"
+    [batched]="120 40" [entk]="260 40" [profile]="45 20" [dp]="90 40" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
+    [tcttable]="200 90"
 )
 declare -A CMD=(
     [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py tests/test_entk_forms.py tests/test_entk_cuda_graph.py --junitxml $OUTDIR/pytest_gpu.xml"
@@ -76,6 +81,7 @@ declare -A CMD=(
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
     [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda && python3 benchmarks/stage2_solver.py --device cpu --n 6000 --p 100000 --classes 10 --local-steps 500 --rounds 1 --check-rounds 1 --check-steps 2 --max-primal-seconds 5 --out $OUTDIR/stage2_cpu_of_gpu_host"
     [gathertune]="python3 benchmarks/entk_layer_costs.py --device cuda --autotune --models simplecnn resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
+    [tcttable]="python3 benchmarks/tct_fmnist_table.py --device cuda --jobs 1 --partitions classes:1 classes:2 --seeds 1 --lrs 0.05 --rounds 20 --local-steps 0 --local-epochs 1 --p 20000 --no-figure3 --out $OUTDIR/tct_fmnist --results $OUTDIR/tct_fmnist_results"
     [frameworks]="python3 benchmarks/fl_frameworks_setup.py --device cuda --models simplecnn resnet18 --batches auto --out $OUTDIR/fl_frameworks_setup_cuda"
 )
 

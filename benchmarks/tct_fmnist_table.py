@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=2, help="baselines and stage 1 (stage 2: every round)")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (1 avoids oversubscription)")
+    p.add_argument(
+        "--device", default="cpu", help="the runs' device: cpu | cuda (one GPU: use --jobs 1; default cpu)"
+    )
     p.add_argument("--no-figure3", dest="figure3", action="store_false", help="skip Figure 3")
     p.add_argument("--fig3-partition", default="classes:2", help="partition of Figure 3 (classes:2)")
     p.add_argument(
@@ -144,7 +147,7 @@ def budget(args: argparse.Namespace) -> str:
         f"{args.stage1_rounds} rounds of the same FedAvg (FedAvg's chosen lr), eNTK features of a fresh seeded 1-output head (p = {args.p}), T2 = "
         f"{args.stage2_rounds} stage-2 rounds of SCAFFOLD with M = {args.stage2_steps} local steps "
         f"(closed form), η2 = stage2.auto_lr (half the largest stable rate). "
-        f"{args.jobs} run(s) at a time × {args.threads} thread(s)."
+        f"{args.jobs} run(s) at a time × {args.threads} thread(s), on {args.device}."
     )
 
 
@@ -163,6 +166,7 @@ def config(args: argparse.Namespace, partition: str, method: str) -> dict[str, A
         weight_decay=1e-5,
         batch_size=args.batch,
         threads=args.threads,
+        device=args.device,
         progress=False,
         eval_every=args.eval_every,
     )
