@@ -393,3 +393,26 @@ def test_bench_entk_keeps_every_coordinate_when_p_exceeds_the_model_and_takes_no
     assert main(["bench", "entk", "--model", "mlp", "--norm", "gn", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["hpcfl: error: --norm applies to resnet8 and resnet18, not mlp"], err
+
+
+def test_bench_entk_in_process_times_every_method_here_and_refuses_environment_options(tmp_path, capsys):
+    """``--in-process``: the same rows without a process per method (what a GPU session uses to
+    save a CUDA start-up per method and round); the options that set a fresh process's environment
+    are refused with one line."""
+    import json
+
+    from hpcfl.cli.main import main
+
+    out = tmp_path / "bench"
+    args = ["bench", "entk", "--model", "mlp", "--p", "100", "--batch", "8", "--methods", "fused,vmap"]
+    args += ["--repeats", "1", "--threads", "1", "--rounds", "2", "--in-process", "--out", str(out)]
+    assert main(args) == 0
+    report = json.loads((out / "entk_bench.json").read_text())
+    assert report["config"]["in_process"] is True
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == {"plain", "fused", "vmap"}
+    assert all(r["status"] == "ok" and r["samples_per_s"] > 0 for r in rows.values()), rows
+    capsys.readouterr()
+    assert main([*args[:-2], "--out", str(tmp_path / "x"), "--keep-freed-memory"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not with --in-process" in err[0], err

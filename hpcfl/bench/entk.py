@@ -2,7 +2,9 @@
 
 For one model and batch, each method computes the (B, p) features of the same random batch
 (dataset-shaped: 1×28×28 for simplecnn/mlp, 3×32×32 for the CIFAR models, 10 classes) in a fresh
-subprocess, so one method's allocations never colour another's memory figure:
+subprocess, so one method's allocations never colour another's memory figure (``--in-process``
+runs them all in this process instead: on a GPU each fresh process pays a CUDA start-up of ~4 s,
+which is most of a lent GPU session's eNTK step; CUDA peak memory is still reset per method):
 
 - ``loop`` / ``vmap`` / ``fused``: :func:`hpcfl.entk.entk_features` with that method;
 - ``fused-graph`` (``--device cuda`` only): ``fused`` with ``cuda_graph=True``, full batches
@@ -142,6 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-freed-memory",
         action="store_true",
         help="raise glibc's mmap/trim thresholds in the timed processes (see the module docstring)",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="time every method in this process instead of a fresh one per method and round: on a "
+        "GPU it saves a CUDA start-up (~4 s) each; one method's allocations may then colour the next's",
     )
     parser.add_argument(
         "--rounds",
@@ -397,6 +405,24 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _run_here(spec: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_worker` in this process (``--in-process``); a failure is a row, as from a child, and
+    what the method held is freed before the next one."""
+    import gc
+
+    import torch
+
+    try:
+        return _worker(spec)
+    except Exception as err:  # noqa: BLE001 - a method failing is a result, not a crash
+        note = f"{type(err).__module__}.{type(err).__name__}: {err}".splitlines()[0][:200]
+        return {"method": spec["method"], "status": "failed", "note": note}
+    finally:
+        gc.collect()
+        if spec["device"] == "cuda":
+            torch.cuda.empty_cache()
+
+
 def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
     if spec["omp_wait_policy"] != "default":
@@ -537,6 +563,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from hpcfl.models import build_model
 
     total = num_params(build_model(args.model, shape, 10, **({"norm": args.norm} if args.norm else {})))
+    if args.in_process and (args.keep_freed_memory or args.omp_wait_policy != "default"):
+        raise ConfigError("--keep-freed-memory and --omp-wait-policy set a fresh process's environment: not with --in-process")
     p = min(args.p, total)
     if p < args.p:
         print(f"--p {args.p} is more than {args.model}'s {total:,} parameters: every coordinate kept (p = {total:,})")
@@ -557,6 +585,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if args.omp_wait_policy != "default"
         else os.environ.get("OMP_WAIT_POLICY", "default"),
         "keep_freed_memory": bool(args.keep_freed_memory),
+        "in_process": bool(args.in_process),
         "malloc_env": {k: os.environ[k] for k in KEEP_FREED_MEMORY if k in os.environ},
         "layer_form_costs": {"constants": costs.constants(args.device), "from": os.environ.get(costs.COSTS_ENV)},
     }
@@ -565,7 +594,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for round_ in range(args.rounds):  # interleaved, so a busy spell on shared cores hits all methods
         this_round: dict[str, dict[str, Any]] = {}
         for method in ["plain", *methods]:
-            row = _run_child({**config, "method": method})
+            row = (_run_here if args.in_process else _run_child)({**config, "method": method})
             this_round[method] = row
             kept = best.get(method)
             if kept is None or (
