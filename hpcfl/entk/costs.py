@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Sequence
 from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -89,7 +90,7 @@ replace the built-in ones for its ``device`` type: constants fitted on a cluster
 @lru_cache(maxsize=4)
 def _fitted_file(path: str) -> tuple[str, dict[str, float]]:
     try:
-        report = json.loads(open(path, encoding="utf-8").read())
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
         device_type = "cuda" if str(report["device"]).startswith("cuda") else "cpu"
         fitted = {name: float(report["fitted"][name]) for name in COST_TERMS}
     except (OSError, ValueError, KeyError, TypeError) as err:
