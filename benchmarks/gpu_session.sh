@@ -41,8 +41,10 @@
 #   entk        hpcfl bench entk, fused and fused-graph (fused with its full batches replayed as one
 #               CUDA graph, hpcfl/entk/cuda_graph.py) vs Opacus hooks (its fastest eNTK mode on this
 #               GPU: functorch was half as fast on resnet18 and simplecnn; vmap far slower),
-#               simplecnn, resnet8, vgg11, resnet18, with the constants layercosts fitted when it
-#               ran first (simplecnn first: the host-bound model the graph is for)
+#               simplecnn, resnet8-GN, vgg11, resnet18-GN (simplecnn first: the host-bound model
+#               the graph is for), the fitted CUDA constants of hpcfl/entk/costs.py; every method
+#               timed --in-process (one CUDA start-up per model, not per method and round: ~80 s of
+#               session 2's 260 s step), each model its own command, so one crash loses one model
 #   profile     the fused eNTK batch's kernels (torch.profiler) beside plain training's: what a
 #               per-layer GPU cost model is fitted from
 #   dp          DP-SGD vs Opacus (hooks and ghost clipping) and non-private, simplecnn and resnet8-GN
@@ -52,20 +54,20 @@
 #   frameworks  BlazeFL's/Flower's published setup (100 clients x 500, 5 epochs, batch 50; CNN, ResNet-18)
 #   tcttable    TCT's Fashion-MNIST Table 2 at the largest budget that fits a step (not the paper's 200
 #               rounds x 5 epochs, p = 1e5): #C = 1 and #C = 2, SimpleCNN, 10 clients, 20 rounds x 1
-#               epoch (TCT 10 + 10, p = 20,000), lr 0.05 fixed, one seed; the step order puts it after
-#               the unmeasured GPU items
+#               epoch (TCT 10 + 10, p = 20,000), lr 0.05 fixed, one seed, two runs at a time; runs
+#               are resumable, so a step cut short keeps its finished runs
 #   gathertune  layercosts again with the gathers launched through triton.autotune (tile sizes per
 #               shape; off by default until this step shows it pays): simplecnn, resnet18, vgg11
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUTDIR=benchmarks/out/gpu_session
-STEPS_ALL=(tests entk stage2 batched gathertune tcttable layercosts checkpoint entk18 main round profile dp frameworks)
+STEPS_ALL=(tests entk stage2 tcttable batched gathertune layercosts checkpoint entk18 main round profile dp frameworks)
 
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
     [tests]="200 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="120 30" [main]="120 60" [round]="120 50"
-    [batched]="120 40" [entk]="260 40" [profile]="45 20" [dp]="90 40" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
+    [batched]="120 40" [entk]="200 40" [profile]="45 20" [dp]="90 40" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
     [tcttable]="200 90"
 )
 declare -A CMD=(
@@ -76,12 +78,12 @@ declare -A CMD=(
     [main]="python3 -m hpcfl compare --set device=cuda --out $OUTDIR/compare_cuda"
     [round]="python3 benchmarks/round_throughput.py --device cuda --clients 10 100 1000 --rounds 2 --out $OUTDIR/round_throughput_cuda"
     [batched]="python3 benchmarks/batched_clients.py --device cuda --models resnet8 simplecnn --clients 100 1000 --batches all auto --repeats 3 --no-yardstick --out $OUTDIR/batched_clients_cuda"
-    [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_simplecnn_cuda && python3 -m hpcfl bench entk --device cuda --model resnet8 --norm gn --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet8_cuda && python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_vgg11_cuda && python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
+    [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_simplecnn_cuda ; python3 -m hpcfl bench entk --device cuda --model resnet8 --norm gn --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_resnet8_cuda ; python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_vgg11_cuda ; python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_resnet18_cuda"
     [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
     [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda && python3 benchmarks/stage2_solver.py --device cpu --n 6000 --p 100000 --classes 10 --local-steps 500 --rounds 1 --check-rounds 1 --check-steps 2 --max-primal-seconds 5 --out $OUTDIR/stage2_cpu_of_gpu_host"
     [gathertune]="python3 benchmarks/entk_layer_costs.py --device cuda --autotune --models simplecnn resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
-    [tcttable]="python3 benchmarks/tct_fmnist_table.py --device cuda --jobs 1 --partitions classes:1 classes:2 --seeds 1 --lrs 0.05 --rounds 20 --local-steps 0 --local-epochs 1 --p 20000 --no-figure3 --out $OUTDIR/tct_fmnist --results $OUTDIR/tct_fmnist_results"
+    [tcttable]="python3 benchmarks/tct_fmnist_table.py --device cuda --jobs 2 --partitions classes:1 classes:2 --seeds 1 --lrs 0.05 --rounds 20 --local-steps 0 --local-epochs 1 --p 20000 --no-figure3 --out $OUTDIR/tct_fmnist --results $OUTDIR/tct_fmnist_results"
     [frameworks]="python3 benchmarks/fl_frameworks_setup.py --device cuda --models simplecnn resnet18 --batches auto --out $OUTDIR/fl_frameworks_setup_cuda"
 )
 
@@ -123,7 +125,7 @@ dry() {
             else
                 "$py" benchmarks/_dry_parse.py "${words[@]:1}" || { echo "dry: $step: FAILED: $part"; failed=1; }
             fi
-        done < <(echo "${CMD[$step]}" | sed 's/ && /\n/g')
+        done < <(echo "${CMD[$step]}" | sed -e 's/ && /\n/g' -e 's/ ; /\n/g')
     done
     [ -f tests/fixtures/cuda_checkpoint.yaml ] || { echo "dry: no tests/fixtures/cuda_checkpoint.yaml"; failed=1; }
     [ $failed = 0 ] && echo "dry: every step's command line is accepted" || echo "dry: FIX the lines above"
