@@ -169,9 +169,7 @@ def measure_model(name: str, args: argparse.Namespace, device: Any) -> tuple[lis
                     if form == "full"
                     else costs.form_features(form, batch=args.batch, device_type=device.type, **dims)
                 )
-                predicted = sum(
-                    costs.constants(device.type)[k] * v for k, v in feats.items()
-                )
+                predicted = sum(costs.constants(device.type)[k] * v for k, v in feats.items())
                 rows.append({"model": name, "layer": layer, "kind": kind, "batch": args.batch, "numel": weight.numel,
                              **dims, "form": form, "chosen": chosen, "ms": ms,
                              "predicted_ms": predicted / 1e6 if feats else None,

@@ -241,6 +241,81 @@ def test_logit_batching_dtype_out_and_modes_restored():
     torch.testing.assert_close(half.double(), ref, rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
 
 
+def test_mixed_training_flags_come_back_as_they_were():
+    """Only the modules in training mode are switched to eval and back: one already in eval stays
+    in eval (a frozen BatchNorm), and a model in eval throughout is not touched at all."""
+    model = _model("resnet8", (3, 32, 32), norm="bn")
+    model.train()
+    model.norm1.eval()
+    x = torch.randn(3, 3, 32, 32, dtype=F64)
+    ref = _features(model, x, 500, "vmap")
+    assert model.training and not model.norm1.training, "vmap changed the flags"
+    _assert_close(_features(model, x, 500, "fused"), ref, "fused with mixed flags")
+    flags = {name: m.training for name, m in model.named_modules()}
+    assert flags[""] and not flags["norm1"] and sum(flags.values()) == len(flags) - 1
+    model.eval()
+    setattr_calls = []
+    original = nn.Module.__setattr__
+
+    def counting(self, name, value):
+        if name == "training":
+            setattr_calls.append(self)
+        original(self, name, value)
+
+    nn.Module.__setattr__ = counting
+    try:
+        _assert_close(_features(model, x, 500, "fused"), ref, "fused in eval")
+    finally:
+        nn.Module.__setattr__ = original
+    assert not setattr_calls, f"{len(setattr_calls)} training flags set on a model already in eval"
+
+
+def test_a_call_sets_up_once_for_all_its_batches(monkeypatch):
+    """The fused path registers its forward hooks once per call, not once per batch, and vmap moves
+    its index columns to the device once per call."""
+    from hpcfl.entk import fused
+
+    model = _model("simplecnn", (1, 28, 28))
+    x = torch.randn(7, 1, 28, 28, dtype=F64)
+    made = []
+    real = fused._Capture
+
+    def counted(*args, **kwargs):
+        made.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "_Capture", counted)
+    got = _features(model, x, 800, "fused", batch_size=2)
+    assert len(made) == 1, f"{len(made)} hook sets for 4 batches"
+    _assert_close(got, _features(model, x, 800, "vmap", batch_size=2), "fused vs vmap in batches of 2")
+
+
+def test_off_the_cpu_only_the_planned_layers_are_hooked(monkeypatch):
+    """The hooks that keep gradients channels-last serve the CPU's channels-last forward only; on a
+    CUDA device (played on the CPU by the fake accelerator) every hook is a planned layer's."""
+    from hpcfl.entk import fused
+    from hpcfl.testing.fake_accelerator import fake_cuda
+
+    made = []
+    real = fused._Capture
+
+    def counted(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(fused, "_Capture", counted)
+    torch.manual_seed(0)
+    model = build_model("simplecnn", (1, 28, 28), 10)
+    planned = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+    entk_features(model, torch.randn(3, 1, 28, 28), p=500, seed=0, method="fused")
+    assert len(made[-1].handles) > planned, "the CPU forward keeps its channels-last hooks"
+    with fake_cuda() as dev:
+        model = model.to("cuda")
+        z = entk_features(model, torch.randn(3, 1, 28, 28, device="cuda"), p=500, seed=0, method="fused")
+        assert dev.is_accel(z)
+    assert len(made[-1].handles) == planned, "a CUDA forward hooked more than its planned layers"
+
+
 def test_bad_options_are_config_errors():
     model = _model("mlp", (1, 28, 28))
     x = torch.randn(2, 1, 28, 28, dtype=F64)

@@ -36,6 +36,8 @@ def _float32_convolutions(monkeypatch):
     paths, so they compare float32 with float32; runs keep PyTorch's default (README, GPU)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
 #: tolerance of a compiled gather against the reference evaluated on the same (rounded) inputs
 GATHER_TOL = {
     torch.float64: dict(rtol=1e-12, atol=1e-12),

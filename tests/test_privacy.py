@@ -591,7 +591,14 @@ def test_privacy_benchmark_refuses_a_zero_count(tmp_path: Path, option: str) -> 
     import sys
 
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "privacy.py"), option, "0", "--out", str(tmp_path / "out")],
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "privacy.py"),
+            option,
+            "0",
+            "--out",
+            str(tmp_path / "out"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

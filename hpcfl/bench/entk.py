@@ -340,7 +340,9 @@ def _graph_setup(run: Callable[[], None], device: Any) -> str:
     if keep.lines:
         return f"CUDA graph OFF: {keep.lines[0]}"[:200]
     held = (torch.cuda.memory_reserved(device) - before) / 2**20
-    return f"CUDA graph replay (captured, checked in set-up; set-up reserved {held:,.0f} MiB, outside the peak)"
+    return (
+        f"CUDA graph replay (captured, checked in set-up; set-up reserved {held:,.0f} MiB, outside the peak)"
+    )
 
 
 def _model_options(spec: dict[str, Any]) -> dict[str, Any]:
@@ -564,10 +566,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     total = num_params(build_model(args.model, shape, 10, **({"norm": args.norm} if args.norm else {})))
     if args.in_process and (args.keep_freed_memory or args.omp_wait_policy != "default"):
-        raise ConfigError("--keep-freed-memory and --omp-wait-policy set a fresh process's environment: not with --in-process")
+        raise ConfigError(
+            "--keep-freed-memory and --omp-wait-policy set a fresh process's environment: not with --in-process"
+        )
     p = min(args.p, total)
     if p < args.p:
-        print(f"--p {args.p} is more than {args.model}'s {total:,} parameters: every coordinate kept (p = {total:,})")
+        print(
+            f"--p {args.p} is more than {args.model}'s {total:,} parameters: every coordinate kept (p = {total:,})"
+        )
     config = {
         "model": args.model,
         "norm": args.norm,
@@ -587,7 +593,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "keep_freed_memory": bool(args.keep_freed_memory),
         "in_process": bool(args.in_process),
         "malloc_env": {k: os.environ[k] for k in KEEP_FREED_MEMORY if k in os.environ},
-        "layer_form_costs": {"constants": costs.constants(args.device), "from": os.environ.get(costs.COSTS_ENV)},
+        "layer_form_costs": {
+            "constants": costs.constants(args.device),
+            "from": os.environ.get(costs.COSTS_ENV),
+        },
     }
     best: dict[str, dict[str, Any]] = {}
     per_round: list[dict[str, Any]] = []

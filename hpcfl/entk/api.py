@@ -160,7 +160,7 @@ def entk_features(
         if chosen is EntkMethod.VMAP:
             columns = param_columns(named, coords)
             return _stage(
-                lambda x, dst: vmap_features(
+                lambda x, dst, bar: vmap_features(
                     model,
                     x,
                     named=named,
@@ -168,7 +168,7 @@ def entk_features(
                     logit=logit,
                     out=dst,
                     batch_size=batch_size,
-                    progress=False,
+                    progress=bar,
                 ),
                 inputs,
                 out,
@@ -177,8 +177,8 @@ def entk_features(
                 progress,
             )
         return _stage(
-            lambda x, dst: loop_features(
-                model, x, named=named, coords=coords, logit=logit, out=dst, progress=False
+            lambda x, dst, bar: loop_features(
+                model, x, named=named, coords=coords, logit=logit, out=dst, progress=bar
             ),
             inputs,
             out,
@@ -199,7 +199,7 @@ def _run_fused(
     progress: bool,
     cuda_graph: bool,
 ) -> Tensor:
-    def run(x: Tensor, dst: Tensor) -> Tensor:
+    def run(x: Tensor, dst: Tensor, bar: bool) -> Tensor:
         return fused_features(
             model,
             x,
@@ -207,7 +207,7 @@ def _run_fused(
             logit=logit,
             out=dst,
             batch_size=batch_size,
-            progress=False,
+            progress=bar,
             cuda_graph=cuda_graph,
         )
 
@@ -215,20 +215,22 @@ def _run_fused(
 
 
 def _stage(
-    run: Callable[[Tensor, Tensor], object],
+    run: Callable[[Tensor, Tensor, bool], object],
     inputs: Tensor,
     out: Tensor,
     target: Tensor,
     batch_size: int,
     progress: bool,
 ) -> Tensor:
-    """Run ``run(x, dst)`` over batches; stage through ``target`` when ``out`` lives elsewhere."""
+    """``run(x, dst, progress)`` on all the inputs at once when ``out`` is on the model's device (each
+    method batches them itself, so its per-call set-up — the fused path's forward hooks, vmap's
+    index columns on the device — is paid once per call, not per batch); when ``out`` lives
+    elsewhere, batch by batch through ``target`` on the model's device."""
     if target is out:
-        for start, stop in batches(inputs.shape[0], batch_size, progress=progress, desc="eNTK"):
-            run(inputs[start:stop], out[start:stop])
+        run(inputs, out, progress)
         return out
     for start, stop in batches(inputs.shape[0], batch_size, progress=progress, desc="eNTK"):
         dst = target[: stop - start]
-        run(inputs[start:stop], dst)
+        run(inputs[start:stop], dst, False)
         out[start:stop].copy_(dst)
     return out

@@ -94,7 +94,9 @@ def _fitted_file(path: str) -> tuple[str, dict[str, float]]:
         device_type = "cuda" if str(report["device"]).startswith("cuda") else "cpu"
         fitted = {name: float(report["fitted"][name]) for name in COST_TERMS}
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{COSTS_ENV}={path}: not a fitted-constants report of entk_layer_costs.py ({err})") from None
+        raise ConfigError(
+            f"{COSTS_ENV}={path}: not a fitted-constants report of entk_layer_costs.py ({err})"
+        ) from None
     return device_type, fitted
 
 

@@ -160,19 +160,24 @@ def _as_channels_last(grad: Tensor) -> Tensor:
 
 
 class _Capture:
-    """Forward hooks recording (input, input version, output gradient edge) per planned layer."""
+    """Forward hooks recording (input, input version, output gradient edge) per planned layer.
 
-    def __init__(self, model: nn.Module, names: list[str]) -> None:
+    ``channels_last``: also hook every other leaf module to keep its output's gradient
+    channels-last (the CPU forward's format, see :meth:`_keep_channels_last`). Off the CPU those
+    hooks would only cost a slower module call each, so they are not registered."""
+
+    def __init__(self, model: nn.Module, names: list[str], *, channels_last: bool = True) -> None:
         self.records: dict[str, tuple[Tensor, int, Any]] = {}
         modules = dict(model.named_modules())
         self.handles = [modules[name].register_forward_hook(self._hook(name)) for name in names]
         self.channels_last = False
-        planned = set(names)
-        self.handles += [
-            module.register_forward_hook(self._keep_channels_last)
-            for name, module in modules.items()
-            if name not in planned and not any(True for _ in module.children())
-        ]
+        if channels_last:
+            planned = set(names)
+            self.handles += [
+                module.register_forward_hook(self._keep_channels_last)
+                for name, module in modules.items()
+                if name not in planned and not any(True for _ in module.children())
+            ]
 
     def _keep_channels_last(self, module: nn.Module, args: tuple, output: Any) -> None:
         """In a channels-last forward, make the gradient of a channels-last output channels-last too.
@@ -242,7 +247,7 @@ def fused_features(
     def run(x: Tensor, rows: Tensor, workspace: Workspace) -> None:
         nonlocal capture
         if capture is None:
-            capture = _Capture(model, names)
+            capture = _Capture(model, names, channels_last=_channels_last_possible(plan, x.device))
         _fused_batch(model, x, plan, capture, logit, rows, workspace, pieces, workers)
 
     try:
@@ -333,10 +338,15 @@ def _channels_last_weights(model: nn.Module, plan: FusedPlan) -> dict[str, Tenso
     return plan.cl_weights[1]
 
 
+def _channels_last_possible(plan: FusedPlan, device: torch.device) -> bool:
+    """Whether :func:`_forward` may run channels-last: on the CPU, unless the model failed to."""
+    return device.type == "cpu" and plan.channels_last is not False
+
+
 def _forward(model: nn.Module, x: Tensor, plan: FusedPlan, capture: _Capture) -> Any:
     """The batched forward, on CPU with channels-last copies of the conv weights when the model
     accepts them (every conv activation and δ is then channels-last, see ``FusedPlan``)."""
-    if plan.channels_last is False or x.device.type != "cpu":
+    if not _channels_last_possible(plan, x.device):
         return model(x)
     weights = _channels_last_weights(model, plan)
     if not weights:
@@ -372,7 +382,7 @@ def layer_inputs_and_deltas(
     if x.is_floating_point():
         x = x.to(dtype).requires_grad_(True)
     names = list(plan.layers)
-    capture = _Capture(model, names)
+    capture = _Capture(model, names, channels_last=_channels_last_possible(plan, x.device))
     try:
         with torch.enable_grad():
             score = logit_of(_forward(model, x, plan, capture), logit).sum()  # Σ_b f_logit(x_b)

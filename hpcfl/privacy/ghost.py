@@ -120,7 +120,10 @@ def conv_form_costs(m: nn.Conv2d, positions: int, out_hw: tuple[int, ...]) -> di
     d = m.weight[0].numel()
     p = m.out_channels // m.groups
     T = positions
-    cost: dict[ConvForm, float] = {"materialise": MATERIALISE_COST * d * p, "ghost-unfold": float(T * T * (d + p))}
+    cost: dict[ConvForm, float] = {
+        "materialise": MATERIALISE_COST * d * p,
+        "ghost-unfold": float(T * T * (d + p)),
+    }
     if tuple(m.stride) == (1, 1):
         (kh, kw), (dh, dw) = m.kernel_size, m.dilation
         Wp = out_hw[1] + dw * (kw - 1)
@@ -175,7 +178,9 @@ def _weight_grad(
     )[1]
 
 
-def _unfold(m: nn.Conv2d, a: torch.Tensor, padding: tuple[int, ...], *, by_position: bool = False) -> torch.Tensor:
+def _unfold(
+    m: nn.Conv2d, a: torch.Tensor, padding: tuple[int, ...], *, by_position: bool = False
+) -> torch.Tensor:
     """``F.unfold``'s (B, in·kh·kw, T) of the conv's input (zero ``padding`` still to apply), as ONE
     strided copy of the padded input (``F.unfold`` loops over the batch: 1.2-2× slower here); or,
     ``by_position``, (B, T, kh·kw·in) from a channels-last copy — each row's entries in (tap, channel)
@@ -196,7 +201,9 @@ def _unfold(m: nn.Conv2d, a: torch.Tensor, padding: tuple[int, ...], *, by_posit
     return windows.reshape(B, C * kh * kw, Ho * Wo)
 
 
-def _per_sample_weight_grad(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, padding: tuple[int, ...]) -> torch.Tensor:
+def _per_sample_weight_grad(
+    m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, padding: tuple[int, ...]
+) -> torch.Tensor:
     """The conv's per-sample weight gradients (B, out·in/groups·kh·kw), each in the weight's layout:
     G_i·U_iᵀ by one batched product when the conv is ungrouped and narrow (:data:`UNFOLD_MAX_D`),
     else the batch-grouped convolution backward (:func:`_weight_grad`)."""
@@ -232,7 +239,9 @@ def _linear(m: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tenso
     return sq, finish
 
 
-def _ghost_unfold_sq(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, padding: tuple[int, ...]) -> torch.Tensor:
+def _ghost_unfold_sq(
+    m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, padding: tuple[int, ...]
+) -> torch.Tensor:
     """The weight's squared per-sample norms ⟨U_iᵀU_i, G_iᵀG_i⟩ (B,) with U_i the unfolded input
     (d × T per group) and G_i the output gradient (p × T): O(T²(d+p)), any convolution."""
     B, groups = a.shape[0], m.groups
@@ -274,7 +283,9 @@ def _ghost_shift_sq(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, padding: tup
     return _rowdot(S.view(B, -1), GG.view(B, -1))
 
 
-def _conv(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, form: ConvForm | None) -> tuple[torch.Tensor, Finish]:
+def _conv(
+    m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, form: ConvForm | None
+) -> tuple[torch.Tensor, Finish]:
     """A Conv2d's squared per-sample norms (B,) and clipped sums (module docstring); ``form`` forces
     the weight's norm form (``ghost-shift`` on a strided convolution takes ``ghost-unfold``), None
     takes :func:`choose_conv_form`'s choice."""
