@@ -3,7 +3,9 @@
 On the CPU (default suite): the option threads from :func:`hpcfl.entk.entk_features` to the fused
 path and is a no-op there, bit for bit, said once; the environment variable is read; the
 capture / replay / eager decision (:class:`hpcfl.entk.cuda_graph.BatchGraphs`) step by step;
-``hpcfl bench entk --methods fused-graph`` is refused on the CPU.
+``hpcfl bench entk --methods fused-graph`` is refused on the CPU; and what capture needs of the eager
+batch, on a CUDA device played by the fake accelerator: no copies to the device and no host sync
+outside the torch stand-ins of the Triton gathers.
 
 On a GPU (``pytest -m gpu``, skipped without one, the conventions of ``tests/test_gpu.py``): replay
 equals the eager fused path on simplecnn, resnet18-GN and vgg11 over several full batches and a
@@ -146,6 +148,33 @@ def test_the_replay_check_tolerance_is_float32_rounding() -> None:
     assert cg.tolerance(torch.float32) == 1e-5
     assert cg.tolerance(torch.float64) == 1e-5
     assert cg.tolerance(torch.bfloat16) == 8 * torch.finfo(torch.bfloat16).eps
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("simplecnn", {}), ("resnet8", {"norm": "gn"}), ("resnet8", {"norm": "bn"}), ("vgg11", {})],
+    ids=["simplecnn", "resnet8-gn", "resnet8-bn", "vgg11"],
+)
+def test_on_a_played_cuda_device_the_fused_batch_syncs_only_in_the_torch_gathers(name, options) -> None:
+    """Capturability, checked on the CPU: on the fake accelerator (a CUDA device played on the CPU,
+    its Triton dispatchers on their torch stand-ins), a fused call with its plan cached copies
+    nothing to the device and reads values back only inside ``triton_kernels``' torch gathers —
+    the code the compiled gathers replace on a GPU. A sync in hpcfl's own fused batch (GroupNorm's
+    ``repeat_interleave`` with tensor repeats was one) shows up here as a site under ``hpcfl/``."""
+    from hpcfl.testing.fake_accelerator import fake_cuda
+
+    with fake_cuda() as dev:
+        torch.manual_seed(0)
+        model = build_model(name, (3, 32, 32), 10, **options).to("cuda")
+        x = torch.randn(4, 3, 32, 32, device="cuda")
+        first = entk_features(model, x, p=3000, seed=0, method="fused", batch_size=2)
+        dev.syncs.clear(), dev.sync_sites.clear(), dev.copies.clear(), dev.copy_sites.clear()
+        again = entk_features(model, x, p=3000, seed=0, method="fused", batch_size=2)
+        copies, syncs = dict(dev.copy_sites), dict(dev.sync_sites)
+        assert dev.is_accel(again) and torch.equal(first, again)
+    assert not copies, f"host-to-device copies in a cached call: {copies}"
+    outside = [site for (_, site) in syncs if "/triton_kernels/" not in site]
+    assert syncs and not outside, f"host syncs outside the torch gathers: {outside}"
 
 
 def test_bench_refuses_fused_graph_on_the_cpu(tmp_path: Path, capsys) -> None:
