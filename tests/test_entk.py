@@ -241,7 +241,7 @@ def test_logit_batching_dtype_out_and_modes_restored():
     torch.testing.assert_close(half.double(), ref, rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
 
 
-def test_mixed_training_flags_come_back_as_they_were():
+def test_mixed_training_flags_come_back_as_they_were(monkeypatch):
     """Only the modules in training mode are switched to eval and back: one already in eval stays
     in eval (a frozen BatchNorm), and a model in eval throughout is not touched at all."""
     model = _model("resnet8", (3, 32, 32), norm="bn")
@@ -262,11 +262,9 @@ def test_mixed_training_flags_come_back_as_they_were():
             setattr_calls.append(self)
         original(self, name, value)
 
-    nn.Module.__setattr__ = counting
-    try:
-        _assert_close(_features(model, x, 500, "fused"), ref, "fused in eval")
-    finally:
-        nn.Module.__setattr__ = original
+    monkeypatch.setattr(nn.Module, "__setattr__", counting)
+    _assert_close(_features(model, x, 500, "fused"), ref, "fused in eval")
+    monkeypatch.undo()
     assert not setattr_calls, f"{len(setattr_calls)} training flags set on a model already in eval"
 
 
