@@ -59,6 +59,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcfl.bench.scaling.links import LinkProfile, parse_link
+from hpcfl.testing.netns import MAX_NODES, EmulatedNetwork, NamespaceError, start_network
+
 REPO = Path(__file__).resolve().parents[1]
 SETUP_SCRIPT = REPO / ".ci" / "setup_slurm.sh"
 SBIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -114,11 +117,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _port_listening(port: int) -> bool:
+def _port_listening(port: int, netns_pid: int | None = None) -> bool:
     """True when a socket listens on TCP ``port`` (read from /proc/net/tcp: probing with a real
-    connection would make slurmctld/slurmdbd log a "Zero Bytes" error for each probe)."""
+    connection would make slurmctld/slurmdbd log a "Zero Bytes" error for each probe), in the
+    network namespace of ``netns_pid`` when given (an emulated cluster's head)."""
     want = f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    proc = f"/proc/{netns_pid}/net" if netns_pid else "/proc/net"
+    for table in (f"{proc}/tcp", f"{proc}/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
@@ -237,7 +242,24 @@ class SlurmCluster:
     partition: str = "debug"
     env: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    #: emulated nodes (:func:`start_cluster` with ``nodes=``): their namespaces and links; None for
+    #: today's single node on this host
+    network: EmulatedNetwork | None = None
     _daemons: list[_Daemon] = field(default_factory=list, repr=False)
+
+    @property
+    def nodes(self) -> list[str]:
+        """The node names (one: this host's name; emulated: ``node1`` .. ``nodeN``)."""
+        return [n.name for n in self.network.nodes] if self.network else [self.node]
+
+    @property
+    def prefix(self) -> list[str]:
+        """argv prefix of every client command and the controller's daemons: on an emulated
+        cluster they run in its head namespace (the "login node"), which alone reaches the nodes."""
+        return self.network.head_prefix() if self.network else []
+
+    def _netns_pid(self) -> int | None:
+        return self.network.head.pid if self.network else None
 
     # ---- commands --------------------------------------------------------------------------
 
@@ -258,7 +280,7 @@ class SlurmCluster:
         """Run a SLURM client command against this cluster (bounded by ``timeout``)."""
         try:
             proc = subprocess.run(
-                list(argv),
+                [*self.prefix, *argv],
                 capture_output=True,
                 text=True,
                 env=self.subprocess_env(env),
@@ -353,8 +375,15 @@ class SlurmCluster:
         )
 
     def node_state(self) -> str:
-        """The node's state as sinfo prints it (``idle``, ``mixed``, ``allocated``, ``drained``...)."""
-        return self.run("sinfo", "-h", "-N", "-o", "%T", timeout=10).stdout.strip()
+        """The node's state as sinfo prints it (``idle``, ``mixed``, ``allocated``, ``drained``...);
+        with several nodes the distinct states joined by ``,`` (``idle`` when all are idle)."""
+        out = self.run("sinfo", "-h", "-N", "-o", "%T", timeout=10).stdout.split()
+        return ",".join(sorted(set(out)))
+
+    def node_states(self) -> dict[str, str]:
+        """Each node's state by name (``down*``: not responding)."""
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %T", timeout=10).stdout.split("\n")
+        return dict(line.split() for line in out if line.strip())
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until no job of this cluster is queued or running and the node is idle."""
@@ -372,14 +401,37 @@ class SlurmCluster:
         """The last lines of every daemon log, for failure messages."""
         return "\n".join(_tail(d.log, lines) for d in self._daemons)
 
+    # ---- emulated nodes ------------------------------------------------------------------------
+
+    def start_slurmd(self, index: int) -> _Daemon:
+        """Start node ``index``'s ``slurmd`` in its namespaces (again, after :meth:`kill_node`)."""
+        assert self.network is not None, "start_slurmd is for emulated nodes"
+        name = self.network.node(index).name
+        argv = [_which("slurmd") or "slurmd", "-D", "-N", name]
+        return self._spawn(f"slurmd-{name}", argv, prefix=self.network.node_prefix(index))
+
+    def kill_node(self, index: int) -> list[int]:
+        """A host that dies: SIGKILL every process on emulated node ``index`` (slurmd, slurmstepd,
+        job tasks); its namespace and link stay for :meth:`start_slurmd`."""
+        assert self.network is not None, "kill_node is for emulated nodes"
+        name = self.network.node(index).name
+        pids = self.network.kill_node(index)
+        for daemon in [d for d in self._daemons if d.name == f"slurmd-{name}"]:
+            daemon.popen.wait(timeout=10)
+            self._daemons.remove(daemon)
+        return pids
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: Sequence[str], *, user: str | None = None) -> _Daemon:
-        """Start one daemon in the foreground as our child, output to ``log/<name>.out``."""
+    def _spawn(
+        self, name: str, argv: Sequence[str], *, user: str | None = None, prefix: Sequence[str] | None = None
+    ) -> _Daemon:
+        """Start one daemon in the foreground as our child, output to ``log/<name>.out``; in the
+        namespaces of ``prefix`` (default: the controller's, :attr:`prefix`)."""
         log = self.tmpdir / "log" / f"{name}.out"
         with open(log, "ab") as out:
             popen = subprocess.Popen(
-                list(argv),
+                [*(self.prefix if prefix is None else prefix), *argv],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -421,8 +473,11 @@ class SlurmCluster:
             self._daemons.remove(daemon)
 
     def stop(self) -> None:
-        """Cancel this cluster's jobs, then stop the daemons started here (by PID, newest first)."""
+        """Cancel this cluster's jobs, then stop the daemons started here (by PID, newest first),
+        and remove the emulated nodes' namespaces and links."""
         if not self._daemons:
+            if self.network is not None:
+                self.network.stop()
             return
         ctld_alive = any(d.name == "slurmctld" and d.popen.poll() is None for d in self._daemons)
         if ctld_alive:
@@ -434,6 +489,8 @@ class SlurmCluster:
         for daemon in reversed(list(self._daemons)):
             self._stop_daemon(daemon)
         self._kill_leftovers()
+        if self.network is not None:
+            self.network.stop()
 
     def _kill_leftovers(self) -> None:
         """SIGKILL what this cluster started that outlived its daemons: slurmstepd and job processes
@@ -574,10 +631,10 @@ DebugLevel=info
                 f"--pid-file={tmpdir / 'mariadb.pid'}",
             ],
         )
-        cluster._wait_for(mariadbd, lambda: _port_listening(ports["db"]), 30, "TCP port")
+        cluster._wait_for(mariadbd, lambda: _port_listening(ports["db"], cluster._netns_pid()), 30, "TCP port")
         mark("mariadbd")
         dbd = cluster._spawn("slurmdbd", [_which("slurmdbd") or "slurmdbd", "-D"])
-        cluster._wait_for(dbd, lambda: _port_listening(ports["dbd"]), 60, "TCP port")
+        cluster._wait_for(dbd, lambda: _port_listening(ports["dbd"], cluster._netns_pid()), 60, "TCP port")
         mark("slurmdbd")
         return mariadbd, dbd
 
@@ -601,8 +658,23 @@ DebugLevel=info
 
 
 def _slurm_conf(cluster: SlurmCluster, ports: dict[str, int], munge_sock: Path, memory: int) -> str:
-    """slurm.conf: everything under the temp dir, free ports, one node, one partition."""
+    """slurm.conf: everything under the temp dir, free ports, one partition; one node on 127.0.0.1,
+    or the emulated nodes at their bridge addresses (spool, pid and log per node: ``%n``)."""
     tmpdir, node = cluster.tmpdir, cluster.node
+    net = cluster.network
+    if net is None:
+        controller = f"{node}(127.0.0.1)"
+        per_node = ""
+        node_lines = f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cluster.cpus} RealMemory={memory} State=UNKNOWN"
+        timeout = 30
+    else:
+        controller = f"head({net.head_address})"
+        per_node = "-%n"
+        node_lines = "\n".join(
+            f"NodeName={n.name} NodeAddr={n.address} CPUs={cluster.cpus} RealMemory={memory} State=UNKNOWN"
+            for n in net.nodes
+        )
+        timeout = 10  # a lost node is marked DOWN (and its jobs requeued) within ~10-15 s
     # below MaxJobId (67043328), 100 ids apart
     first_job_id = 1000 + int.from_bytes(os.urandom(4), "little") % 600_000 * 100
     if cluster.accounting:
@@ -623,7 +695,7 @@ ClusterName={CLUSTER_NAME}
 # job ids unique across test sessions: a killed MPICH step leaves /dev/shm segments named after its
 # job/step, which break a later step with the same ids on this machine
 FirstJobId={first_job_id}
-SlurmctldHost={node}(127.0.0.1)
+SlurmctldHost={controller}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -633,11 +705,11 @@ AuthInfo=socket={munge_sock},cred_expire=5
 SlurmctldPort={ports["ctld"]}
 SlurmdPort={ports["slurmd"]}
 StateSaveLocation={tmpdir}/state
-SlurmdSpoolDir={tmpdir}/spool
+SlurmdSpoolDir={tmpdir}/spool{per_node}
 SlurmctldPidFile={tmpdir}/slurmctld.pid
-SlurmdPidFile={tmpdir}/slurmd.pid
+SlurmdPidFile={tmpdir}/slurmd{per_node}.pid
 SlurmctldLogFile={tmpdir}/log/slurmctld.log
-SlurmdLogFile={tmpdir}/log/slurmd.log
+SlurmdLogFile={tmpdir}/log/slurmd{per_node}.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -655,14 +727,27 @@ MinJobAge=300
 KillWait=5
 InactiveLimit=0
 SlurmctldTimeout=30
-SlurmdTimeout=30
-NodeName={node} NodeAddr=127.0.0.1 CPUs={cluster.cpus} RealMemory={memory} State=UNKNOWN
-PartitionName={cluster.partition} Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+SlurmdTimeout={timeout}
+{node_lines}
+PartitionName={cluster.partition} Nodes={",".join(cluster.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
 
-def start_cluster(accounting: bool | None = None, partition: str = "debug") -> SlurmCluster:
-    """Start munged (+ MariaDB + slurmdbd), slurmctld and slurmd; return once the node is idle.
+def start_cluster(
+    accounting: bool | None = None,
+    partition: str = "debug",
+    *,
+    nodes: int | None = None,
+    link: str | LinkProfile | None = None,
+) -> SlurmCluster:
+    """Start munged (+ MariaDB + slurmdbd), slurmctld and slurmd; return once every node is idle.
+
+    ``nodes=None``: one node, this host (today's fixture). ``nodes=N``: N emulated nodes
+    (:mod:`hpcfl.testing.netns`: a network + UTS namespace each, hostnames ``node1``..``nodeN``, on
+    one bridge), one ``slurmd`` per node, the controller and accounting in the head namespace,
+    every link shaped to ``link`` (a profile name of :mod:`hpcfl.bench.scaling.links` or
+    ``rate=100mbit``; None: unshaped veth). An unknown profile or an impossible node count is a
+    ValueError with one line.
 
     ``accounting`` defaults to ``$HPCFL_SLURM_ACCOUNTING`` (on unless ``0``). Raises
     :class:`SlurmClusterError` naming the daemon and showing its log when something does not
@@ -670,6 +755,9 @@ def start_cluster(accounting: bool | None = None, partition: str = "debug") -> S
     """
     if accounting is None:
         accounting = os.environ.get("HPCFL_SLURM_ACCOUNTING", "1") != "0"
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES):
+        raise ValueError(f"an emulated cluster has 1 to {MAX_NODES} nodes; got {nodes!r}")
+    profile = parse_link(link)  # ValueError naming the known profiles
     t_start = time.monotonic()
     tmpdir = Path(tempfile.mkdtemp(prefix="hpcfl-slurm-", dir="/tmp"))
     tmpdir.chmod(0o711)  # the munge user must reach its socket dir
@@ -677,7 +765,10 @@ def start_cluster(accounting: bool | None = None, partition: str = "debug") -> S
         (tmpdir / sub).mkdir()
 
     hw = _node_hardware()
-    ports = {name: _free_port() for name in ("ctld", "slurmd", "dbd", "db")}
+    if nodes is None:
+        ports = {name: _free_port() for name in ("ctld", "slurmd", "dbd", "db")}
+    else:  # the head namespace is new: every port is free there
+        ports = {"ctld": 6817, "slurmd": 6818, "dbd": 6819, "db": 3306}
     munge_dir = tmpdir / "munge"
     munge_sock = munge_dir / "munge.sock"
     conf = tmpdir / "slurm.conf"
@@ -698,7 +789,16 @@ def start_cluster(accounting: bool | None = None, partition: str = "debug") -> S
         last[0] = now
 
     try:
-        # 1. private munged with its own key: nothing shared with a system munge
+        if nodes is not None:
+            try:
+                cluster.network = start_network(nodes, profile)
+            except NamespaceError as err:
+                raise SlurmClusterError(f"emulated nodes: {err}") from err
+            for name in cluster.nodes:
+                (tmpdir / f"spool-{name}").mkdir()
+            mark("namespaces")
+        # 1. private munged with its own key: nothing shared with a system munge (its socket is a
+        #    path, so the emulated nodes reach it through the file system)
         munge = pwd.getpwnam("munge")
         munge_dir.mkdir(mode=0o755)
         key = munge_dir / "munge.key"
@@ -718,6 +818,7 @@ def start_cluster(accounting: bool | None = None, partition: str = "debug") -> S
                 f"--seed-file={munge_dir / 'munged.seed'}",
             ],
             user="munge",
+            prefix=[],
         )
         cluster._wait_for(munged, munge_sock.exists, 10, "socket")
         mark("munged")
@@ -727,26 +828,30 @@ def start_cluster(accounting: bool | None = None, partition: str = "debug") -> S
         if accounting:
             _start_accounting(cluster, ports, munge_sock, mark)
 
-        # 3. controller and node daemon; ready when the node reports idle
+        # 3. controller and node daemons; ready when every node reports idle
         ctld = cluster._spawn("slurmctld", [_which("slurmctld") or "slurmctld", "-D", "-i"])
-        cluster._wait_for(ctld, lambda: _port_listening(ports["ctld"]), 60, "TCP port")
+        cluster._wait_for(ctld, lambda: _port_listening(ports["ctld"], cluster._netns_pid()), 60, "TCP port")
         mark("slurmctld")
-        slurmd = cluster._spawn("slurmd", [_which("slurmd") or "slurmd", "-D"])
+        if cluster.network is None:
+            slurmd = cluster._spawn("slurmd", [_which("slurmd") or "slurmd", "-D"])
+        else:
+            slurmd = [cluster.start_slurmd(i) for i in range(1, len(cluster.nodes) + 1)][-1]
 
         def node_idle() -> bool:
             if ctld.popen.poll() is not None:
                 raise SlurmClusterError(
                     f"slurmctld exited with {ctld.popen.returncode}\n{cluster.log_tails()}"
                 )
-            state = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False, timeout=10).stdout.strip()
-            if state.rstrip("*") in ("drained", "inval", "down", "draining", "drain"):
-                reason = cluster.run("sinfo", "-h", "-N", "-o", "%E", check=False, timeout=10).stdout
-                raise SlurmClusterError(
-                    f"node {cluster.node} is {state}: {reason.strip()}\n{cluster.log_tails()}"
-                )
-            return state == "idle"
+            states = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False, timeout=10).stdout.split()
+            for state in states:
+                if state.rstrip("*") in ("drained", "inval", "draining", "drain"):
+                    reason = cluster.run("sinfo", "-h", "-N", "-o", "%E", check=False, timeout=10).stdout
+                    raise SlurmClusterError(
+                        f"node {cluster.node} is {state}: {reason.strip()}\n{cluster.log_tails()}"
+                    )
+            return len(states) == len(cluster.nodes) and set(states) == {"idle"}
 
-        cluster._wait_for(slurmd, node_idle, 30, "idle node")
+        cluster._wait_for(slurmd, node_idle, 30 + 5 * len(cluster.nodes), "idle node")
         mark("slurmd")
         cluster.timings["total"] = time.monotonic() - t_start
     except BaseException:

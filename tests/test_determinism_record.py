@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 
 import pytest
@@ -26,6 +27,7 @@ def test_run_records_the_threads_of_every_rank(tmp_path):
     assert main(["run", str(cfg), "--run-dir", str(run)]) == 0
     assert read_record(run) == {
         "threads_per_rank": [2],
+        "ranks": [{"host": socket.gethostname(), "local_rank": 0, "device": "cpu"}],
         "reduction": "float64",
         "client_batch": "auto",  # the default: one by one on the CPU, recorded as the size used
         "client_batch_used": 1,

@@ -26,13 +26,24 @@ if TYPE_CHECKING:  # `hpcfl report` reads records: no torch, no config (which im
 RECORD = "determinism.json"
 
 
-def collect(cfg: Config, comm: Communicator, *, client_batch_used: int | None = None) -> dict[str, Any]:
-    """This run's record (collective: every rank reports its thread count). ``client_batch_used``:
-    the group size the setting resolved to (``auto`` chooses by device and memory)."""
+def collect(
+    cfg: Config, comm: Communicator, *, client_batch_used: int | None = None, device: str | None = None
+) -> dict[str, Any]:
+    """This run's record (collective: every rank reports its thread count, host, node-local rank
+    and device). ``client_batch_used``: the group size the setting resolved to (``auto`` chooses by
+    device and memory); ``device``: the one this rank resolved ``device`` to.
+
+    ``ranks`` (host, node-local rank, device per rank) is where a run says how it was laid over
+    nodes; results never depend on it, so :func:`differences` ignores it."""
+    import socket
+
     import torch
 
+    mine = (int(torch.get_num_threads()), socket.gethostname(), int(comm.local_rank), device or cfg.device)
+    every = comm.allgather(mine)
     record: dict[str, Any] = {
-        "threads_per_rank": [int(t) for t in comm.allgather(torch.get_num_threads())],
+        "threads_per_rank": [t for t, *_ in every],
+        "ranks": [{"host": h, "local_rank": lr, "device": d} for _, h, lr, d in every],
         "reduction": cfg.reduction,
         "client_batch": str(cfg.client_batch),
         "device": cfg.device,

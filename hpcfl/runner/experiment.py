@@ -346,8 +346,8 @@ def _run_locked(
     held = fed.owned if comm.size > 1 else list(range(len(fed.parts)))  # states this rank may train
     every = list(range(len(fed.parts)))  # every rank checks all client files, so all pick one round
     record = determinism.collect(
-        cfg, comm, client_batch_used=fed.client_batch
-    )  # collective: the threads every rank uses
+        cfg, comm, client_batch_used=fed.client_batch, device=str(fed.device)
+    )  # collective: the threads, host and device every rank uses
     if comm.rank == 0 and has_state and (note := determinism.resume_note(run_dir, record)) is not None:
         print(note, file=sys.stderr)
     ckpt = (  # onto this rank's device, whichever device wrote it; another run's files fall back
