@@ -17,8 +17,8 @@ bit-identically; a slow or lossy link changes the time, not the results.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +28,14 @@ import torch
 
 pytest.importorskip("submitit")
 
-from tests.helpers import final_state, hpcfl_cmd, repo_env, run_cli, synthetic_config  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    final_state,
+    hpcfl_cmd,
+    repo_env,
+    run_cli,
+    synthetic_config,
+    tiny_tct_config,
+)
 from tests.slurm_cluster import SlurmCluster, ensure_packages, start_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slurm]
@@ -97,7 +104,8 @@ def _layout(run_dir: Path) -> list[tuple[str, int, str]]:
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The reference: the small config run in one process, no MPI."""
     tmp = tmp_path_factory.mktemp("one-rank")
-    cfg = synthetic_config(tmp, rounds=3, num_clients=8, checkpoint_every=1)
+    # SCAFFOLD's client states on disk: the client-state store gets writers on both hosts
+    cfg = synthetic_config(tmp, rounds=3, num_clients=8, checkpoint_every=1, client_state_memory="disk")
     run_dir = tmp / "run"
     proc = run_cli("run", str(cfg), "--run-dir", str(run_dir))
     assert proc.returncode == 0, proc.stderr
@@ -123,5 +131,107 @@ def test_submit_on_two_nodes_is_bit_identical_to_one_rank(
     params = final_state(reference).numel()
     crossed = [cluster.network.tx_bytes(i) - s for i, s in zip((1, 2), sent, strict=True)]
     assert min(crossed) > 3 * 8 * params, crossed
+    assert _results(run_dir) == _results(reference)
+    assert torch.equal(final_state(run_dir), final_state(reference))
+
+
+def test_each_node_numbers_its_gpus_from_its_own_local_ranks(
+    cluster: SlurmCluster, one_rank: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Four fake GPUs per node, two ranks per node: node 2's ranks (global 2 and 3) take cuda:0 and
+    cuda:1 — a GPU index taken from the global rank would give cuda:2 and cuda:3."""
+    cfg, reference = one_rank
+    run_dir = tmp_path / "run"
+    program = REPO / "tests" / "mpi_programs" / "fake_gpu_rank.py"
+    step = f"srun --mpi=pmi2 {sys.executable} {program} 4 run {cfg} --run-dir {run_dir} --set device=cuda"
+    job = cluster.sbatch(wrap=step, args=["-N2", "--ntasks-per-node=2", "-c1"], env=repo_env())
+    assert cluster.wait_state(job, timeout=120) == "COMPLETED", cluster.output_path(job).read_text()
+    assert _layout(run_dir) == [
+        ("node1", 0, "cuda:0"), ("node1", 1, "cuda:1"), ("node2", 0, "cuda:0"), ("node2", 1, "cuda:1"),
+    ]  # fmt: skip
+    assert _results(run_dir) == _results(reference)
+
+
+def _sbatch_template(
+    cluster: SlurmCluster, name: str, args: list[str], env: dict[str, str], timeout: float = 180
+) -> tuple[str, str]:
+    """Submit ``slurm/NAME`` as a user would (the file's text, options overriding its ``#SBATCH``
+    lines); wait for the end; return (state, log)."""
+    job = cluster.sbatch((REPO / "slurm" / name).read_text(), args=args, env={**repo_env(), **env})
+    state = cluster.wait_state(job, timeout=timeout)
+    return state, cluster.output_path(job).read_text()
+
+
+def test_cpu_sbatch_on_two_nodes_equals_one_rank(
+    cluster: SlurmCluster, one_rank: tuple[Path, Path], tmp_path: Path
+) -> None:
+    cfg, reference = one_rank
+    run_dir = tmp_path / "run"
+    state, log = _sbatch_template(
+        cluster, "cpu.sbatch", ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        {"CONFIG": str(cfg), "RUN_DIR": str(run_dir), "HPCFL": f"{sys.executable} -m hpcfl"},
+    )  # fmt: skip
+    assert state == "COMPLETED", log
+    assert "4 ranks on node[1-2]" in log, log
+    assert [h for h, _, _ in _layout(run_dir)] == ["node1", "node1", "node2", "node2"]
+    assert _results(run_dir) == _results(reference)
+    assert torch.equal(final_state(run_dir), final_state(reference))
+
+
+def test_scaling_sweep_sbatch_measures_across_two_nodes(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """slurm/scaling_sweep.sbatch with the real ``hpcfl bench scaling`` (tiny sizes): the point on
+    two nodes measures a world of two hosts, and the summary holds both points."""
+    out = tmp_path / "scaling"
+    bench = ["--models", "mlp", "--clients", "4", "--clients-per-rank", "0", "--samples-per-client", "20"]
+    bench += ["--test-samples", "40", "--rounds", "2", "--probe-budget", "2"]
+    job = cluster.sbatch(
+        (REPO / "slurm" / "scaling_sweep.sbatch").read_text(),
+        args=["--nodes=2", "--ntasks-per-node=1", "--no-requeue"],
+        script_args=bench,
+        env={**repo_env(), "OUT": str(out), "SWEEP": "1x1 2x1", "HPCFL": f"{sys.executable} -m hpcfl"},
+    )
+    state = cluster.wait_state(job, timeout=240)
+    log = cluster.output_path(job).read_text()
+    assert state == "COMPLETED", log
+    rows = [json.loads(x) for p in out.rglob("scaling_rows.jsonl") for x in p.read_text().splitlines()]
+    assert sorted((r["nodes"], tuple(r["hosts"])) for r in rows) == [(1, ("node1",)), (2, ("node1", "node2"))]
+    assert (out / "scaling.csv").exists(), log
+
+
+def test_sweep_array_tasks_land_on_different_nodes(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A sweep is ONE job array; two tasks that each fill a node run on the two nodes at once."""
+    cfg = synthetic_config(tmp_path, rounds=2)
+    out = tmp_path / "sweep"
+    proc = cli(
+        cluster, "sweep", str(cfg), "--out", str(out), "--grid", "lr=0.02,0.05", "--executor", "slurm",
+        "--ntasks-per-node", "2", "-c", "2", "--time", "10", "--array-parallelism", "2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "submitted job array" in proc.stderr and "(2 tasks)" in proc.stderr
+    runs = out / "runs"
+    _wait_for(
+        lambda: all((runs / f"lr={lr}" / "DONE").exists() for lr in ("0.02", "0.05")), 240, "both points"
+    )
+    hosts = {lr: {h for h, _, _ in _layout(runs / f"lr={lr}")} for lr in ("0.02", "0.05")}
+    assert sorted(map(sorted, hosts.values())) == [["node1"], ["node2"]], hosts
+
+
+def test_tct_feature_store_written_from_two_hosts_equals_one_rank(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """TCT's eNTK features written by ranks on two hosts into one store; stage 2 equals one rank."""
+    cfg = tiny_tct_config(tmp_path)
+    reference = tmp_path / "one"
+    proc = run_cli("run", str(cfg), "--run-dir", str(reference))
+    assert proc.returncode == 0, proc.stderr
+    run_dir = tmp_path / "two"
+    proc = cli(
+        cluster, "submit", str(cfg), "--run-dir", str(run_dir),
+        "--nodes", "2", "--ntasks-per-node", "1", "-c", "1", "--time", "10", "--wait",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [h for h, _, _ in _layout(run_dir)] == ["node1", "node2"]
+    clients = sorted(p.name for p in (run_dir / "features.zarr").iterdir() if p.name.startswith("client_"))
+    assert clients == [f"client_{k}" for k in range(5)], clients
     assert _results(run_dir) == _results(reference)
     assert torch.equal(final_state(run_dir), final_state(reference))

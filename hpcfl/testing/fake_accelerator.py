@@ -441,11 +441,11 @@ class FakeCuda(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _patched_cuda(mode: FakeCuda) -> dict[str, Any]:
+def _patched_cuda(mode: FakeCuda, device_count: int = 1) -> dict[str, Any]:
     props = mode.properties
     return {
         "is_available": lambda: True,
-        "device_count": lambda: 1,
+        "device_count": lambda: device_count,
         "current_device": lambda: mode.device.index,
         "set_device": lambda device: None,
         "synchronize": lambda device=None: None,
@@ -480,9 +480,11 @@ class _FakeGenerator(torch.Generator):
 
 
 @contextlib.contextmanager
-def fake_cuda(index: int = 0, total_memory: int = 16 * 2**30) -> Iterator[FakeCuda]:
+def fake_cuda(index: int = 0, total_memory: int = 16 * 2**30, device_count: int = 1) -> Iterator[FakeCuda]:
     """Play ``cuda:INDEX`` on the CPU for the block (module docstring); yields the mode, whose
-    ``syncs``/``copies`` count the host syncs and host-to-device copies made inside the block."""
+    ``syncs``/``copies`` count the host syncs and host-to-device copies made inside the block.
+    ``device_count``: how many GPUs ``torch.cuda.device_count()`` reports (a node's GPUs, of which
+    this process plays one)."""
     mode = FakeCuda(index, total_memory)
     saved: list[tuple[Any, str, Any]] = []
 
@@ -490,7 +492,7 @@ def fake_cuda(index: int = 0, total_memory: int = 16 * 2**30) -> Iterator[FakeCu
         saved.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, value)
 
-    for attr, value in _patched_cuda(mode).items():
+    for attr, value in _patched_cuda(mode, device_count).items():
         patch(torch.cuda, attr, value)
     for module in list(sys.modules.values()):  # Triton kernels cannot run on the fake device
         if getattr(module, "HAS_TRITON", None) is True:
