@@ -36,6 +36,7 @@ from tests.helpers import (  # noqa: E402
     synthetic_config,
     tiny_tct_config,
 )
+from hpcfl.bench.scaling.links import parse_link  # noqa: E402
 from tests.slurm_cluster import SlurmCluster, ensure_packages, start_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slurm]
@@ -235,3 +236,51 @@ def test_tct_feature_store_written_from_two_hosts_equals_one_rank(
     assert clients == [f"client_{k}" for k in range(5)], clients
     assert _results(run_dir) == _results(reference)
     assert torch.equal(final_state(run_dir), final_state(reference))
+
+
+def test_slow_and_lossy_link_changes_the_time_not_the_results(
+    cluster: SlurmCluster, one_rank: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Node 2's link shaped to 20 Mb/s and dropping 3 % of what it sends: TCP retransmits, the run is
+    slower and ends with the same model."""
+    cfg, reference = one_rank
+    net = cluster.network
+    net.shape(2, parse_link("rate=20mbit"))
+    net.set_loss(2, 0.03)
+    try:
+        run_dir = tmp_path / "run"
+        proc = cli(
+            cluster, "submit", str(cfg), "--run-dir", str(run_dir),
+            "--nodes", "2", "--ntasks-per-node", "1", "-c", "1", "--time", "10", "--wait",
+        )  # fmt: skip
+    finally:
+        net.set_loss(2, 0.0)
+        net.shape(2, cluster.network.link)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _results(run_dir) == _results(reference)
+    assert torch.equal(final_state(run_dir), final_state(reference))
+
+
+def test_nodes_beyond_the_allocation_are_refused_with_slurms_reason(cluster: SlurmCluster, tmp_path: Path) -> None:
+    proc = cli(
+        cluster, "submit", str(synthetic_config(tmp_path)), "--run-dir", str(tmp_path / "run"),
+        "--nodes", "3", "--ntasks-per-node", "1", "--time", "10",
+    )  # fmt: skip
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("hpcfl: error: sbatch rejected the job:") and "node" in line.lower(), line
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nodes": 0}, "an emulated cluster has 1 to 64 nodes; got 0"),
+        ({"nodes": 65}, "an emulated cluster has 1 to 64 nodes; got 65"),
+        ({"nodes": 2, "link": "warp"}, "unknown link profile 'warp': use one of veth, 1gbe, 10gbe, ib-hdr"),
+        ({"nodes": 2, "link": "rate=fast"}, "unknown link profile 'rate=fast'"),
+    ],
+)
+def test_the_fixture_refuses_impossible_clusters_in_one_line(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        start_cluster(**kwargs)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
