@@ -130,9 +130,13 @@ def analyse(out: Path, profiles: list[str]) -> dict:
     per_client_cpu: dict[str, tuple[float, int, float]] = {}  # model -> (s, payload floats, eval_1rank)
     for profile in profiles:
         rows = _jsonl(sorted((out / profile).rglob("scaling_rows.jsonl")))
-        probes = [p for p in _jsonl(sorted((out / profile).rglob("allreduce_probe.jsonl"))) if p.get("nodes", 1) > 1]
+        probes = [
+            p for p in _jsonl(sorted((out / profile).rglob("allreduce_probe.jsonl"))) if p.get("nodes", 1) > 1
+        ]
         samples = [
-            (p["ranks"], n, t) for p in probes for n, t in zip(p["sizes_bytes"], p["seconds_best"], strict=True)
+            (p["ranks"], n, t)
+            for p in probes
+            for n, t in zip(p["sizes_bytes"], p["seconds_best"], strict=True)
         ]
         alpha, beta = fit_latency_bandwidth(samples) if samples else (math.nan, math.nan)
         link = parse_link(profile)
@@ -164,13 +168,20 @@ def analyse(out: Path, profiles: list[str]) -> dict:
             "alpha_s": alpha,
             "beta_Bps": beta,
             "probes": [
-                {"ranks": p["ranks"], "nodes": p["nodes"], "sizes_bytes": p["sizes_bytes"], "seconds_best": p["seconds_best"]}
+                {
+                    "ranks": p["ranks"],
+                    "nodes": p["nodes"],
+                    "sizes_bytes": p["sizes_bytes"],
+                    "seconds_best": p["seconds_best"],
+                }
                 for p in probes
             ],
             "points": points,
             "median_abs_allreduce_error_across_nodes": statistics.median(errors) if errors else None,
         }
-    result["per_client_cpu"] = {m: {"seconds": v[0], "payload_floats": v[1]} for m, v in per_client_cpu.items()}
+    result["per_client_cpu"] = {
+        m: {"seconds": v[0], "payload_floats": v[1]} for m, v in per_client_cpu.items()
+    }
     result["projection"] = project_all(result, per_client_cpu)
     return result
 
@@ -181,7 +192,14 @@ def project_all(result: dict, per_client_cpu: dict[str, tuple[float, int, float]
     reachable = {p: v for p, v in result["profiles"].items() if not math.isnan(v["beta_Bps"])}
     for profile, fit in reachable.items():
         link = parse_link(profile)
-        nets = [Network(f"{profile} emulated (fitted)", fit["alpha_s"], fit["beta_Bps"], "fitted on the emulated links")]
+        nets = [
+            Network(
+                f"{profile} emulated (fitted)",
+                fit["alpha_s"],
+                fit["beta_Bps"],
+                "fitted on the emulated links",
+            )
+        ]
         if link is not None and link.rate_bit_s is not None and link.latency_s is not None:
             efficiency = min(1.0, fit["beta_Bps"] / (link.rate_bit_s / 8))
             nets.append(
@@ -244,7 +262,9 @@ def plot(result: dict, path: Path) -> None:
         for probe in fit["probes"]:
             ax.loglog(probe["sizes_bytes"], probe["seconds_best"], "o-", ms=3,
                       label=f"{profile}: {probe['ranks']} ranks / {probe['nodes']} nodes")  # fmt: skip
-    ax.set(xlabel="allreduce message (bytes)", ylabel="seconds (best)", title="allreduce across emulated hosts")
+    ax.set(
+        xlabel="allreduce message (bytes)", ylabel="seconds (best)", title="allreduce across emulated hosts"
+    )
     ax.legend(fontsize=7)
     ax = axes[1]
     labels, comp, comm = [], [], []
@@ -262,7 +282,9 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[2]
     for key in sorted({(p["model"], p["device"], p["network"]) for p in result["projection"]}):
         rows = [p for p in result["projection"] if (p["model"], p["device"], p["network"]) == key]
-        ax.semilogx([p["nodes"] for p in rows], [p["allreduce_share"] for p in rows], ".-", label=" / ".join(key))
+        ax.semilogx(
+            [p["nodes"] for p in rows], [p["allreduce_share"] for p in rows], ".-", label=" / ".join(key)
+        )
     ax.set(xlabel="nodes (1 rank each, 10 clients per node)", ylabel="allreduce share of a round",
            title="PROJECTION (ring allreduce model)")  # fmt: skip
     ax.legend(fontsize=5)
@@ -277,7 +299,9 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--points", default="1x1,2x1,4x1,2x2,4x2")
     p.add_argument("--models", default="simplecnn,resnet8")
-    p.add_argument("--work", default="benchmarks/out/multinode", help="raw rows (kept: a rerun skips nothing)")
+    p.add_argument(
+        "--work", default="benchmarks/out/multinode", help="raw rows (kept: a rerun skips nothing)"
+    )
     p.add_argument("--out", default="benchmarks/results/multinode_scaling")
     p.add_argument("--analyse-only", action="store_true")
     args = p.parse_args()

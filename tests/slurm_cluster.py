@@ -49,6 +49,7 @@ import pwd
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -245,6 +246,9 @@ class SlurmCluster:
     #: emulated nodes (:func:`start_cluster` with ``nodes=``): their namespaces and links; None for
     #: today's single node on this host
     network: EmulatedNetwork | None = None
+    #: GPUs each emulated node declares (a count only: jobs get them scheduled, and play them with
+    #: the fake accelerator)
+    gpus_per_node: int = 0
     _daemons: list[_Daemon] = field(default_factory=list, repr=False)
 
     @property
@@ -631,7 +635,9 @@ DebugLevel=info
                 f"--pid-file={tmpdir / 'mariadb.pid'}",
             ],
         )
-        cluster._wait_for(mariadbd, lambda: _port_listening(ports["db"], cluster._netns_pid()), 30, "TCP port")
+        cluster._wait_for(
+            mariadbd, lambda: _port_listening(ports["db"], cluster._netns_pid()), 30, "TCP port"
+        )
         mark("mariadbd")
         dbd = cluster._spawn("slurmdbd", [_which("slurmdbd") or "slurmdbd", "-D"])
         cluster._wait_for(dbd, lambda: _port_listening(ports["dbd"], cluster._netns_pid()), 60, "TCP port")
@@ -665,15 +671,24 @@ def _slurm_conf(cluster: SlurmCluster, ports: dict[str, int], munge_sock: Path, 
     if net is None:
         controller = f"{node}(127.0.0.1)"
         per_node = ""
-        node_lines = f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cluster.cpus} RealMemory={memory} State=UNKNOWN"
+        node_lines = (
+            f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cluster.cpus} RealMemory={memory} State=UNKNOWN"
+        )
         timeout = 30
     else:
         controller = f"head({net.head_address})"
         per_node = "-%n"
+        gres = f" Gres=gpu:{cluster.gpus_per_node}" if cluster.gpus_per_node else ""
         node_lines = "\n".join(
-            f"NodeName={n.name} NodeAddr={n.address} CPUs={cluster.cpus} RealMemory={memory} State=UNKNOWN"
+            f"NodeName={n.name} NodeAddr={n.address} CPUs={cluster.cpus} RealMemory={memory}{gres} State=UNKNOWN"
             for n in net.nodes
         )
+        if cluster.gpus_per_node:  # stand-in device files (copies of /dev/null) that SLURM binds
+            node_lines = "GresTypes=gpu\n" + node_lines
+            for i in range(cluster.gpus_per_node):
+                os.mknod(tmpdir / f"fakegpu{i}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            files = f"{tmpdir}/fakegpu[0-{cluster.gpus_per_node - 1}]"
+            _write(tmpdir / "gres.conf", f"Name=gpu File={files}\n")
         timeout = 10  # a lost node is marked DOWN (and its jobs requeued) within ~10-15 s
     # below MaxJobId (67043328), 100 ids apart
     first_job_id = 1000 + int.from_bytes(os.urandom(4), "little") % 600_000 * 100
@@ -739,6 +754,7 @@ def start_cluster(
     *,
     nodes: int | None = None,
     link: str | LinkProfile | None = None,
+    gpus_per_node: int = 0,
 ) -> SlurmCluster:
     """Start munged (+ MariaDB + slurmdbd), slurmctld and slurmd; return once every node is idle.
 
@@ -746,8 +762,9 @@ def start_cluster(
     (:mod:`hpcfl.testing.netns`: a network + UTS namespace each, hostnames ``node1``..``nodeN``, on
     one bridge), one ``slurmd`` per node, the controller and accounting in the head namespace,
     every link shaped to ``link`` (a profile name of :mod:`hpcfl.bench.scaling.links` or
-    ``rate=100mbit``; None: unshaped veth). An unknown profile or an impossible node count is a
-    ValueError with one line.
+    ``rate=100mbit``; None: unshaped veth), each node declaring ``gpus_per_node`` GPUs (a GRES count
+    without device files, for the fake accelerator). An unknown profile or an impossible node count
+    is a ValueError with one line.
 
     ``accounting`` defaults to ``$HPCFL_SLURM_ACCOUNTING`` (on unless ``0``). Raises
     :class:`SlurmClusterError` naming the daemon and showing its log when something does not
@@ -755,7 +772,9 @@ def start_cluster(
     """
     if accounting is None:
         accounting = os.environ.get("HPCFL_SLURM_ACCOUNTING", "1") != "0"
-    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES):
+    if nodes is not None and (
+        isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES
+    ):
         raise ValueError(f"an emulated cluster has 1 to {MAX_NODES} nodes; got {nodes!r}")
     profile = parse_link(link)  # ValueError naming the known profiles
     t_start = time.monotonic()
@@ -780,6 +799,7 @@ def start_cluster(
         accounting=accounting,
         partition=partition,
         env={"SLURM_CONF": str(conf)},
+        gpus_per_node=gpus_per_node if nodes is not None else 0,
     )
     last = [t_start]
 

@@ -28,6 +28,7 @@ import torch
 
 pytest.importorskip("submitit")
 
+from hpcfl.bench.scaling.links import parse_link  # noqa: E402
 from tests.helpers import (  # noqa: E402
     final_state,
     hpcfl_cmd,
@@ -36,7 +37,6 @@ from tests.helpers import (  # noqa: E402
     synthetic_config,
     tiny_tct_config,
 )
-from hpcfl.bench.scaling.links import parse_link  # noqa: E402
 from tests.slurm_cluster import SlurmCluster, ensure_packages, start_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slurm]
@@ -52,12 +52,12 @@ def _skip_reason() -> str | None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SlurmCluster]:
-    """Two emulated nodes on 10 Gb/s-shaped links, for this module."""
+    """Two emulated nodes on 10 Gb/s-shaped links, four (stand-in) GPUs each, for this module."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
     ensure_packages(accounting=True)
-    c = start_cluster(nodes=2, link="10gbe")
+    c = start_cluster(nodes=2, link="10gbe", gpus_per_node=4)
     print(f"\n[multinode] 2 nodes up in {c.timings['total']:.1f}s at {c.tmpdir}")
     try:
         yield c
@@ -261,7 +261,9 @@ def test_slow_and_lossy_link_changes_the_time_not_the_results(
     assert torch.equal(final_state(run_dir), final_state(reference))
 
 
-def test_nodes_beyond_the_allocation_are_refused_with_slurms_reason(cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_nodes_beyond_the_allocation_are_refused_with_slurms_reason(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
     proc = cli(
         cluster, "submit", str(synthetic_config(tmp_path)), "--run-dir", str(tmp_path / "run"),
         "--nodes", "3", "--ntasks-per-node", "1", "--time", "10",
@@ -284,3 +286,27 @@ def test_the_fixture_refuses_impossible_clusters_in_one_line(kwargs: dict, messa
     with pytest.raises(ValueError) as err:
         start_cluster(**kwargs)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_gpu_sbatch_on_two_nodes_with_fake_gpus(
+    cluster: SlurmCluster, one_rank: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """slurm/gpu.sbatch as written (``--gpus-per-task=1``, ``device=cuda``) on two nodes of four
+    GPUs each (stand-in device files SLURM binds), every rank playing its GPU with the fake
+    accelerator: SLURM shows each rank only its own GPU (``CUDA_VISIBLE_DEVICES``), which hpcfl
+    uses as cuda:0."""
+    cfg, reference = one_rank
+    run_dir = tmp_path / "run"
+    program = REPO / "tests" / "mpi_programs" / "fake_gpu_rank.py"
+    state, log = _sbatch_template(
+        cluster, "gpu.sbatch", ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        {"CONFIG": str(cfg), "RUN_DIR": str(run_dir), "HPCFL": f"{sys.executable} {program} 4"},
+    )  # fmt: skip
+    assert state == "COMPLETED", log
+    assert "4 ranks (1 GPU each) on node[1-2]" in log, log
+    ranks = json.loads((run_dir / "determinism.json").read_text())["ranks"]
+    assert [(r["host"], r["device"], r["cuda_visible_devices"]) for r in ranks] == [
+        ("node1", "cuda:0", "0"), ("node1", "cuda:0", "1"),
+        ("node2", "cuda:0", "0"), ("node2", "cuda:0", "1"),
+    ]  # fmt: skip
+    assert _results(run_dir) == _results(reference)

@@ -33,17 +33,21 @@ def collect(
     and device). ``client_batch_used``: the group size the setting resolved to (``auto`` chooses by
     device and memory); ``device``: the one this rank resolved ``device`` to.
 
-    ``ranks`` (host, node-local rank, device per rank) is where a run says how it was laid over
-    nodes; results never depend on it, so :func:`differences` ignores it."""
+    ``ranks`` (host, node-local rank, device per rank, and the GPUs SLURM made visible to it) is
+    where a run says how it was laid over nodes; results never depend on it, so
+    :func:`differences` ignores it."""
+    import os
     import socket
 
     import torch
 
-    mine = (int(torch.get_num_threads()), socket.gethostname(), int(comm.local_rank), device or cfg.device)
-    every = comm.allgather(mine)
+    where = {"host": socket.gethostname(), "local_rank": int(comm.local_rank), "device": device or cfg.device}
+    if where["device"].startswith("cuda") and "CUDA_VISIBLE_DEVICES" in os.environ:
+        where["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]  # the GPU SLURM bound
+    every = comm.allgather((int(torch.get_num_threads()), where))
     record: dict[str, Any] = {
-        "threads_per_rank": [t for t, *_ in every],
-        "ranks": [{"host": h, "local_rank": lr, "device": d} for _, h, lr, d in every],
+        "threads_per_rank": [t for t, _ in every],
+        "ranks": [w for _, w in every],
         "reduction": cfg.reduction,
         "client_batch": str(cfg.client_batch),
         "device": cfg.device,
