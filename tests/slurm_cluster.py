@@ -512,6 +512,8 @@ class SlurmCluster:
 
 
 CLUSTER_NAME = "hpcfl-test"
+#: What jobs on emulated nodes get in their environment (see :func:`start_cluster`).
+EMULATED_FABRIC = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 #: Bump when the template's contents change (e.g. other mariadbd options at creation).
 _TEMPLATE_FORMAT = 1
 _MARIADB_OPTIONS = (
@@ -810,6 +812,12 @@ def start_cluster(
 
     try:
         if nodes is not None:
+            # the fabric environment a site's MPI module sets: MPICH's OFI netmod over TCP. The
+            # wheel's default UCX netmod makes ~1 KB business cards that Slurm's PMI2 mangles
+            # now and then across nodes (pmodels/mpich#6924): measured here, 3 of 6 four-rank
+            # two-node starts of the multinode tests died in MPI_Init with UCX (0 of 18 in a loop of
+            # plain `srun hpcfl run`), 0 of 30 with OFI/TCP
+            cluster.env.update(EMULATED_FABRIC)
             try:
                 cluster.network = start_network(nodes, profile)
             except NamespaceError as err:
