@@ -31,11 +31,17 @@ def collect(cfg: Config, comm: Communicator, *, client_batch_used: int | None = 
     the group size the setting resolved to (``auto`` chooses by device and memory)."""
     import torch
 
+    from hpcfl.comm.deadline import resolve_timeout
+
+    timeout, source = resolve_timeout(cfg.comm_timeout)
     record: dict[str, Any] = {
         "threads_per_rank": [int(t) for t in comm.allgather(torch.get_num_threads())],
         "reduction": cfg.reduction,
         "client_batch": str(cfg.client_batch),
         "device": cfg.device,
+        # not a bit-identity setting: the collective deadline (hpcfl.comm.deadline) and who set it
+        "comm_timeout": "auto" if timeout is None else timeout,
+        "comm_timeout_from": source,
     }
     if client_batch_used is not None:
         record["client_batch_used"] = int(client_batch_used)
