@@ -17,6 +17,7 @@ that abort or, on the minority side, exits at once with the same code and says n
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import socket
@@ -76,10 +77,15 @@ def finalize_mpi() -> None:
             _ACTIVE[0].barrier()  # under the deadline, unlike COMM_WORLD.Barrier()
         else:
             mpi.COMM_WORLD.Barrier()
-        for comm in _ACTIVE:
-            comm.close()
-        _ACTIVE.clear()
+        _close_all()
         mpi.Finalize()
+
+
+def _close_all() -> None:
+    """Cancel the probe receives of every communicator (MPI warns of pending ones at finalize)."""
+    for comm in _ACTIVE:
+        comm.close()
+    _ACTIVE.clear()
 
 
 def mpi_library_version() -> str:
@@ -148,6 +154,8 @@ class MPIComm:
         self._probe.Set_errhandler(self._mpi.ERRORS_RETURN)
         self._token = np.zeros(1, dtype=np.int64)
         self._watch = self._probe.Irecv(self._token, source=self._mpi.ANY_SOURCE, tag=_PING)
+        if not _ACTIVE:  # runs before mpi4py's own finalize at exit (registered after it)
+            atexit.register(_close_all)
         _ACTIVE.append(self)
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
