@@ -35,6 +35,7 @@ from hpcfl.errors import EXIT_PEER_LOST, CommError, PeerLostError
 _PING = 7  # tag of the liveness token on the probe communicator
 PROBE_MAX_S = 10.0  # the liveness probe waits min(PROBE_MAX_S, deadline / 4) for the tokens
 SPEAKER_WAIT_S = 30.0  # a rank of the speaking side that is not the speaker waits this long for its abort
+MINORITY_WAIT_S = 5.0  # a rank of the silent side waits this long before it exits: the speaker goes first
 _ACTIVE: list[MPIComm] = []  # communicators whose probe receive must be cancelled before MPI_Finalize
 
 
@@ -251,8 +252,9 @@ class MPIComm:
             raise self._lost
         sys.stdout.flush()
         sys.stderr.flush()
-        if majority:  # the speaker's abort ends this process; should it not come, end anyway
-            time.sleep(max(SPEAKER_WAIT_S, window))
+        # the speaker's abort ends this process; should it not come, end anyway. The silent side
+        # waits too: its exit must not reach the launcher (srun --kill-on-bad-exit) before the line.
+        time.sleep(max(SPEAKER_WAIT_S, window) if majority else MINORITY_WAIT_S)
         os._exit(EXIT_PEER_LOST)
 
     def _reachable(self, window: float, heard: int | None) -> set[int]:
