@@ -70,6 +70,10 @@ class Config:
     device: str = "cpu"  # cpu | cuda (the GPU of the rank's local index)
     threads: int | None = None  # torch intra-op threads per rank (None: torch's default)
     comm: str = "auto"  # auto | local | mpi
+    # auto | SECONDS: the deadline of every collective under MPI; a peer that does not answer within it
+    # (its node lost, its link cut) ends the job with one line and exit 76 (requeue / --resume). auto =
+    # max(300 s, 10 x the longest interval between collectives seen so far); $HPCFL_COMM_TIMEOUT overrides
+    comm_timeout: str = "auto"
     progress: bool = True
     cka_metrics: bool = False  # per-layer CKA of each client's model vs the global model in metrics rows
     drift_diversity: bool = (
@@ -178,6 +182,7 @@ RESUMABLE_KEYS = frozenset(
         "device",
         "threads",
         "comm",
+        "comm_timeout",
         "progress",
         "client_state_memory",
         "client_batch",  # results equal to float32 rounding (not bit for bit) across values
@@ -399,6 +404,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'device' must be cpu or cuda, got {cfg.device!r}")
     if cfg.comm not in ("auto", "local", "mpi"):
         raise ConfigError(f"config key 'comm' must be auto, local or mpi, got {cfg.comm!r}")
+    from hpcfl.comm.deadline import parse_timeout
+
+    parse_timeout(cfg.comm_timeout)
     if cfg.algorithm not in ALGORITHMS:
         from hpcfl.errors import unknown
 

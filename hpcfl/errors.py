@@ -15,6 +15,11 @@ EXIT_RESUMABLE = 75
 same command again (or ``--resume``) to continue. ``hpcfl run``, ``hpcfl compare`` and the scaling
 sweep use it; SLURM scripts requeue on it."""
 
+EXIT_PEER_LOST = 76
+"""Exit code of a job ended because a peer rank did not answer within the collective deadline
+(``comm_timeout``: its node was lost or its link cut). The work up to the last checkpoint is kept:
+resume with ``--resume``; SLURM scripts requeue on it, as on 75."""
+
 
 class HpcflError(Exception):
     """A problem the user can fix; ``str(err)`` names the cause and the fix in one line."""
@@ -40,6 +45,14 @@ class DivergenceError(HpcflError):
 
 class CommError(HpcflError):
     """The process layout (ranks, clients, launcher) is invalid."""
+
+
+class PeerLostError(CommError):
+    """A collective's peers did not answer within the deadline (or MPI reported their failure). The
+    communicator raises it on the one rank chosen to say so; the command prints it without a rank
+    prefix and ends every rank with :data:`EXIT_PEER_LOST`."""
+
+    exit_code = EXIT_PEER_LOST
 
 
 class StoreError(HpcflError):

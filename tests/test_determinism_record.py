@@ -32,6 +32,8 @@ def test_run_records_the_threads_of_every_rank(tmp_path):
         "client_batch": "auto",  # the default: one by one on the CPU, recorded as the size used
         "client_batch_used": 1,
         "device": "cpu",
+        "comm_timeout": "auto",
+        "comm_timeout_from": "config",
     }
 
 

@@ -12,7 +12,9 @@ forever in their next collective: once MPI runs, the failing rank prints one lin
 than 0 first wait a short grace period, so an error that every rank hits is reported once, by
 rank 0, whose abort ends the others before they speak. Before MPI starts (options, config) every
 rank fails alike and rank 0 alone reports, as in one process. A rank killed by a signal is reported
-by its guard (:mod:`hpcfl.comm.guard`).
+by its guard (:mod:`hpcfl.comm.guard`). A peer lost without its process exiting (a node gone, a link
+cut) is noticed by the collective deadline; the communicator picks the one rank that says so
+(:class:`~hpcfl.errors.PeerLostError`, reported without grace or rank prefix, exit 76).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from hpcfl.comm import abort_world, launched_world_size, launcher_rank, mpi_initialized, supervise_rank
 from hpcfl.data.root import absolutize_env
-from hpcfl.errors import HpcflError
+from hpcfl.errors import HpcflError, PeerLostError
 from hpcfl.node import choose_wait_policy
 
 # OS errors a user or the machine causes while hpcfl writes files: one line naming the path and
@@ -70,9 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(cause: str, code: int) -> int:
-    """Report a failure in one line and return ``code``; with several ranks, end them all."""
+def _fail(cause: str, code: int, *, chosen: bool = False) -> int:
+    """Report a failure in one line and return ``code``; with several ranks, end them all.
+
+    ``chosen``: the communicator chose this rank to speak for the job (a lost peer): no grace period
+    and no rank prefix, the line names the ranks itself.
+    """
     rank = launcher_rank()
+    if chosen and mpi_initialized():
+        print(f"hpcfl: error: {cause}", file=sys.stderr, flush=True)
+        time.sleep(ABORT_FLUSH_S)
+        abort_world(code)
+        return code
     if launched_world_size() <= 1 or not mpi_initialized():
         # One process, or MPI not started yet: every rank parses the same options and config, so
         # they all fail alike and rank 0 says it once; the launcher ends the job as they exit.
@@ -106,6 +117,8 @@ def run_command(func: Callable[[], int | None]) -> int:
     """Call ``func`` and turn what escapes it into an exit code, as the ``hpcfl`` command does."""
     try:
         return int(func() or 0)
+    except PeerLostError as err:
+        return _fail(str(err), err.exit_code, chosen=True)
     except HpcflError as err:
         return _fail(str(err), err.exit_code)
     except OSError as err:

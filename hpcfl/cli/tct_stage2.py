@@ -147,7 +147,7 @@ def _sweep(args: argparse.Namespace) -> int:
         raise RunDirError(
             f"{args.run_dir} has no {STAGE1_MODEL}: its stage 1 has not finished; resume the run first"
         )
-    comm = get_comm(cfg.comm)
+    comm = get_comm(cfg.comm, cfg.comm_timeout)
     set_threads(cfg, comm)
     fed = build_federation(cfg, comm)
     stages = run_stages(cfg)

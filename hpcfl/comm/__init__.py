@@ -46,15 +46,22 @@ def launcher_rank() -> int:
     return 0
 
 
-def get_comm(kind: str = "auto") -> Communicator:
-    """Return the communicator for this process: ``local``, ``mpi`` or ``auto`` (MPI if launched so)."""
+def get_comm(kind: str = "auto", timeout: object = "auto") -> Communicator:
+    """Return the communicator for this process: ``local``, ``mpi`` or ``auto`` (MPI if launched so).
+
+    ``timeout``: the ``comm_timeout`` setting (``auto`` or seconds; ``$HPCFL_COMM_TIMEOUT`` overrides
+    it), the deadline of each MPI collective (:mod:`hpcfl.comm.deadline`).
+    """
     if kind == "local" or (kind == "auto" and launched_world_size() <= 1):
         from hpcfl.comm.local import LocalComm
 
         return LocalComm()
+    from hpcfl.comm.deadline import resolve_timeout
+
+    seconds, _ = resolve_timeout(timeout)  # a bad value fails here, before MPI starts
     from hpcfl.comm.mpi import MPIComm
 
-    return MPIComm()
+    return MPIComm(timeout=seconds)
 
 
 def mpi_initialized() -> bool:

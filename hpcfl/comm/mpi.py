@@ -2,17 +2,41 @@
 
 Tensors go through the buffer protocol without copies when they live on the CPU; CUDA tensors
 are staged through host memory unless the MPI library reports CUDA awareness.
+
+No collective can hang: each is a nonblocking call polled against the deadline of
+:mod:`hpcfl.comm.deadline` (objects are pickled and travel as bytes: sizes first, then the bytes).
+The communicators use ``MPI.ERRORS_RETURN``, so a peer's failure that MPI notices (a connection
+reset) comes back as an exception and counts like a passed deadline. Then the ranks that still run
+find out which peers they can reach (:meth:`MPIComm._reachable`, a token to and from every rank on
+a communicator of its own, answered by every rank that waits in a collective); the side that holds
+a majority of the ranks (a tie: the side of rank 0) speaks through its lowest rank, which raises
+:class:`~hpcfl.errors.PeerLostError` (one line naming the lost ranks and hosts, then ``MPI_Abort``
+with :data:`~hpcfl.errors.EXIT_PEER_LOST` by the command's error path); every other rank waits for
+that abort or, on the minority side, exits at once with the same code and says nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import pickle
+import socket
 import sys
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
 
+import numpy as np
 import torch
 
-from hpcfl.errors import CommError
+from hpcfl.comm.deadline import Deadline, poll
+from hpcfl.errors import EXIT_PEER_LOST, CommError, PeerLostError
+
+_PING = 7  # tag of the liveness token on the probe communicator
+PROBE_MAX_S = 10.0  # the liveness probe waits min(PROBE_MAX_S, deadline / 4) for the tokens
+SPEAKER_WAIT_S = 30.0  # a rank of the speaking side that is not the speaker waits this long for its abort
+MINORITY_WAIT_S = 5.0  # a rank of the silent side waits this long before it exits: the speaker goes first
+_ACTIVE: list[MPIComm] = []  # communicators whose probe receive must be cancelled before MPI_Finalize
 
 
 def _import_mpi() -> Any:
@@ -50,8 +74,19 @@ def finalize_mpi() -> None:
     """Wait for every rank, then finalise MPI if this process initialised it (else do nothing)."""
     mpi = initialized_mpi()
     if mpi is not None:
-        mpi.COMM_WORLD.Barrier()
+        if _ACTIVE:
+            _ACTIVE[0].barrier()  # under the deadline, unlike COMM_WORLD.Barrier()
+        else:
+            mpi.COMM_WORLD.Barrier()
+        _close_all()
         mpi.Finalize()
+
+
+def _close_all() -> None:
+    """Cancel the probe receives of every communicator (MPI warns of pending ones at finalize)."""
+    for comm in _ACTIVE:
+        comm.close()
+    _ACTIVE.clear()
 
 
 def mpi_library_version() -> str:
@@ -75,12 +110,37 @@ def _cuda_aware(mpi: Any) -> bool:
         return False
 
 
-class MPIComm:
-    """``MPI.COMM_WORLD`` (or a given communicator) behind the :class:`Communicator` interface."""
+def _seconds(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.3g}"
 
-    def __init__(self, comm: Any | None = None) -> None:
+
+def lost_message(lost: list[int], hosts: list[str], cause: str) -> str:
+    """The one line that names the lost ranks, grouped by host, and ``cause`` (e.g. "did not answer
+    within 300 s")."""
+    groups: dict[str, list[int]] = {}
+    for r in lost:
+        groups.setdefault(hosts[r], []).append(r)
+    parts = [
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} (host {host})"
+        for host, ranks in groups.items()
+    ]
+    who = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+    return (
+        f"{who} {cause} (its node was lost or its link cut); ending the job — resume with --resume"
+        if len(lost) == 1
+        else f"{who} {cause} (their nodes were lost or their links cut); ending the job — resume with --resume"
+    )
+
+
+class MPIComm:
+    """``MPI.COMM_WORLD`` (or a given communicator) behind the :class:`Communicator` interface, each
+    collective bounded by a deadline: ``timeout`` seconds, or ``auto`` (None; see
+    :mod:`hpcfl.comm.deadline`)."""
+
+    def __init__(self, comm: Any | None = None, timeout: float | None = None) -> None:
         self._mpi = _import_mpi()
         self._comm = comm if comm is not None else self._mpi.COMM_WORLD
+        self._comm.Set_errhandler(self._mpi.ERRORS_RETURN)
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
         node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
@@ -88,6 +148,16 @@ class MPIComm:
         self.local_size: int = node.Get_size()
         node.Free()
         self._cuda_aware = _cuda_aware(self._mpi)
+        self.deadline = Deadline(timeout)
+        self.hosts: list[str] = [str(h) for h in self._comm.allgather(socket.gethostname())]
+        self._lost: PeerLostError | None = None
+        self._probe = self._comm.Dup()  # the liveness tokens never mix with the collectives' traffic
+        self._probe.Set_errhandler(self._mpi.ERRORS_RETURN)
+        self._token = np.zeros(1, dtype=np.int64)
+        self._watch = self._probe.Irecv(self._token, source=self._mpi.ANY_SOURCE, tag=_PING)
+        if not _ACTIVE:  # runs before mpi4py's own finalize at exit (registered after it)
+            atexit.register(_close_all)
+        _ACTIVE.append(self)
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_contiguous():
@@ -96,27 +166,127 @@ class MPIComm:
             return tensor
         if tensor.is_cuda and not self._cuda_aware:
             host = tensor.cpu()
-            self._comm.Allreduce(self._mpi.IN_PLACE, host.numpy())
+            self._collective(lambda: self._comm.Iallreduce(self._mpi.IN_PLACE, host.numpy()))
             tensor.copy_(host)
             return tensor
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
-            self._comm.Allreduce(self._mpi.IN_PLACE, tensor)
+            self._collective(lambda: self._comm.Iallreduce(self._mpi.IN_PLACE, tensor))
             return tensor
-        self._comm.Allreduce(self._mpi.IN_PLACE, tensor.numpy())
+        self._collective(lambda: self._comm.Iallreduce(self._mpi.IN_PLACE, tensor.numpy()))
         return tensor
 
     def allgather(self, obj: Any) -> list[Any]:
-        return self._comm.allgather(obj)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = np.zeros(self.size, dtype=np.int64)
+        mine = np.array([len(data)], dtype=np.int64)
+        self._collective(lambda: self._comm.Iallgather(mine, sizes))
+        counts = [int(n) for n in sizes]
+        displs = [0, *np.cumsum(counts)[:-1].tolist()]
+        out = bytearray(sum(counts))
+        self._collective(
+            lambda: self._comm.Iallgatherv([data, self._mpi.BYTE], [out, counts, displs, self._mpi.BYTE])
+        )
+        view = memoryview(out)
+        return [pickle.loads(view[d : d + n]) for d, n in zip(displs, counts, strict=True)]
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
-        return self._comm.bcast(obj, root=root)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
+        size = np.array([len(data)], dtype=np.int64)
+        self._collective(lambda: self._comm.Ibcast(size, root=root))
+        buf = bytearray(data) if self.rank == root else bytearray(int(size[0]))
+        self._collective(lambda: self._comm.Ibcast([buf, self._mpi.BYTE], root=root))
+        return pickle.loads(buf)
 
     def barrier(self) -> None:
-        self._comm.Barrier()
+        self._collective(self._comm.Ibarrier)
 
     def abort(self, code: int = 1) -> None:
         self._comm.Abort(code)
+
+    def close(self) -> None:
+        """Cancel the probe's pending receive (before ``MPI_Finalize``)."""
+        if self._watch is not None:
+            try:
+                self._watch.Cancel()
+                self._watch.Wait()
+            except self._mpi.Exception:
+                pass
+            self._watch = None
+
+    def _collective(self, start: Callable[[], Any]) -> None:
+        """Start a nonblocking collective and wait for it within the deadline, or end the job."""
+        if self._lost is not None:  # a peer is already known lost: waiting again would only stall
+            raise self._lost
+        limit, until = self.deadline.start()
+        try:
+            request = start()
+            if poll(request.Test, until, idle=lambda: self._heard_ping(limit)):
+                return
+        except self._mpi.Exception:  # a peer's failure reported by MPI (connection reset, ...)
+            self._end(limit, cause="stopped answering (MPI reported a failure)")
+        self._end(limit, cause=f"did not answer within {_seconds(limit)} s")
+
+    def _heard_ping(self, limit: float) -> None:
+        """While waiting: a peer's token means that peer's deadline passed; join its probe."""
+        status = self._mpi.Status()
+        if self._watch is not None and self._watch.Test(status):
+            self._watch = None
+            self._end(limit, cause=f"did not answer within {_seconds(limit)} s", heard=status.Get_source())
+
+    def _end(self, limit: float, cause: str, heard: int | None = None) -> NoReturn:
+        """Find the reachable ranks, then speak and end the job, wait for the speaker, or exit."""
+        window = min(PROBE_MAX_S, limit / 4)
+        reachable = self._reachable(window, heard)
+        lost = [r for r in range(self.size) if r not in reachable]
+        majority = 2 * len(reachable) > self.size or (2 * len(reachable) == self.size and 0 in reachable)
+        if majority and self.rank == min(reachable):
+            if lost:
+                message = lost_message(lost, self.hosts, cause)
+            else:
+                message = (
+                    f"a collective did not complete within {_seconds(limit)} s although every rank "
+                    "answered (raise comm_timeout); ending the job — resume with --resume"
+                )
+            self._lost = PeerLostError(message)
+            raise self._lost
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # the speaker's abort ends this process; should it not come, end anyway. The silent side
+        # waits too: its exit must not reach the launcher (srun --kill-on-bad-exit) before the line.
+        time.sleep(max(SPEAKER_WAIT_S, window) if majority else MINORITY_WAIT_S)
+        os._exit(EXIT_PEER_LOST)
+
+    def _reachable(self, window: float, heard: int | None) -> set[int]:
+        """Ranks that answer within ``window`` seconds: send a token to every other rank and collect
+        theirs (every rank waiting in a collective joins when it receives one). ``heard``: the rank
+        whose token made this rank join, if any."""
+        mpi = self._mpi
+        one = np.ones(1, dtype=np.int64)
+        self._sends = [one]  # the buffer and the requests stay alive while MPI may still use them
+        for r in range(self.size):
+            if r != self.rank:
+                try:
+                    self._sends.append(self._probe.Isend(one, dest=r, tag=_PING))
+                except mpi.Exception:
+                    pass
+        reachable = {self.rank}
+        status = mpi.Status()
+        if heard is not None:
+            reachable.add(heard)
+        until = time.monotonic() + window
+        while len(reachable) < self.size and time.monotonic() < until:
+            try:
+                if self._watch is None:
+                    self._watch = self._probe.Irecv(self._token, source=mpi.ANY_SOURCE, tag=_PING)
+                if self._watch.Test(status):
+                    reachable.add(status.Get_source())
+                    self._watch = None
+                    continue
+            except mpi.Exception:
+                self._watch = None
+            time.sleep(1e-3)
+        return reachable
 
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, size={self.size}, local_rank={self.local_rank})"

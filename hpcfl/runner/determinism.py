@@ -41,16 +41,22 @@ def collect(
 
     import torch
 
+    from hpcfl.comm.deadline import resolve_timeout
+
     where = {"host": socket.gethostname(), "local_rank": int(comm.local_rank), "device": device or cfg.device}
     if where["device"].startswith("cuda") and "CUDA_VISIBLE_DEVICES" in os.environ:
         where["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]  # the GPU SLURM bound
     every = comm.allgather((int(torch.get_num_threads()), where))
+    timeout, source = resolve_timeout(cfg.comm_timeout)
     record: dict[str, Any] = {
         "threads_per_rank": [t for t, _ in every],
         "ranks": [w for _, w in every],
         "reduction": cfg.reduction,
         "client_batch": str(cfg.client_batch),
         "device": cfg.device,
+        # not a bit-identity setting: the collective deadline (hpcfl.comm.deadline) and who set it
+        "comm_timeout": "auto" if timeout is None else timeout,
+        "comm_timeout_from": source,
     }
     if client_batch_used is not None:
         record["client_batch_used"] = int(client_batch_used)

@@ -307,7 +307,7 @@ def run_experiment(
         raise ConfigError("--reset-client-states applies to a resume; add --resume")
     if outside := [k for k in reset_clients if not 0 <= k < cfg.num_clients]:
         raise ConfigError(f"--reset-client-states names clients outside 0..{cfg.num_clients - 1}: {outside}")
-    comm = comm or get_comm(cfg.comm)
+    comm = comm or get_comm(cfg.comm, cfg.comm_timeout)
     run_dir = Path(run_dir)
     lock = RunLock(run_dir) if comm.rank == 0 else None
     _collective_check(comm, lambda: lock.acquire() if lock else None)

@@ -1,0 +1,135 @@
+"""A peer that stops answering without its process exiting ends the MPI job in one line (issue 50).
+
+A host that vanishes (a node lost, a link cut) leaves its peers waiting in a collective; the
+deadline of :mod:`hpcfl.comm.deadline` bounds that wait. Here a rank SIGSTOPs itself (it neither
+dies nor answers) or is SIGKILLed where the launcher does not notice; the job must end within the
+deadline plus the probe with exactly one line naming the rank and its host, and exit 76.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from hpcfl.cli.main import main
+from hpcfl.comm.deadline import FACTOR, FLOOR_S, Deadline, parse_timeout, resolve_timeout
+from hpcfl.comm.mpi import lost_message
+from hpcfl.errors import EXIT_PEER_LOST, ConfigError
+from tests.helpers import MPIEXEC, REPO, repo_env, run_mpi_program, synthetic_config
+
+PROGRAM = REPO / "tests" / "mpi_programs" / "peer_lost.py"
+HOST = socket.gethostname()
+TIMEOUT_S = 3  # the collective deadline of these jobs; each ends in deadline + probe + start-up
+
+
+def _line(rank: int) -> str:
+    return (
+        f"hpcfl: error: rank {rank} (host {HOST}) did not answer within {TIMEOUT_S} s (its node was lost "
+        "or its link cut); ending the job — resume with --resume"
+    )
+
+
+def _job(
+    ranks: int, mode: str, *launcher: str, guard: bool = True, wrap: bool = False
+) -> subprocess.CompletedProcess:
+    env = repo_env()
+    env.pop("HPCFL_RANK_GUARD", None)
+    env.pop("HPCFL_COMM_TIMEOUT", None)
+    if not guard:
+        env["HPCFL_RANK_GUARD"] = "0"
+    rank = [sys.executable, str(PROGRAM), mode, str(TIMEOUT_S)]
+    if wrap:  # the killed rank's exit reaches the launcher as a plain exit code, not a signal
+        rank = ["sh", "-c", " ".join(rank)]
+    # a hang would end in TimeoutExpired
+    return subprocess.run(
+        [MPIEXEC, *launcher, "-n", str(ranks), *rank], env=env, capture_output=True, text=True, timeout=90
+    )
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_stopped_rank_ends_the_job_with_one_line(ranks: int) -> None:
+    proc = _job(ranks, "stop")
+    assert proc.returncode == EXIT_PEER_LOST, proc.stderr
+    assert proc.stderr.strip().splitlines() == [_line(ranks - 1)]
+
+
+@pytest.mark.mpi
+def test_a_killed_rank_the_launcher_misses_ends_the_job_with_one_line() -> None:
+    # Without the rank guard a SIGKILLed rank is normally caught by mpiexec itself (its banner ends
+    # the job). On a lost node nothing reports it: -disable-auto-cleanup and a shell between the
+    # launcher and the rank leave only the deadline to notice.
+    proc = _job(2, "kill", "-disable-auto-cleanup", guard=False, wrap=True)
+    assert proc.returncode == EXIT_PEER_LOST, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln != "Killed"]  # the shell's own note
+    assert lines == [_line(1)]
+
+
+@pytest.mark.mpi
+def test_bounded_collectives_equal_the_blocking_ones() -> None:
+    run_mpi_program("collectives_match.py")  # allreduce bit for bit, objects equal, every root
+
+
+def test_lost_ranks_are_named_grouped_by_host() -> None:
+    hosts = ["a", "a", "b", "b", "c"]
+    assert lost_message([2, 3, 4], hosts, "did not answer within 5 s") == (
+        "ranks 2, 3 (host b) and rank 4 (host c) did not answer within 5 s (their nodes were lost or "
+        "their links cut); ending the job — resume with --resume"
+    )
+
+
+def test_auto_deadline_is_the_floor_or_ten_times_the_longest_interval() -> None:
+    now = [0.0]
+    deadline = Deadline(None, clock=lambda: now[0])
+    assert deadline.start() == (FLOOR_S, FLOOR_S)
+    now[0] = 40.0
+    deadline.start()
+    now[0] = 45.0
+    assert deadline.start() == (FACTOR * 40.0, 45.0 + FACTOR * 40.0)
+    assert Deadline(2.5).start()[0] == 2.5
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon", "nan", "inf"])
+def test_a_deadline_that_is_not_a_positive_number_is_one_line(tmp_path, capsys, value: str) -> None:
+    cfg = synthetic_config(tmp_path, rounds=1)
+    code = main(["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", f"comm_timeout={value}"])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2
+    assert lines == [
+        f"hpcfl: error: config key 'comm_timeout' must be auto or a positive number of seconds (the "
+        f"deadline of a collective), got {value!r}"
+    ]
+
+
+def test_a_bad_environment_deadline_is_one_line_naming_the_variable(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("HPCFL_COMM_TIMEOUT", "-1")
+    cfg = synthetic_config(tmp_path, rounds=1)
+    assert main(["run", str(cfg), "--run-dir", str(tmp_path / "r")]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == [
+        "hpcfl: error: environment variable HPCFL_COMM_TIMEOUT must be auto or a positive number of "
+        "seconds (the deadline of a collective), got '-1'"
+    ]
+
+
+def test_the_record_says_which_deadline_ran_and_who_set_it(tmp_path, monkeypatch) -> None:
+    cfg = synthetic_config(tmp_path, rounds=1)
+    assert main(["run", str(cfg), "--run-dir", str(tmp_path / "a"), "--set", "comm_timeout=90"]) == 0
+    record = json.loads((tmp_path / "a" / "determinism.json").read_text())
+    assert (record["comm_timeout"], record["comm_timeout_from"]) == (90.0, "config")
+    monkeypatch.setenv("HPCFL_COMM_TIMEOUT", "120")
+    assert resolve_timeout("90") == (120.0, "environment HPCFL_COMM_TIMEOUT")
+    assert main(["run", str(cfg), "--run-dir", str(tmp_path / "b"), "--set", "comm_timeout=90"]) == 0
+    record = json.loads((tmp_path / "b" / "determinism.json").read_text())
+    assert (record["comm_timeout"], record["comm_timeout_from"]) == (120.0, "environment HPCFL_COMM_TIMEOUT")
+
+
+def test_parse_timeout_accepts_auto_and_seconds() -> None:
+    assert parse_timeout("auto") is None and parse_timeout(" AUTO ") is None
+    assert parse_timeout(2) == 2.0 and parse_timeout("0.5") == 0.5
+    with pytest.raises(ConfigError):
+        parse_timeout(True)
