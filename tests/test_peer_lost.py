@@ -9,9 +9,13 @@ deadline plus the probe with exactly one line naming the rank and its host, and 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +23,7 @@ from hpcfl.cli.main import main
 from hpcfl.comm.deadline import FACTOR, FLOOR_S, Deadline, parse_timeout, resolve_timeout
 from hpcfl.comm.mpi import lost_message
 from hpcfl.errors import EXIT_PEER_LOST, ConfigError
-from tests.helpers import MPIEXEC, REPO, repo_env, run_mpi_program, synthetic_config
+from tests.helpers import MPIEXEC, REPO, mpiexec_cmd, repo_env, run_mpi_program, synthetic_config
 
 PROGRAM = REPO / "tests" / "mpi_programs" / "peer_lost.py"
 HOST = socket.gethostname()
@@ -67,6 +71,53 @@ def test_a_killed_rank_the_launcher_misses_ends_the_job_with_one_line() -> None:
     assert proc.returncode == EXIT_PEER_LOST, proc.stderr
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln != "Killed"]  # the shell's own note
     assert lines == [_line(1)]
+
+
+def _rank_process(launcher: int, rank: int) -> int | None:
+    """PID of the guarded process of ``rank`` under the launcher ``launcher`` (None until it runs)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"HPCFL_RANK_GUARD=child" in env and f"PMI_RANK={rank}".encode() in env:
+            pid = ppid  # walk up to the launcher
+            while pid > 1:
+                if pid == launcher:
+                    return int(proc.name)
+                try:
+                    pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    break
+    return None
+
+
+@pytest.mark.mpi
+def test_a_run_whose_rank_stops_mid_round_ends_in_one_line(tmp_path) -> None:
+    cfg = synthetic_config(tmp_path, rounds=500, algorithm="fedavg", comm_timeout=TIMEOUT_S)
+    run = tmp_path / "run"
+    env = repo_env()
+    env.pop("HPCFL_RANK_GUARD", None)
+    env.pop("HPCFL_COMM_TIMEOUT", None)
+    job = subprocess.Popen(
+        mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(run)), env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        metrics, until = run / "metrics.jsonl", time.monotonic() + 60
+        while time.monotonic() < until and (
+            not metrics.exists() or len(metrics.read_text().splitlines()) < 2
+        ):
+            time.sleep(0.1)
+        pid = _rank_process(job.pid, 1)
+        assert pid is not None and job.poll() is None, "the run did not get going"
+        os.kill(pid, signal.SIGSTOP)  # its host vanished: it neither dies nor answers
+        _, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == EXIT_PEER_LOST, err
+    assert err.strip().splitlines() == [_line(1)]
+    assert json.loads((run / "determinism.json").read_text())["comm_timeout"] == TIMEOUT_S
 
 
 @pytest.mark.mpi
