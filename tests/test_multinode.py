@@ -310,3 +310,95 @@ def test_gpu_sbatch_on_two_nodes_with_fake_gpus(
         ("node2", "cuda:0", "0"), ("node2", "cuda:0", "1"),
     ]  # fmt: skip
     assert _results(run_dir) == _results(reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# faults across nodes: the collective deadline ends the job in one line, SLURM requeues it, the
+# rerun resumes bit-identically
+
+FAULT_DEADLINE_S = 4  # comm_timeout of these runs: the job ends within it + the probe
+
+
+@pytest.fixture(scope="module")
+def fault_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A run long enough to be hit mid-round (24 rounds), checkpointing every round, on one rank."""
+    tmp = tmp_path_factory.mktemp("fault-reference")
+    cfg = synthetic_config(tmp, rounds=24, num_clients=8, comm_timeout=FAULT_DEADLINE_S)
+    run_dir = tmp / "run"
+    proc = run_cli("run", str(cfg), "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    return cfg, run_dir
+
+
+def _run_through_a_fault(
+    cluster: SlurmCluster, cfg: Path, run_dir: Path, hit: Callable[[], None], heal: Callable[[], None]
+) -> tuple[str, float]:
+    """cpu.sbatch on both nodes; ``hit`` once two rounds are written, ``heal`` once the job has
+    left the node. Returns the job's log and the seconds from the hit to the end of the first run."""
+    job = cluster.sbatch(
+        (REPO / "slurm" / "cpu.sbatch").read_text(),
+        args=["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        env={
+            **repo_env(),
+            "CONFIG": str(cfg),
+            "RUN_DIR": str(run_dir),
+            "HPCFL": f"{sys.executable} -m hpcfl",
+        },
+    )
+    log = cluster.output_path(job)
+    _wait_for(lambda: len(_rows(run_dir)) >= 2, 120, "two rounds written")
+    hit()
+    t_hit = time.monotonic()
+    try:
+        _wait_for(
+            lambda: "requeueing job" in log.read_text() or "NODE_FAIL" in log.read_text(), 60, "job's end"
+        )
+    except BaseException:
+        print(log.read_text(), cluster.run("squeue", "-t", "all").stdout, cluster.node_states())
+        raise
+    ended = time.monotonic() - t_hit
+    heal()
+    state = cluster.wait_state(job, ["COMPLETED"], timeout=180)
+    assert state == "COMPLETED", log.read_text()
+    return log.read_text(), ended
+
+
+def _lost_line(log: str) -> str:
+    (line,) = [x for x in log.splitlines() if x.startswith("hpcfl: error:")]
+    return line
+
+
+def test_a_node_killed_mid_round_ends_the_job_in_one_line_and_the_rerun_resumes_bit_identically(
+    cluster: SlurmCluster, fault_reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    cfg, reference = fault_reference
+    run_dir = tmp_path / "run"
+    log, ended = _run_through_a_fault(
+        cluster, cfg, run_dir, hit=lambda: cluster.kill_node(2), heal=lambda: cluster.start_slurmd(2)
+    )
+    print(f"\nnode 2 killed: the job ended {ended:.1f} s later")
+    line = _lost_line(log)
+    assert line == (
+        "hpcfl: error: ranks 2, 3 (host node2) did not answer within 4 s (their nodes were lost or their "
+        "links cut); ending the job — resume with --resume"
+    ), log
+    assert "run 1: 4 ranks" in log, log
+    assert [r["round"] for r in _rows(run_dir)] == list(range(1, 25))
+    assert _results(run_dir) == _results(reference)
+    assert torch.equal(final_state(run_dir), final_state(reference))
+
+
+def test_a_cut_link_ends_the_job_in_one_line_and_the_rerun_resumes_bit_identically(
+    cluster: SlurmCluster, fault_reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    cfg, reference = fault_reference
+    run_dir = tmp_path / "run"
+    log, ended = _run_through_a_fault(
+        cluster, cfg, run_dir, hit=lambda: cluster.network.cut(2), heal=lambda: cluster.network.mend(2)
+    )
+    print(f"\nnode 2's link cut: the job ended {ended:.1f} s later")
+    line = _lost_line(log)
+    assert line.startswith("hpcfl: error: ranks 2, 3 (host node2) did not answer within 4 s"), line
+    assert [r["round"] for r in _rows(run_dir)] == list(range(1, 25))
+    assert _results(run_dir) == _results(reference)
+    assert torch.equal(final_state(run_dir), final_state(reference))

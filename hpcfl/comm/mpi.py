@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from hpcfl.comm.deadline import Deadline, poll
+from hpcfl.comm.liveness import Address, Beacon, knock
 from hpcfl.errors import EXIT_PEER_LOST, CommError, PeerLostError
 
-_PING = 7  # tag of the liveness token on the probe communicator
 PROBE_MAX_S = 10.0  # the liveness probe waits min(PROBE_MAX_S, deadline / 4) for the tokens
 SPEAKER_WAIT_S = 30.0  # a rank of the speaking side that is not the speaker waits this long for its abort
 MINORITY_WAIT_S = 5.0  # a rank of the silent side waits this long before it exits: the speaker goes first
@@ -114,6 +114,14 @@ def _seconds(value: float) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.3g}"
 
 
+def coordinators(hosts: list[str]) -> tuple[int, int | None]:
+    """The ranks that count who answers when a collective's deadline passes: rank 0, and the
+    lowest rank on another host than rank 0's (rank 1 when all share one host; None for one rank),
+    so that losing rank 0's node still leaves one to speak."""
+    other = next((r for r, h in enumerate(hosts) if h != hosts[0]), 1 if len(hosts) > 1 else None)
+    return 0, other
+
+
 def lost_message(lost: list[int], hosts: list[str], cause: str) -> str:
     """The one line that names the lost ranks, grouped by host, and ``cause`` (e.g. "did not answer
     within 300 s")."""
@@ -141,6 +149,9 @@ class MPIComm:
         self._mpi = _import_mpi()
         self._comm = comm if comm is not None else self._mpi.COMM_WORLD
         self._comm.Set_errhandler(self._mpi.ERRORS_RETURN)
+        # errors MPI cannot pin on a communicator (a transport failure met while progressing a
+        # request) go to MPI_COMM_SELF's handler (MPI-4's default one): fatal unless set so
+        self._mpi.COMM_SELF.Set_errhandler(self._mpi.ERRORS_RETURN)
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
         node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
@@ -149,12 +160,12 @@ class MPIComm:
         node.Free()
         self._cuda_aware = _cuda_aware(self._mpi)
         self.deadline = Deadline(timeout)
-        self.hosts: list[str] = [str(h) for h in self._comm.allgather(socket.gethostname())]
+        self._beacon = Beacon()  # the liveness side channel (hpcfl.comm.liveness)
+        every = self._comm.allgather((socket.gethostname(), self._beacon.address))
+        self.hosts: list[str] = [str(h) for h, _ in every]
+        self._beacons: dict[int, Address] = {r: a for r, (_, a) in enumerate(every)}
         self._lost: PeerLostError | None = None
-        self._probe = self._comm.Dup()  # the liveness tokens never mix with the collectives' traffic
-        self._probe.Set_errhandler(self._mpi.ERRORS_RETURN)
-        self._token = np.zeros(1, dtype=np.int64)
-        self._watch = self._probe.Irecv(self._token, source=self._mpi.ANY_SOURCE, tag=_PING)
+        self._coordinators = coordinators(self.hosts)
         if not _ACTIVE:  # runs before mpi4py's own finalize at exit (registered after it)
             atexit.register(_close_all)
         _ACTIVE.append(self)
@@ -205,14 +216,8 @@ class MPIComm:
         self._comm.Abort(code)
 
     def close(self) -> None:
-        """Cancel the probe's pending receive (before ``MPI_Finalize``)."""
-        if self._watch is not None:
-            try:
-                self._watch.Cancel()
-                self._watch.Wait()
-            except self._mpi.Exception:
-                pass
-            self._watch = None
+        """Close the liveness listener (before ``MPI_Finalize``)."""
+        self._beacon.close()
 
     def _collective(self, start: Callable[[], Any]) -> None:
         """Start a nonblocking collective and wait for it within the deadline, or end the job."""
@@ -228,19 +233,28 @@ class MPIComm:
         self._end(limit, cause=f"did not answer within {_seconds(limit)} s")
 
     def _heard_ping(self, limit: float) -> None:
-        """While waiting: a peer's token means that peer's deadline passed; join its probe."""
-        status = self._mpi.Status()
-        if self._watch is not None and self._watch.Test(status):
-            self._watch = None
-            self._end(limit, cause=f"did not answer within {_seconds(limit)} s", heard=status.Get_source())
+        """While waiting: a knock on this rank's beacon means another rank's deadline passed; join."""
+        if self._beacon.waiting():
+            self._end(limit, cause=f"did not answer within {_seconds(limit)} s")
 
-    def _end(self, limit: float, cause: str, heard: int | None = None) -> NoReturn:
-        """Find the reachable ranks, then speak and end the job, wait for the speaker, or exit."""
+    def _end(self, limit: float, cause: str) -> NoReturn:
+        """Find the reachable ranks, then speak and end the job, wait for the speaker, or exit.
+
+        Only the coordinators (:func:`coordinators`) count who answers: every rank knocks on their
+        beacons, and a coordinator also knocks on every rank's so that ranks still waiting in their
+        collective join at once. The knocks go outside MPI (:mod:`hpcfl.comm.liveness`): a send to
+        a rank on a vanished host can block inside MPI itself."""
         window = min(PROBE_MAX_S, limit / 4)
-        reachable = self._reachable(window, heard)
+        reachable, heard_coordinator = self._reachable(window)
         lost = [r for r in range(self.size) if r not in reachable]
-        majority = 2 * len(reachable) > self.size or (2 * len(reachable) == self.size and 0 in reachable)
-        if majority and self.rank == min(reachable):
+        first, second = self._coordinators
+        if self.rank == first:  # rank 0's side speaks when it holds a majority or half
+            speaks = 2 * len(reachable) >= self.size
+        elif self.rank == second:  # the other coordinator only when rank 0 is gone from its side
+            speaks = first not in reachable and 2 * len(reachable) > self.size
+        else:
+            speaks = False
+        if speaks:
             if lost:
                 message = lost_message(lost, self.hosts, cause)
             else:
@@ -252,41 +266,29 @@ class MPIComm:
             raise self._lost
         sys.stdout.flush()
         sys.stderr.flush()
-        # the speaker's abort ends this process; should it not come, end anyway. The silent side
-        # waits too: its exit must not reach the launcher (srun --kill-on-bad-exit) before the line.
-        time.sleep(max(SPEAKER_WAIT_S, window) if majority else MINORITY_WAIT_S)
+        # the speaker's abort ends this process; should it not come, end anyway. A rank that heard
+        # no coordinator is on the silent side and waits less; its exit must still not reach the
+        # launcher (srun --kill-on-bad-exit) before the speaker's line.
+        time.sleep(max(SPEAKER_WAIT_S, window) if heard_coordinator else MINORITY_WAIT_S)
         os._exit(EXIT_PEER_LOST)
 
-    def _reachable(self, window: float, heard: int | None) -> set[int]:
-        """Ranks that answer within ``window`` seconds: send a token to every other rank and collect
-        theirs (every rank waiting in a collective joins when it receives one). ``heard``: the rank
-        whose token made this rank join, if any."""
-        mpi = self._mpi
-        one = np.ones(1, dtype=np.int64)
-        self._sends = [one]  # the buffer and the requests stay alive while MPI may still use them
-        for r in range(self.size):
-            if r != self.rank:
-                try:
-                    self._sends.append(self._probe.Isend(one, dest=r, tag=_PING))
-                except mpi.Exception:
-                    pass
-        reachable = {self.rank}
-        status = mpi.Status()
-        if heard is not None:
-            reachable.add(heard)
+    def _reachable(self, window: float) -> tuple[set[int], bool]:
+        """Knock for at most half the ``window``, listen for the rest: (the ranks heard, with this
+        one; whether a coordinator was among them). A coordinator knocks on every rank, every other
+        rank on the coordinators."""
         until = time.monotonic() + window
-        while len(reachable) < self.size and time.monotonic() < until:
-            try:
-                if self._watch is None:
-                    self._watch = self._probe.Irecv(self._token, source=mpi.ANY_SOURCE, tag=_PING)
-                if self._watch.Test(status):
-                    reachable.add(status.Get_source())
-                    self._watch = None
-                    continue
-            except mpi.Exception:
-                self._watch = None
-            time.sleep(1e-3)
-        return reachable
+        if self.rank in self._coordinators:
+            targets = {r: a for r, a in self._beacons.items() if r != self.rank}
+        else:
+            targets = {c: self._beacons[c] for c in self._coordinators if c is not None}
+        knock(targets, self.rank, window / 2)
+        others = {c for c in self._coordinators if c is not None and c != self.rank}
+        if self.rank in self._coordinators:
+            heard = self._beacon.heard(max(0.0, until - time.monotonic()), enough=self.size - 1)
+        else:  # a non-coordinator only needs to know whether a coordinator is on its side
+            heard = self._beacon.heard(max(0.0, until - time.monotonic()), enough=len(others))
+        reachable = {self.rank} | {r for r in heard if 0 <= r < self.size}
+        return reachable, bool(reachable & others)
 
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, size={self.size}, local_rank={self.local_rank})"

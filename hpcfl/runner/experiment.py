@@ -26,7 +26,7 @@ from hpcfl.algorithms.base import Stage, resolve_hook, state_to_dict
 from hpcfl.algorithms.stage_types import StageInput, StagePlan
 from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config
-from hpcfl.errors import ConfigError, HpcflError, RunDirError
+from hpcfl.errors import ConfigError, HpcflError, PeerLostError, RunDirError
 from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.privacy.build import budget_line
 from hpcfl.runner import determinism
@@ -39,7 +39,7 @@ from hpcfl.runner.lock import RunLock
 from hpcfl.runner.loggers import Loggers, check_loggers, open_loggers
 from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
-from hpcfl.runner.rundir import BUDGET_STOP, DONE, FAILED, prepare_run_dir
+from hpcfl.runner.rundir import BUDGET_STOP, DONE, FAILED, PEER_LOST, prepare_run_dir
 from hpcfl.tct.pipeline import STAGE1_MODEL as STAGE1_MODEL
 from hpcfl.units import parse_memory_budget
 
@@ -311,10 +311,15 @@ def run_experiment(
     run_dir = Path(run_dir)
     lock = RunLock(run_dir) if comm.rank == 0 else None
     _collective_check(comm, lambda: lock.acquire() if lock else None)
+    if lock is not None:  # this start answers an earlier lost peer (the requeue it asked for)
+        (run_dir / PEER_LOST).unlink(missing_ok=True)
     try:
         return _run_locked(
             cfg, run_dir, resume=resume, overwrite=overwrite, comm=comm, stop=stop, reset=reset_clients
         )
+    except PeerLostError as err:  # the speaking rank: leave the line where a batch script looks
+        atomic_write_text(run_dir / PEER_LOST, f"{err}\n")
+        raise
     finally:
         if lock is not None:
             lock.release()

@@ -30,6 +30,10 @@ BUDGET_STOP = "privacy_budget"
 SWEEP_MANIFEST = "sweep.json"  # a sweep directory's manifest (hpcfl.sweep.plan)
 SWEEP_RUNS = "runs"  # the points' run directories: SWEEP_DIR/runs/<point name>
 FAILED = "FAILED"  # a sweep point's one-line error (hpcfl.sweep.local); never beside DONE
+# the line of a run that ended because a peer was lost (hpcfl.comm's deadline); a batch script
+# requeues on it whatever exit status the launcher reports (srun's is the signal it killed with),
+# and the next start of the run removes it
+PEER_LOST = "PEER_LOST"
 MARKER = ".hpcfl-run"  # written when hpcfl starts a run in a directory
 #: Everything hpcfl writes at the top of a run directory (``slurm/`` holds job history and stays),
 #: besides the client-state stores ``client_states_<stage>.zarr``.
@@ -47,6 +51,7 @@ RUN_ENTRIES = (
     "features_heldout.zarr",  # TCT stage 2 with client_eval: the held-out shares' features
     "stage2",
     FAILED,
+    PEER_LOST,
     "WALL_SECONDS",
     "determinism.json",  # the threads per rank etc. the run used (hpcfl.runner.determinism)
     "client_metrics.jsonl",  # per-client evaluation (client_eval), one line per evaluated round
