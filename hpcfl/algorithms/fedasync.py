@@ -32,6 +32,10 @@ class FedAsyncParams(AsyncParams):
 
 
 class FedAsync(AsyncAlgorithm[FedAsyncParams]):
+    dp_refusal = (
+        "its stale updates are applied one server step at a time with staleness weights, which the "
+        "accountants (one mean of a synchronous round's uploads per step) do not cover"
+    )
     name = "fedasync"
     Params = FedAsyncParams
     divergence_params = ("alpha",)

@@ -42,6 +42,10 @@ class FedBuffParams(AsyncParams):
 
 
 class FedBuff(AsyncAlgorithm[FedBuffParams]):
+    dp_refusal = (
+        "its stale updates are applied one server step at a time with staleness weights, which the "
+        "accountants (one mean of a synchronous round's uploads per step) do not cover"
+    )
     name = "fedbuff"
     Params = FedBuffParams
     example_params = FedBuffParams(buffer_size=2, server_lr=1.0)
