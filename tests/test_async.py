@@ -162,7 +162,16 @@ def _clocked(name: str) -> dict[str, Any]:
     return _cfg(algorithm=name, name=name, params=params, rounds=6, system=HETERO_CLOCK)
 
 
-KEYS = ("test_accuracy", "participants", "dropped", "sim_time", "client_updates", "staleness", "bytes_up")
+KEYS = (
+    "test_accuracy",
+    "participants",
+    "dropped",
+    "sim_time",
+    "client_updates",
+    "staleness",
+    "applied",
+    "bytes_up",
+)
 
 
 def _same_rows(a: list[dict], b: list[dict]) -> bool:
@@ -280,6 +289,7 @@ def test_every_applied_update_is_recorded_even_between_rows(tmp_path: Path, name
     plan = model_plan(build_federation(cfg, LocalComm()))
     steps = async_schedule(plan, 5)
     assert [s for r in rows for s in r["staleness"]] == [a.staleness for s in steps for a in s.arrivals]
+    assert [k for r in rows for k in r["applied"]] == [a.client for s in steps for a in s.arrivals]
     assert [r["sim_time"] for r in rows] == [steps[1].time, steps[3].time, steps[4].time]
     assert rows[-1]["client_updates"] == sum(len(s.arrivals) for s in steps)
 

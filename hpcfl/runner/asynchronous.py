@@ -24,7 +24,8 @@ rounds ≤ v and wait in the server state meanwhile.
 :class:`ClockRecord` writes the simulated time into each metrics row: ``sim_time`` (simulated
 seconds since the stage began: an asynchronous step's last arrival; a synchronous round lasts as
 long as its slowest arrival), ``client_updates`` (updates applied so far) and, for an asynchronous
-run, ``staleness`` (every update applied since the previous row, in order).
+run, ``staleness`` and ``applied`` (the staleness and the client of every update applied since the
+previous row, in order).
 """
 
 from __future__ import annotations
@@ -145,24 +146,25 @@ def round_seconds(
 
 
 class ClockRecord(Observer):
-    """``sim_time``, ``round_sim_s``, ``client_updates`` and (asynchronous) ``staleness`` of a row:
+    """``sim_time``, ``round_sim_s``, ``client_updates`` and (asynchronous) ``staleness`` and
+    ``applied`` of a row:
     from the schedule every rank computed alike, so nothing is exchanged.
 
     ``elapsed[r]``/``updates[r]``: simulated seconds and applied updates at the end of round r;
-    ``staleness[r]``: round r's applied updates' staleness (None: synchronous); ``since``: the
-    first round whose staleness no row reported yet."""
+    ``applied[r]``: round r's applied updates as (client, staleness) (None: synchronous);
+    ``since``: the first round whose updates no row reported yet."""
 
     group = "clock"
-    columns = ("sim_time", "round_sim_s", "client_updates", "staleness")
+    columns = ("sim_time", "round_sim_s", "client_updates", "staleness", "applied")
 
     def __init__(
         self,
         elapsed: Sequence[float],
         updates: Sequence[int],
-        staleness: Sequence[Sequence[int]] | None,
+        applied: Sequence[Sequence[tuple[int, int]]] | None,
         since: int,
     ) -> None:
-        self.elapsed, self.updates, self.staleness, self.since = elapsed, updates, staleness, since
+        self.elapsed, self.updates, self.applied, self.since = elapsed, updates, applied, since
 
     def row(self, end: RoundEnd, slots: Mapping[str, Any]) -> dict[str, Any]:
         r = end.work.start.round
@@ -171,8 +173,10 @@ class ClockRecord(Observer):
             "round_sim_s": self.elapsed[r] - (self.elapsed[r - 1] if r > 0 else 0.0),
             "client_updates": self.updates[r],
         }
-        if self.staleness is not None:
-            out["staleness"] = [s for step in self.staleness[self.since : r + 1] for s in step]
+        if self.applied is not None:
+            updates = [u for step in self.applied[self.since : r + 1] for u in step]
+            out["staleness"] = [s for _, s in updates]
+            out["applied"] = [k for k, _ in updates]
         self.since = r + 1
         return out
 
@@ -188,10 +192,10 @@ def clock_record(
     and is synchronous, or trains no model); ``draws``: every round's (arrived, system draw) from 0."""
     if schedule is not None:
         elapsed = [s.time for s in schedule]
-        staleness = [[a.staleness for a in s.arrivals] for s in schedule]
+        applied = [[(a.client, a.staleness) for a in s.arrivals] for s in schedule]
         counts = [len(s.arrivals) for s in schedule]
     elif plan.clock is not None and plan.trainer is not None:
-        clock, total, elapsed, staleness = plan.clock, 0.0, [], None
+        clock, total, elapsed, applied = plan.clock, 0.0, [], None
         for r, (who, system) in enumerate(draws):
             total += round_seconds(plan, r, who, system, clock)
             elapsed.append(total)
@@ -200,4 +204,4 @@ def clock_record(
         return None
     updates = list(np.cumsum(counts, dtype=np.int64).tolist())
     since = start - start % plan.eval_every  # the rounds after the last row before ``start``
-    return ClockRecord(elapsed[:stop], updates[:stop], staleness, since)
+    return ClockRecord(elapsed[:stop], updates[:stop], applied, since)
