@@ -439,6 +439,8 @@ def validate(cfg: Config) -> None:
     validate_privacy(cfg.privacy, cfg)
     if cfg.system.dropout.trace is not None:  # absolute where it enters, as the data root
         cfg.system.dropout.trace = str(Path(cfg.system.dropout.trace).expanduser().resolve())
+    if cfg.system.clock.trace is not None:
+        cfg.system.clock.trace = str(Path(cfg.system.clock.trace).expanduser().resolve())
     validate_system(
         cfg.system,
         num_clients=cfg.num_clients,
@@ -446,6 +448,7 @@ def validate(cfg: Config) -> None:
         local_steps=cfg.local_steps,
         rounds=cfg.rounds if ALGORITHMS[cfg.algorithm].stages is Algorithm.stages else None,
         private=cfg.privacy.enabled,
+        asynchronous=ALGORITHMS[cfg.algorithm].asynchronous,
     )
     _validate_evaluation(cfg)
     _check_against_dataset(cfg)

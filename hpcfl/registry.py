@@ -291,6 +291,8 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
             ("apfl", "apfl", "APFL"),
             ("fedbabu", "fedbabu", "FedBABU"),
             ("feduv", "feduv", "FedUV"),
+            ("fedbuff", "fedbuff", "FedBuff"),
+            ("fedasync", "fedasync", "FedAsync"),
         )
     },
     _check_algorithm,

@@ -28,6 +28,7 @@ from typing import Any
 from hpcfl.algorithms.base import (
     Aggregate,
     Algorithm,
+    Arrival,
     ClientContext,
     ClientData,
     ClientState,
@@ -80,6 +81,7 @@ __all__ = [
     "ALGORITHMS",
     "Aggregate",
     "Algorithm",
+    "Arrival",
     "Channel",
     "ClientContext",
     "ClientData",

@@ -324,6 +324,18 @@ Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
+class Arrival:
+    """An update an asynchronous server step applies (:attr:`Algorithm.asynchronous`): client
+    ``client`` trained from the model of step ``version`` and arrived at simulated second ``time``;
+    ``staleness`` is the step applying it minus ``version``."""
+
+    client: int
+    version: int
+    time: float
+    staleness: int
+
+
+@dataclass(frozen=True)
 class ServerContext:
     """What the server step may use: the round, who took part, and a sum-only reducer over ranks
     (``reduce(t)`` returns the sum of ``t`` over every rank; it is the only collective allowed).
@@ -338,6 +350,8 @@ class ServerContext:
     reduce: Reducer
     rank: int = 0
     world: int = 1
+    #: an asynchronous algorithm's step: the updates it applies, in simulated-arrival order
+    arrivals: tuple[Arrival, ...] = ()
 
 
 #: A stage hook by name: a name of :data:`hpcfl.registry.STAGE_HOOKS` (the built-ins'
@@ -421,6 +435,11 @@ class Algorithm(ABC, Generic[P, S, C]):
     #: why the levels not in :attr:`dp_levels` are refused: one clause, read in the refusal
     #: "privacy.level=L does not support algorithm 'A': <dp_refusal>"
     dp_refusal: ClassVar[str] = "it declares no differential-privacy support (Algorithm.dp_levels)"
+    #: whether the algorithm runs on the virtual clock (:mod:`hpcfl.runner.asynchronous`): a round
+    #: is one server step; its participants are the updates dispatched from that step's model, and
+    #: ``ServerContext.arrivals`` the updates the step applies. Such an algorithm is an
+    #: :class:`hpcfl.algorithms.asynchronous.AsyncAlgorithm` (its ``concurrency`` and ``buffer_size``)
+    asynchronous: ClassVar[bool] = False
 
     def __init__(self, params: P, *, layout: StateLayout, participation: Participation | None = None) -> None:
         self.params: P = params

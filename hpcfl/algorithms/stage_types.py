@@ -33,6 +33,7 @@ from hpcfl.algorithms.base import (
     Trainer,
     Upload,
 )
+from hpcfl.algorithms.clock import VirtualClock
 from hpcfl.algorithms.participation import Population
 from hpcfl.algorithms.system import RoundSystem, SystemModel
 
@@ -187,6 +188,7 @@ class RoundPlan:
     client_metrics: tuple[str, ...] = ("loss",)  # what the participants' local updates report
     client_batch: int | str = 1  # participants per vectorised training step: 1 | N | auto
     system: SystemModel | None = None  # unequal work and dropped participants (``system``), None when off
+    clock: VirtualClock | None = None  # simulated time (``system.clock``), None when off
 
 
 # -- what stage code may read, and what it returns -----------------------------------------------

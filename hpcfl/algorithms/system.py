@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcfl.algorithms.clock import ClockSection, validate_clock
 from hpcfl.errors import ConfigError
 from hpcfl.training.sgd import LocalSchedule
 
@@ -87,9 +88,12 @@ class SystemSection:
 
     work: WorkSection = field(default_factory=WorkSection)
     dropout: DropoutSection = field(default_factory=DropoutSection)
+    clock: ClockSection = field(default_factory=ClockSection)  # simulated time (hpcfl.algorithms.clock)
 
     @property
     def enabled(self) -> bool:
+        """Whether the participants' work or arrival differs from the configured one (the clock
+        alone changes no result: it only times the updates)."""
         return self.work.kind != "none" or self.dropout.probability > 0 or self.dropout.trace is not None
 
 
@@ -109,10 +113,14 @@ def validate_system(
     local_steps: int | None,
     rounds: int | None,
     private: bool,
+    asynchronous: bool = False,
 ) -> None:
     """Every check of the ``system`` section that needs no data (one :class:`ConfigError` line).
 
-    ``rounds``: the run's round count a trace may name (None: not known here, not checked)."""
+    ``rounds``: the run's round count a trace may name (None: not known here, not checked);
+    ``asynchronous``: the algorithm runs on the virtual clock (:mod:`hpcfl.runner.asynchronous`),
+    which draws each update's work alone, so work that depends on a round's other participants
+    (``stragglers``) is refused."""
     w, d = section.work, section.dropout
     if w.kind not in WORK_KINDS:
         raise ConfigError(
@@ -165,6 +173,12 @@ def validate_system(
         )
     if d.trace is not None:
         read_trace(d.trace, num_clients, rounds)
+    validate_clock(section.clock, num_clients)
+    if asynchronous and w.kind == "stragglers":
+        raise ConfigError(
+            "system.work.kind: stragglers picks a share of a synchronous round's participants; an "
+            "asynchronous algorithm has no rounds of participants: use uniform, lognormal or fixed work"
+        )
     if private and section.enabled:
         raise ConfigError(
             "system (unequal work, dropout) and privacy cannot be combined: the privacy accountant "

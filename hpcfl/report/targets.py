@@ -7,7 +7,10 @@ crossing; reports use the protocol's window, 3 by default). Bytes to
 target add each logged row's per-round traffic (``bytes_up + bytes_down``) times the rounds since
 the previous logged row, so a run evaluated every few rounds is still charged for every round (the
 traffic of a round is the same between evaluations unless participation varies, when it is the
-logged round's figure).
+logged round's figure). A run with simulated time (``sim_time``: ``system.clock`` or an
+asynchronous algorithm, :mod:`hpcfl.runner.asynchronous`) also reports the simulated seconds and the
+client updates to the target round, so synchronous and asynchronous methods compare at equal
+simulated time.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class TargetRow:
     bytes: float | None  # up + down, all participants, up to and including the target round
     speedup: float | None  # FedAvg's rounds / this run's rounds, same partition; None if either missed
     baseline: str | None  # the FedAvg run compared against
+    sim_time: float | None = None  # simulated seconds to the target round (None: no clock, or missed)
+    updates: int | None = None  # client updates applied to the target round (with ``sim_time``)
 
 
 def cumulative_bytes(rows: list[dict], keys: tuple[str, ...] = ("bytes_up", "bytes_down")) -> list[float]:
@@ -60,6 +65,18 @@ def rounds_to_target(run: RunSummary, target: float, *, window: int = 1) -> tupl
     return None, None
 
 
+def sim_time_to_target(run: RunSummary, target: float, *, window: int = 1) -> tuple[float | None, int | None]:
+    """(simulated seconds, client updates) at the round :func:`rounds_to_target` finds, or (None,
+    None) when the run has no simulated time or never reaches ``target``."""
+    curve = smoothed(run, window)
+    for row, acc in zip(run.rows, curve, strict=True):
+        if acc >= target:
+            if "sim_time" not in row:
+                return None, None
+            return float(row["sim_time"]), int(row["client_updates"])
+    return None, None
+
+
 def default_target(runs: list[RunSummary], *, window: int = 1) -> float:
     """The largest whole percent that every run's running mean reaches (the lowest of their best
     running means, floored), so the table compares every run; pass ``--target`` for the paper's
@@ -81,7 +98,10 @@ def target_rows(runs: list[RunSummary], target: float, *, window: int = 1) -> li
         base = fedavg.get(r.partition)
         base_rounds = reached[id(base)][0] if base is not None else None
         speedup = base_rounds / rounds if rounds and base_rounds else None
-        out.append(TargetRow(r, rounds, spent, speedup, base.name if base is not None else None))
+        sim, updates = sim_time_to_target(r, target, window=window)
+        out.append(
+            TargetRow(r, rounds, spent, speedup, base.name if base is not None else None, sim, updates)
+        )
     return out
 
 
@@ -89,12 +109,17 @@ def target_markdown(rows: list[TargetRow], target: float, *, window: int = 1) ->
     """Table 2's form, per run: rounds to the target with the speed-up over FedAvg in brackets."""
     pct = f"{100 * target:g}%"
     smooth = f"running mean over {window} evaluated rounds" if window > 1 else "single rounds"
+    timed = any("sim_time" in r for t in rows for r in t.run.rows[:1])
     lines = [
         f"Rounds to {pct} test accuracy ({smooth}; speed-up over the FedAvg run of the same partition) "
-        f"and the traffic until then (up + down, all participants), per run.",
+        f"and the traffic until then (up + down, all participants)"
+        + (", the simulated seconds and the client updates until then" if timed else "")
+        + ", per run.",
         "",
-        f"| run | algorithm | partition | rounds to {pct} | MB to {pct} | final test acc. |",
-        "|---|---|---|---:|---:|---:|",
+        f"| run | algorithm | partition | rounds to {pct} | MB to {pct} "
+        + (f"| sim. s to {pct} | updates to {pct} " if timed else "")
+        + "| final test acc. |",
+        "|---|---|---|---:|---:|" + ("---:|---:|" if timed else "") + "---:|",
     ]
     for t in rows:
         if t.rounds is None:
@@ -102,8 +127,11 @@ def target_markdown(rows: list[TargetRow], target: float, *, window: int = 1) ->
         else:
             rounds = f"{t.rounds}" + (f" ({t.speedup:.2f}×)" if t.speedup is not None else "")
             mb = f"{t.bytes / 1e6:,.1f}"
+        sim = ""
+        if timed:
+            sim = "| — | — " if t.sim_time is None else f"| {t.sim_time:,.1f} | {t.updates} "
         lines.append(
-            f"| {t.run.name} | {t.run.label} | {t.run.partition} | {rounds} | {mb} "
+            f"| {t.run.name} | {t.run.label} | {t.run.partition} | {rounds} | {mb} {sim}"
             f"| {100 * t.run.final_accuracy:.2f}% |"
         )
     return "\n".join(lines) + "\n"
@@ -123,10 +151,15 @@ def target_csv(rows: list[TargetRow], target: float, *, window: int = 1) -> str:
             "rounds_to_target",
             "bytes_to_target",
             "speedup_vs_fedavg",
+            "sim_time_to_target",
+            "updates_to_target",
         ]
     )
     for t in rows:
         writer.writerow(
-            [t.run.name, t.run.algorithm, t.run.partition, target, window, t.rounds, t.bytes, t.speedup]
+            [
+                *(t.run.name, t.run.algorithm, t.run.partition, target, window),
+                *(t.rounds, t.bytes, t.speedup, t.sim_time, t.updates),
+            ]
         )
     return buf.getvalue()

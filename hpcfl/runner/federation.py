@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Trainer
+from hpcfl.algorithms.clock import VirtualClock
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.algorithms.stage_types import Evaluator, Observer, RoundPlan
 from hpcfl.algorithms.system import SystemModel
@@ -55,6 +56,7 @@ class Federation:
     trainer: Trainer
     client_batch: int = 1  # participants per vectorised group: ``client_batch`` with ``auto`` resolved
     system: SystemModel | None = None  # unequal work and dropped participants (``system``), None when off
+    clock: VirtualClock | None = None  # simulated time (``system.clock``), None when off
     _cache: dict[int, ClientData] = field(default_factory=dict, repr=False)
 
     @property
@@ -236,6 +238,7 @@ def model_plan(fed: Federation) -> RoundPlan:
         observers=chosen_observers(fed),
         client_batch=fed.client_batch,
         system=fed.system,
+        clock=fed.clock,
     )
 
 
@@ -365,4 +368,5 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         trainer=trainer,
         client_batch=client_batch,
         system=SystemModel.of(cfg.system, cfg.seed, schedule, population.sizes),
+        clock=VirtualClock.of(cfg.system.clock, cfg.seed, population.size),
     )

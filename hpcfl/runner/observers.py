@@ -273,10 +273,15 @@ class Timing(Observer):
 
 
 def with_standard_observers(
-    chosen: Sequence[Observer], client_metrics: tuple[str, ...] = ("loss",), *, system: bool = False
+    chosen: Sequence[Observer],
+    client_metrics: tuple[str, ...] = ("loss",),
+    *,
+    system: bool = False,
+    clock: Observer | None = None,
 ) -> tuple[Observer, ...]:
     """The observers of a round, in the order their columns appear in a row: the client metrics, the
-    server's, who participated (and, with ``system``, the work and dropouts), the ``chosen`` ones
+    server's, who participated (and, with ``system``, the work and dropouts; with ``clock``, the
+    simulated time: :class:`hpcfl.runner.asynchronous.ClockRecord`), the ``chosen`` ones
     (CKA, drift diversity, ...), then per-rank load,
     traffic and timing (last, so that its seconds include every other observer's work)."""
     return (
@@ -284,6 +289,7 @@ def with_standard_observers(
         ServerMetrics(),
         Participants(),
         *((SystemRecord(),) if system else ()),
+        *((clock,) if clock is not None else ()),
         *chosen,
         RankLoad(),
         Traffic(),

@@ -53,6 +53,7 @@ from hpcfl.algorithms.stage_types import (
 from hpcfl.algorithms.system import RoundSystem
 from hpcfl.comm.placement import place_round
 from hpcfl.errors import ConfigError, DivergenceError
+from hpcfl.runner.asynchronous import Step, async_schedule, clock_record
 from hpcfl.runner.buffer import BufferLayout
 from hpcfl.runner.checkpoint import placed_state
 from hpcfl.runner.executor import ClientExecutor
@@ -176,9 +177,12 @@ def round_generator(seed: int, stage: int, rnd: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
 
 
-def round_observers(plan: RoundPlan) -> tuple[Observer, ...]:
-    """Every observer of the plan's rounds: the standard ones around the plan's own."""
-    return with_standard_observers(plan.observers, plan.client_metrics, system=plan.system is not None)
+def round_observers(plan: RoundPlan, clock: Observer | None = None) -> tuple[Observer, ...]:
+    """Every observer of the plan's rounds: the standard ones around the plan's own (and the
+    simulated time's :class:`~hpcfl.runner.asynchronous.ClockRecord`, where given)."""
+    return with_standard_observers(
+        plan.observers, plan.client_metrics, system=plan.system is not None, clock=clock
+    )
 
 
 def round_layout(
@@ -245,17 +249,27 @@ def run_rounds(
     ex = algo.exchange(dtype)
     bdtype = buffer_dtype(plan, dtype)
     ordered = ordered_sums(plan, ex)
-    observers = round_observers(plan)
+    # an asynchronous algorithm's steps come from the virtual clock (hpcfl.runner.asynchronous)
+    steps = async_schedule(plan, stop, round_offset) if algo.asynchronous else None
+    # every round's draw up front: dropouts refused before any work, and the simulated time of the
+    # rounds before ``start`` (a pure function of the seed) for the clock's columns
+    timed = steps is None and plan.clock is not None and plan.trainer is not None
+    first = 0 if timed else start
+    draws = (
+        [_draw_round(plan, r, round_offset, steps) for r in range(first, stop)]
+        if (timed or plan.system is not None)
+        else []
+    )
+    observers = round_observers(plan, clock_record(plan, start, stop, draws if timed else [], steps))
     executor = ClientExecutor(
         plan.client_batch, rank=comm.rank, largest=max(plan.population.sizes, default=1)
     )
     done = start
-    for rnd in range(start, stop) if plan.system is not None else ():
-        _draw_round(plan, rnd, round_offset)  # dropouts are known up front: refuse before any work
     for rnd in range(start, stop):
         t0 = time.perf_counter()
-        # 1. who trains (the drawn participants but those that drop out this round), and where
-        who, system = _draw_round(plan, rnd, round_offset)
+        # 1. who trains (the drawn participants but those that drop out this round; asynchronous:
+        #    the clients dispatched from this step's model), and where
+        who, system = _draw_round(plan, rnd, round_offset, steps)
         mine = place_round(who, [plan.population.sizes[k] for k in who], comm.size)[comm.rank]
         layout = round_layout(plan, len(who), dtype, observers)
         buf = layout.allocate(bdtype, server.x.device)
@@ -312,7 +326,8 @@ def run_rounds(
             count=int(layout.view(buf, "count")),
             gathered={g: [obj[g] for _, obj in everything] for g in ex.gathers},
         )
-        sctx = ServerContext(rnd, who, plan.population, comm.allreduce, comm.rank, comm.size)
+        arrivals = steps[rnd].arrivals if steps is not None else ()
+        sctx = ServerContext(rnd, who, plan.population, comm.allreduce, comm.rank, comm.size, arrivals)
         server, server_metrics = algo.server_update(server, aggregate, sctx)
         if not bool(torch.isfinite(server.x).all()):  # one sync a round: the uploads were finite
             raise DivergenceError(
@@ -359,18 +374,23 @@ def _finite(state: ClientState) -> bool:
     )
 
 
-def _draw_round(plan: RoundPlan, rnd: int, round_offset: int) -> tuple[tuple[int, ...], RoundSystem | None]:
+def _draw_round(
+    plan: RoundPlan, rnd: int, round_offset: int, steps: Sequence[Step] | None = None
+) -> tuple[tuple[int, ...], RoundSystem | None]:
     """Round ``rnd``'s participants that train (draw order) and its ``system`` draw (None when off):
     a pure function of (seed, stage, round). A round whose every drawn participant drops out is one
-    :class:`ConfigError` naming it."""
-    drawn = tuple(
-        plan.algorithm.participants(rnd, plan.population, round_generator(plan.seed, plan.stage_index, rnd))
-    )
+    :class:`ConfigError` naming it. With an asynchronous schedule ``steps``, the participants are
+    the clients dispatched from step ``rnd``'s model (a step may train none)."""
+    if steps is not None:
+        drawn = steps[rnd].dispatched
+    else:
+        generator = round_generator(plan.seed, plan.stage_index, rnd)
+        drawn = tuple(plan.algorithm.participants(rnd, plan.population, generator))
     if plan.system is None:
         return drawn, None
     system = plan.system.draw(plan.stage_index, rnd, round_offset + rnd + 1, drawn)
     who = tuple(k for k in drawn if k not in system.dropped)
-    if drawn and not who:
+    if drawn and not who and steps is None:
         raise ConfigError(
             f"round {round_offset + rnd + 1}: every participant ({len(drawn)}) drops out under the system "
             "section (dropout probability, trace or dropped stragglers); lower the dropout or fix the trace"

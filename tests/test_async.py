@@ -1,0 +1,401 @@
+"""Asynchronous FL on the virtual clock (issue 54): the clock, the schedule, FedBuff and FedAsync.
+
+Resume bit-identity, 1-vs-2-rank equality, counted bytes and batched training of both methods are
+the contract suite's (tests/test_contract.py is parametrised over every registered algorithm)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpcfl.algorithms import Aggregate, Arrival, Population, ServerContext
+from hpcfl.algorithms.asynchronous import staleness_weight
+from hpcfl.algorithms.clock import ClockSection, Distribution, VirtualClock, update_samples
+from hpcfl.cli.main import main
+from hpcfl.comm import LocalComm
+from hpcfl.config import config_from_dict
+from hpcfl.runner import run_experiment
+from hpcfl.runner.asynchronous import async_schedule
+from hpcfl.runner.federation import build_federation, model_plan
+from hpcfl.training.layout import StateLayout
+from tests.helpers import synthetic_config
+from tests.test_contract import BASE, _rows, _StopAfterRows
+
+LOGNORMAL = {
+    "speed": {"kind": "lognormal", "mu": 3.0, "sigma": 1.0},
+    "delay": {"kind": "uniform", "low": 0.5, "high": 2.0},
+}
+
+
+def _cfg(**extra: Any) -> dict[str, Any]:
+    return {**BASE, "name": "async", "num_clients": 6, "clients_per_round": 4, **extra}
+
+
+# -- the clock ------------------------------------------------------------------------------------
+
+
+def test_clock_draws_are_pure_functions_of_seed_client_and_round(tmp_path: Path) -> None:
+    section = ClockSection(
+        speed=Distribution("lognormal", mu=2.0, sigma=1.0), delay=Distribution("constant", 0.5)
+    )
+    a, b = VirtualClock(section, 7), VirtualClock(section, 7)
+    per_client = [a.speed_delay(0, r, k) for r in range(3) for k in range(5)]
+    assert per_client == [b.speed_delay(0, r, k) for r in range(3) for k in range(5)]
+    assert all(a.speed_delay(0, 0, k) == a.speed_delay(0, 9, k) for k in range(5))  # once per client
+    assert len({a.speed_delay(0, 0, k)[0] for k in range(5)}) == 5 and all(s > 0 for s, _ in per_client)
+    assert VirtualClock(section, 8).speed_delay(0, 0, 0) != a.speed_delay(0, 0, 0)
+    fresh = VirtualClock(dataclasses.replace(section, per_update=True), 7)
+    assert fresh.speed_delay(0, 0, 1) != fresh.speed_delay(0, 1, 1)  # drawn per update
+    assert fresh.speed_delay(0, 1, 1) == VirtualClock(fresh.section, 7).speed_delay(0, 1, 1)
+    speed, delay = a.speed_delay(0, 0, 2)
+    assert a.seconds(0, 0, 2, 160) == 160 / speed + delay
+    trace = tmp_path / "clock.csv"
+    trace.write_text("client,speed,delay\n2,40,1.5\n")
+    traced = VirtualClock.of(dataclasses.replace(section, trace=str(trace)), 7, 5)
+    assert traced is not None and traced.seconds(0, 3, 2, 80) == 80 / 40 + 1.5
+    assert traced.speed_delay(0, 0, 1) == a.speed_delay(0, 0, 1)  # untraced clients: the distribution
+    assert update_samples(3, 16, 10) == 30 and update_samples(3, 16, 50) == 48
+
+
+def test_synchronous_rounds_last_as_long_as_their_slowest_arrival(tmp_path: Path) -> None:
+    cfg = config_from_dict(_cfg(algorithm="fedavg", system={"clock": LOGNORMAL}))
+    rows = run_experiment(cfg, tmp_path / "r").metrics
+    fed = build_federation(cfg, LocalComm())
+    clock, schedule = fed.clock, fed.trainer.schedule
+    assert clock is not None
+    total, updates = 0.0, 0
+    for r, row in enumerate(rows):
+        who = row.get("participants", range(6))
+        assert len(who) == 4
+        longest = max(
+            clock.seconds(0, r, k, update_samples(schedule.num_steps(n), schedule.batch_size, n))
+            for k in who
+            for n in [fed.population.sizes[k]]
+        )
+        total, updates = total + longest, updates + len(who)
+        assert row["round_sim_s"] == pytest.approx(longest) and row["sim_time"] == pytest.approx(total)
+        assert row["client_updates"] == updates
+
+
+def test_a_resumed_synchronous_run_keeps_its_simulated_time(tmp_path: Path) -> None:
+    cfg = config_from_dict(_cfg(algorithm="fedprox", system={"clock": LOGNORMAL}))
+    whole = run_experiment(cfg, tmp_path / "whole").metrics
+    stopped = run_experiment(cfg, tmp_path / "s", stop=_StopAfterRows(tmp_path / "s", 2))
+    assert stopped.rounds_done == 2
+    run_experiment(cfg, tmp_path / "s", resume=True)
+    keys = ("sim_time", "client_updates", "test_accuracy")
+    assert [[r[k] for k in keys] for r in _rows(tmp_path / "s")] == [[r[k] for k in keys] for r in whole]
+
+
+def test_the_clock_alone_changes_no_result(tmp_path: Path) -> None:
+    plain = run_experiment(config_from_dict(_cfg(algorithm="fedavg")), tmp_path / "a")
+    timed = run_experiment(
+        config_from_dict(_cfg(algorithm="fedavg", system={"clock": LOGNORMAL})), tmp_path / "b"
+    )
+    assert torch.equal(plain.server.x, timed.server.x) and "sim_time" not in plain.metrics[0]
+
+
+# -- the schedule ---------------------------------------------------------------------------------
+
+
+def _schedule(algorithm: str, steps: int, params: dict[str, Any], **extra: Any):
+    cfg = config_from_dict(_cfg(algorithm=algorithm, params=params, rounds=steps, **extra))
+    fed = build_federation(cfg, LocalComm())
+    plan = model_plan(fed)
+    return plan, async_schedule(plan, steps)
+
+
+@pytest.mark.parametrize("hetero", [False, True])
+def test_the_schedule_is_a_bounded_event_simulation_in_arrival_order(hetero: bool) -> None:
+    system = {"clock": {**LOGNORMAL, "per_update": True}}
+    if hetero:
+        system.update({"work": {"kind": "uniform", "low": 1, "high": 4}, "dropout": {"probability": 0.2}})
+    plan, steps = _schedule("fedbuff", 12, {"buffer_size": 3}, system=system)
+    assert steps == _schedule("fedbuff", 12, {"buffer_size": 3}, system=system)[1]  # pure
+    assert steps[:5] == async_schedule(plan, 5)  # a prefix does not depend on the run's length
+    clock = plan.clock
+    assert clock is not None
+    applied: set[tuple[int, int]] = set()
+    last = 0.0
+    for t, step in enumerate(steps):
+        assert len(step.arrivals) == 3 and len(set(step.dispatched)) == len(step.dispatched)
+        for a in step.arrivals:
+            assert a.version <= t and a.staleness == t - a.version and a.time >= last
+            assert a.client in steps[a.version].dispatched and (a.version, a.client) not in applied
+            applied.add((a.version, a.client))
+            last = a.time
+        assert step.time == last
+    # each update was dispatched at second 0 or when another arrived (its slot freed), and at most
+    # ``concurrency`` (4) updates are in flight at once
+    arrivals = {(a.version, a.client): a.time for s in steps for a in s.arrivals}
+    moments = {0.0, *arrivals.values()}
+    begun = {key: _dispatch_time(key, end, clock, plan) for key, end in arrivals.items()}
+    if not hetero:  # (a dropped update frees its slot at a moment that is no arrival)
+        assert all(min(abs(b - m) for m in moments) < 1e-9 for b in begun.values())
+    for t in moments:
+        assert sum(1 for key, end in arrivals.items() if begun[key] <= t < end) <= 4
+
+
+def _dispatch_time(key: tuple[int, int], end: float, clock: VirtualClock, plan: Any) -> float:
+    v, k = key
+    n = plan.population.sizes[k]
+    work = plan.system.draw(0, v, v + 1, (k,)).steps[k] if plan.system else plan.trainer.schedule.num_steps(n)
+    return end - clock.seconds(0, v, k, update_samples(work, plan.trainer.schedule.batch_size, n))
+
+
+# -- determinism: resume and ranks under a heterogeneous clock ------------------------------------
+
+#: per-update lognormal speeds, uniform delays, unequal work and dropouts: every draw of the clock
+HETERO_CLOCK: dict[str, Any] = {
+    "clock": {**LOGNORMAL, "per_update": True},
+    "work": {"kind": "uniform", "low": 1, "high": 3},
+    "dropout": {"probability": 0.2},
+}
+
+
+def _clocked(name: str) -> dict[str, Any]:
+    params = {"buffer_size": 3} if name == "fedbuff" else {"staleness": "hinge", "a": 1.0, "b": 1}
+    return _cfg(algorithm=name, name=name, params=params, rounds=6, system=HETERO_CLOCK)
+
+
+KEYS = (
+    "test_accuracy",
+    "participants",
+    "dropped",
+    "sim_time",
+    "client_updates",
+    "staleness",
+    "applied",
+    "bytes_up",
+)
+
+
+def _same_rows(a: list[dict], b: list[dict]) -> bool:
+    return [[r.get(k) for k in KEYS] for r in a] == [[r.get(k) for k in KEYS] for r in b]
+
+
+@pytest.mark.parametrize("name", ["fedbuff", "fedasync"])
+def test_a_stopped_and_resumed_asynchronous_run_is_bit_identical(tmp_path: Path, name: str) -> None:
+    cfg = config_from_dict({**_clocked(name), "checkpoint_every": 1})
+    whole = run_experiment(cfg, tmp_path / "whole")
+    assert any(r["staleness"] and max(r["staleness"]) > 0 for r in whole.metrics)  # stale updates
+    stopped = run_experiment(cfg, tmp_path / "s", stop=_StopAfterRows(tmp_path / "s", 3))
+    assert stopped.rounds_done == 3 and stopped.server.pending.shape[0] > 0  # updates in flight
+    resumed = run_experiment(cfg, tmp_path / "s", resume=True)
+    assert torch.equal(resumed.server.x, whole.server.x)
+    assert _same_rows(_rows(tmp_path / "s"), whole.metrics)
+
+
+@pytest.mark.mpi
+def test_one_rank_and_two_ranks_agree_under_a_heterogeneous_clock(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import MPIEXEC, REPO, final_state, plugin_env
+
+    runs = {name: _clocked(name) for name in ("fedbuff", "fedasync")}
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    program = REPO / "tests" / "contract_programs" / "ranks.py"
+    argv = [
+        MPIEXEC,
+        "-n",
+        "2",
+        sys.executable,
+        str(program),
+        str(tmp_path / "runs.json"),
+        str(tmp_path / "two"),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=plugin_env(), timeout=600)
+    assert proc.returncode == 0 and proc.stdout.count(": OK") == 2, proc.stdout + proc.stderr
+    for name, cfg in runs.items():
+        one = run_experiment(config_from_dict(cfg), tmp_path / "one" / name)
+        assert torch.equal(final_state(tmp_path / "two" / name), one.server.x), name
+        assert _same_rows(_rows(tmp_path / "two" / name), one.metrics), name
+
+
+# -- the server steps -----------------------------------------------------------------------------
+
+
+def test_fedbuff_and_fedasync_server_steps_follow_their_papers() -> None:
+    from hpcfl.algorithms.fedasync import FedAsync, FedAsyncParams
+    from hpcfl.algorithms.fedbuff import FedBuff, FedBuffParams
+
+    layout = StateLayout.of_model(torch.nn.Linear(2, 1))  # 3 entries
+    x0 = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    y = [
+        torch.tensor([2.0, 2.0, 2.0], dtype=torch.float64),
+        torch.tensor([0.0, 4.0, 3.0], dtype=torch.float64),
+    ]
+    pop = Population((10, 10, 10, 10))
+
+    buff = FedBuff(FedBuffParams(buffer_size=2, server_lr=0.5, concurrency=3), layout=layout)
+    buff.resolved(pop, None)  # type: ignore[arg-type]
+    s0 = buff.init_server(x0)
+    # step 0 trains clients 2 and 0 from x0 and applies neither; step 1 applies (1, ?) and (0, 2)
+    s1, _ = buff.server_update(
+        s0, Aggregate({}, 2.0, 2, {"y": y}), ServerContext(0, (2, 0), pop, lambda t: t)
+    )
+    assert torch.equal(s1.x, x0) and s1.pending.shape == (2, 3)
+    arrivals = (Arrival(0, 0, 5.0, 1), Arrival(2, 0, 6.0, 1))
+    s2, m = buff.server_update(
+        s1, Aggregate({}, 0.0, 0, {"y": []}), ServerContext(1, (), pop, lambda t: t, arrivals=arrivals)
+    )
+    weight = staleness_weight("polynomial", 1, 0.5, 4)
+    assert weight == 2**-0.5
+    expected = x0 + 0.5 / 2 * (weight * (y[1] - x0) + weight * (y[0] - x0))
+    assert torch.allclose(s2.x, expected, rtol=0, atol=1e-15) and s2.pending.shape == (0, 3)
+    assert m == {"staleness_mean": 1.0, "staleness_max": 1.0}
+
+    mix = FedAsync(FedAsyncParams(alpha=0.5, staleness="hinge", a=2.0, b=1, concurrency=2), layout=layout)
+    mix.resolved(pop, None)  # type: ignore[arg-type]
+    t0 = mix.init_server(x0)
+    t1, _ = mix.server_update(t0, Aggregate({}, 2.0, 2, {"y": y}), ServerContext(0, (1, 3), pop, lambda t: t))
+    t2, m = mix.server_update(
+        t1,
+        Aggregate({}, 0, 0, {"y": []}),
+        ServerContext(3, (), pop, lambda t: t, arrivals=(Arrival(3, 0, 1.0, 3),)),
+    )
+    alpha_t = 0.5 / (2.0 * (3 - 1) + 1.0)  # hinge: 1 / (a(τ − b) + 1) past b
+    assert m["alpha_t"] == alpha_t and torch.allclose(t2.x, (1 - alpha_t) * x0 + alpha_t * y[1], atol=1e-15)
+    assert [staleness_weight("hinge", s, 2.0, 1) for s in (0, 1, 2)] == [1.0, 1.0, 1 / 3]
+    assert staleness_weight("constant", 9, 1, 1) == 1.0
+
+
+def test_fedbuff_with_a_full_buffer_and_equal_clients_is_fedavg(tmp_path: Path) -> None:
+    """K = concurrency = every client, no staleness weight, equal clocks: each step applies every
+    client's fresh update, x + (1/N) Σ (y_k − x) = (1/N) Σ y_k, FedAvg's uniform mean."""
+    extra = dict(clients_per_round=None, num_clients=4)
+    params = {"buffer_size": 4, "staleness": "constant"}
+    buff = run_experiment(config_from_dict(_cfg(algorithm="fedbuff", params=params, **extra)), tmp_path / "b")
+    avg = run_experiment(
+        config_from_dict(_cfg(algorithm="fedavg", params={"weighting": "uniform"}, **extra)), tmp_path / "a"
+    )
+    assert all(r["staleness"] == [0, 0, 0, 0] for r in buff.metrics)
+    torch.testing.assert_close(buff.server.x, avg.server.x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["fedbuff", "fedasync"])
+def test_every_applied_update_is_recorded_even_between_rows(tmp_path: Path, name: str) -> None:
+    params = {"buffer_size": 2} if name == "fedbuff" else {}
+    cfg = config_from_dict(
+        _cfg(algorithm=name, params=params, rounds=5, eval_every=2, system={"clock": LOGNORMAL})
+    )
+    rows = run_experiment(cfg, tmp_path / "r").metrics
+    plan = model_plan(build_federation(cfg, LocalComm()))
+    steps = async_schedule(plan, 5)
+    assert [s for r in rows for s in r["staleness"]] == [a.staleness for s in steps for a in s.arrivals]
+    assert [k for r in rows for k in r["applied"]] == [a.client for s in steps for a in s.arrivals]
+    assert [r["sim_time"] for r in rows] == [steps[1].time, steps[3].time, steps[4].time]
+    assert rows[-1]["client_updates"] == sum(len(s.arrivals) for s in steps)
+
+
+# -- bad input: one line before the first update --------------------------------------------------
+
+
+def _fails(tmp_path: Path, capsys, overrides: list[str], *fragments: str) -> None:
+    algorithm = next((o.split("=")[1] for o in overrides if o.startswith("algorithm=")), "fedbuff")
+    params = {"buffer_size": 2} if algorithm == "fedbuff" else {}
+    overrides = [o for o in overrides if not o.startswith("algorithm=")]
+    cfg = synthetic_config(tmp_path, algorithm=algorithm, clients_per_round=3, params=params)
+    code = main(["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", *overrides])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and "Traceback" not in err and lines[-1].startswith("hpcfl: error:"), err
+    for fragment in fragments:
+        assert fragment in lines[-1], (fragment, lines[-1])
+    assert (
+        not (tmp_path / "r" / "metrics.jsonl").exists() or not (tmp_path / "r" / "metrics.jsonl").read_text()
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (
+            ["system.clock.speed.kind=constant", "system.clock.speed.value=0"],
+            ("'system.clock.speed.value' must be positive",),
+        ),
+        (
+            ["system.clock.speed.kind=uniform", "system.clock.speed.low=-1", "system.clock.speed.high=5"],
+            ("'system.clock.speed.low' must be positive",),
+        ),
+        (["system.clock.speed.kind=gamma"], ("'system.clock.speed.kind' must be one of",)),
+        (
+            ["system.clock.speed.kind=constant", "system.clock.speed.value=5", "system.clock.delay.value=-1"],
+            ("'system.clock.delay.value' must be non-negative",),
+        ),
+        (["system.clock.delay.value=2"], ("no speed",)),
+        (["params.buffer_size=4"], ("buffer_size (4) is larger than the concurrency (3)",)),
+        (
+            ["params.buffer_size=3", "params.concurrency=2"],
+            ("'params.buffer_size' (3) is larger than params.concurrency (2)",),
+        ),
+        (["params.concurrency=9"], ("params.concurrency is 9 but the run has 4 clients",)),
+        (
+            ["params.staleness=exponential"],
+            ("'params.staleness' must be one of constant, polynomial, hinge",),
+        ),
+        (["params.a=-0.5"], ("'params.a' (the polynomial staleness exponent) must be > 0",)),
+        (["params.staleness=hinge", "params.b=-1"], ("'params.b'",)),
+        (["params.local=scaffold"], ("'params.local' must be fedavg or fedprox, got 'scaffold'",)),
+        (["system.work.kind=stragglers", "system.work.fraction=0.5", "local_epochs=2"], ("asynchronous",)),
+        (["algorithm=fedasync", "params.alpha=1.5"], ("'params.alpha' must be in (0, 1]",)),
+    ],
+)
+def test_bad_asynchronous_settings_fail_in_one_line(tmp_path: Path, capsys, overrides, fragments) -> None:
+    _fails(tmp_path, capsys, overrides, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("client,speed,delay\n7,10,0\n", "names client 7, but the run has clients 0..3"),
+        ("client,speed,delay\n1,0,0\n", "speed must be positive"),
+        ("client,speed\n1,3\n", "must start with the header line 'client,speed,delay'"),
+        ("client,speed,delay\n1,fast,0\n", "line 2: expected 'client,speed,delay'"),
+    ],
+)
+def test_a_bad_clock_trace_fails_in_one_line(tmp_path: Path, capsys, text: str, fragment: str) -> None:
+    trace = tmp_path / "clock.csv"
+    trace.write_text(text)
+    _fails(
+        tmp_path,
+        capsys,
+        ["system.clock.speed.kind=constant", "system.clock.speed.value=5", f"system.clock.trace={trace}"],
+        fragment,
+    )
+
+
+# -- hpcfl report: simulated time to target beside rounds and bytes -------------------------------
+
+
+def test_report_shows_simulated_time_and_updates_to_target(tmp_path: Path) -> None:
+    from hpcfl.report import Protocol, summarise, write_report
+    from hpcfl.report.targets import target_csv, target_rows
+
+    system = {"clock": LOGNORMAL}
+    sync = run_experiment(config_from_dict(_cfg(algorithm="fedavg", rounds=4, system=system)), tmp_path / "a")
+    buff = run_experiment(
+        config_from_dict(_cfg(algorithm="fedbuff", params={"buffer_size": 2}, rounds=6, system=system)),
+        tmp_path / "b",
+    )
+    runs = [summarise(tmp_path / "a"), summarise(tmp_path / "b")]
+    target = min(max(r["test_accuracy"] for r in run.metrics) for run in (sync, buff))
+    rows = target_rows(runs, target)
+    for t, run in zip(rows, (sync, buff), strict=True):
+        hit = next(r for r in run.metrics if r["test_accuracy"] >= target)
+        assert t.rounds == hit["round"] and t.sim_time == hit["sim_time"]
+        assert t.updates == hit["client_updates"]
+    assert "sim_time_to_target,updates_to_target" in target_csv(rows, target).splitlines()[0]
+    write_report(
+        [tmp_path / "a", tmp_path / "b"], tmp_path / "rep", target=target, protocol=Protocol(window=1)
+    )
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert (
+        f"sim. s to {100 * target:g}%" in text and f"| {rows[1].sim_time:,.1f} | {rows[1].updates} |" in text
+    )
