@@ -5,13 +5,14 @@
 #   slurmctld slurmd slurm-client munge   the cluster (Debian 12: Slurm 22.05)
 #   slurmdbd mariadb-server-core          accounting, so sacct and submitit see real job states
 #   mariadb-client-core                   my_print_defaults, which mariadb-install-db calls
+#   iptables                              packet loss on the emulated nodes' links (tests -m multinode)
 #
 # Idempotent: a fast no-op when everything is installed. Exit 0 on success, 1 when the packages
 # cannot be installed (not root, no apt-get, no network); the fixture then skips the SLURM tests.
 # Measured on the 2-core dev machine: ~25 s for a fresh install of all of them.
 set -euo pipefail
 
-PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server-core mariadb-client-core)
+PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server-core mariadb-client-core iptables)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

@@ -83,7 +83,7 @@ TERMINAL_STATES = frozenset(
     }
 )
 
-_CORE_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol")
+_CORE_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol", "iptables")
 _ACCOUNTING_BINARIES = ("slurmdbd", "sacct", "mariadbd", "mariadb-install-db", "my_print_defaults")
 
 
