@@ -34,7 +34,8 @@ set ``adaptive: false`` for a fixed α.
 
 Judged per client (:attr:`personalised`): client k's model is α_k v_k + (1 − α_k) w with w the
 current global model (a client never trained: α₀ w⁰ + (1 − α₀) w, from its initial state). One
-local loop over two models and α: trained one by one under ``client_batch``.
+local loop over two models and α, over the trainer's steps (:meth:`Trainer.steps`: both gradients
+of a step from one read of its mini-batch): trained one by one under ``client_batch``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from hpcfl.algorithms.base import (
     read_phases,
 )
 from hpcfl.errors import ConfigError
-from hpcfl.training.sgd import Tallies, batch_indices, on_device, sgd_step
+from hpcfl.training.sgd import sgd_step
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,7 @@ class APFL(Algorithm[APFLParams, ServerState, APFLClientState]):
     ) -> tuple[Upload, APFLClientState]:
         trainer = ctx.trainer
         assert trainer is not None
-        flat, sched, loss_fn, P = trainer.flat, trainer.schedule, trainer.loss_fn, self.num_params
-        model = flat.model
-        model.train()
+        sched, P = trainer.schedule, self.num_params
         fresh = self.init_client(data.k, server)
         w = server.x.clone()
         v = (client.v if client.v is not None else fresh.v).clone()  # type: ignore[union-attr]
@@ -127,30 +126,15 @@ class APFL(Algorithm[APFLParams, ServerState, APFLClientState]):
         alpha_lr = self.params.alpha_lr if self.params.alpha_lr is not None else sched.lr
         buf_w: torch.Tensor | None = None
         buf_v: torch.Tensor | None = None
-        loss_sum = w.new_zeros((), dtype=torch.float64)
-        finite_steps = w.new_zeros((), dtype=torch.int64)  # steps before the first non-finite loss
-        alive = w.new_ones((), dtype=torch.bool)
-        batches = on_device(batch_indices(data.n, sched, ctx.generator), data.x.device)
-        for idx in batches:
-            xb, yb = data.x[idx], data.y[idx]
+        steps = trainer.steps(data, ctx.generator)  # the trainer's mini-batches and gradients
+        for batch in steps:
             a = alpha.to(w.dtype)
             mixed = a * v + (1 - a) * w  # v̄ of the previous iterate
-            # ∇f(w; ξ), and w's step (its buffers: what its forward pass left)
-            flat.load(w)
-            flat.grad.zero_()
-            loss = loss_fn(model, xb, yb)
-            loss.backward()
-            alive &= torch.isfinite(loss.detach())
-            finite_steps += alive
-            loss_sum += loss.detach().to(torch.float64)
-            w_next = flat.vector.clone()
-            buf_w = sgd_step(w_next[:P], flat.grad, sched, None, buf_w)
-            # ∇f(v̄; ξ): v's step along α·∇f(v̄), α's along ⟨v − w, ∇f(v̄)⟩
-            flat.load(mixed)
-            flat.grad.zero_()
-            loss_fn(model, xb, yb).backward()
-            g = flat.grad
-            v_next = flat.vector.clone()  # the mixture's statistics
+            # from the same mini-batch ξ: ∇f(w; ξ) (its loss tallied) and ∇f(v̄; ξ), each with the
+            # buffers its forward pass left (w keeps its own, v the mixture's)
+            (g_w, w_next), (g, v_next) = steps.gradients(batch, (w, mixed))
+            buf_w = sgd_step(w_next[:P], g_w, sched, None, buf_w)
+            # v's step along α·∇f(v̄), α's along ⟨v − w, ∇f(v̄)⟩
             v_next[:P] = v[:P]
             if self.params.adaptive:
                 step = torch.dot((v[:P] - w[:P]).to(torch.float64), g.to(torch.float64))
@@ -158,7 +142,7 @@ class APFL(Algorithm[APFLParams, ServerState, APFLClientState]):
             buf_v = sgd_step(v_next[:P], a * g, sched, None, buf_v)
             w, v = w_next, v_next
         finite = torch.isfinite(w).all() & torch.isfinite(v).all() & torch.isfinite(alpha).all()
-        result = read_phases(data, Tallies(loss_sum, finite_steps, finite, len(batches)))  # the one read
+        result = read_phases(data, steps.tallies(finite))  # the one read
         return model_upload(w, data, result, weighting=self.params.weighting), APFLClientState(
             v=v, alpha=alpha
         )

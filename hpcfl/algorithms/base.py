@@ -42,10 +42,12 @@ from hpcfl.training.sgd import (
     Correction,
     LocalResult,
     LocalSchedule,
+    LocalSteps,
     LossFn,
     Tallies,
     cross_entropy_loss,
-    local_sgd_tallies,
+    descend,
+    read_many,
     read_result,
 )
 
@@ -190,7 +192,14 @@ class Aggregate:
 
 
 class Trainer:
-    """Runs a client's local SGD on the shared working model: load x0, train, read the result."""
+    """Runs a client's local training on the shared working model: load x0, train, read the result.
+
+    Every way in reads the client's data through ONE primitive, :meth:`steps` (the round's
+    mini-batches and each one's gradient): :meth:`train`, :meth:`train_tallies`, :meth:`run`, the
+    batched :meth:`run_many`, and an algorithm's own local loop (APFL) only call it. A variant of
+    local training overrides :meth:`steps` alone (DP-SGD: :class:`hpcfl.privacy.sgd.DPTrainer`), so
+    no entry point, present or future, can train around it.
+    """
 
     def __init__(
         self, flat: FlatModel, schedule: LocalSchedule, loss_fn: LossFn = cross_entropy_loss
@@ -198,6 +207,21 @@ class Trainer:
         self.flat = flat
         self.schedule = schedule
         self.loss_fn = loss_fn  # the task's loss; algorithms may wrap it (MOON, FedCKA)
+
+    def steps(
+        self,
+        data: ClientData,
+        generator: torch.Generator,
+        *,
+        schedule: LocalSchedule | None = None,
+        loss_fn: LossFn | None = None,
+    ) -> LocalSteps:
+        """THE primitive: client ``data``'s local steps of one round under ``schedule`` (default: the
+        run's), their mini-batches drawn from ``generator`` now and each one's gradient of
+        ``loss_fn`` (default: the task's) computed as it is iterated (:class:`LocalSteps`)."""
+        return LocalSteps(
+            self.flat, data.x, data.y, schedule or self.schedule, generator, loss_fn or self.loss_fn
+        )
 
     def train(
         self,
@@ -231,15 +255,11 @@ class Trainer:
         """:meth:`train` without reading anything from the device: the new state and the run's
         tallies, for a client that trains twice per round and reads once (:func:`read_phases`)."""
         self.flat.load(x0)
-        tallies = local_sgd_tallies(
-            self.flat,
-            data.x,
-            data.y,
-            schedule or self.schedule,
-            generator,
-            loss_fn=loss_fn or self.loss_fn,
-            correction=correction,
-        )
+        return self._descended(self.steps(data, generator, schedule=schedule, loss_fn=loss_fn), correction)
+
+    def _descended(self, steps: LocalSteps, correction: Correction | None) -> tuple[torch.Tensor, Tallies]:
+        """Local SGD from the loaded state along ``steps``: the new state (a fresh tensor), tallies."""
+        tallies = descend(self.flat, steps, correction)
         return self.flat.vector.clone(), tallies
 
     def with_schedule(self, schedule: LocalSchedule) -> Trainer:
@@ -260,23 +280,35 @@ class Trainer:
         )
 
     def can_batch(self, tasks: Sequence[LocalTask]) -> bool:
-        """Whether :meth:`run_many` trains ``tasks`` in one vectorised run: they share one schedule
-        and none brings its own loss (a loss over extra per-client models does not vectorise)."""
+        """Whether :meth:`run_many` takes ``tasks`` together: they share one schedule and none brings
+        its own loss (a loss over extra per-client models does not vectorise)."""
         return bool(tasks) and all(t.loss_fn is None and t.schedule == tasks[0].schedule for t in tasks)
 
     def run_many(
         self, tasks: Sequence[LocalTask], data: Sequence[ClientData], generators: Sequence[torch.Generator]
     ) -> list[tuple[torch.Tensor, LocalResult]]:
-        """Several declared tasks trained together as one vectorised step per local step, each
-        equal to :meth:`run` up to float32 rounding. A client whose loss became NaN/inf comes back
-        with ``result.finite`` False (no exception: the others' results stand)."""
+        """Several declared tasks, each equal to :meth:`run` up to float32 rounding. A client whose
+        loss became NaN/inf comes back with ``result.finite`` False (no exception: the others' results
+        stand). Every client's steps come from :meth:`steps`; plain local SGD's (exactly
+        :class:`LocalSteps`) have a vectorised form, one vectorised step per local step
+        (:func:`batched_local_sgd`); any other (DP-SGD's) trains each task through its own steps."""
         assert self.can_batch(tasks)
-        jobs = [
-            ClientJob(t.x0, d.x, d.y, g, t.correction)
-            for t, d, g in zip(tasks, data, generators, strict=True)
-        ]
-        W, results = batched_local_sgd(self.flat, jobs, tasks[0].schedule or self.schedule, self.loss_fn)
-        return [(W[i].clone(), r) for i, r in enumerate(results)]
+        schedule = tasks[0].schedule or self.schedule
+        sources = [self.steps(d, g, schedule=schedule) for d, g in zip(data, generators, strict=True)]
+        if all(type(s) is LocalSteps for s in sources):  # exactly: a subclass's steps are its own
+            jobs = [
+                ClientJob(t.x0, d.x, d.y, g, t.correction)
+                for t, d, g in zip(tasks, data, generators, strict=True)
+            ]
+            W, results = batched_local_sgd(
+                self.flat, jobs, schedule, self.loss_fn, batches=[s.drawn for s in sources]
+            )
+            return [(W[i].clone(), r) for i, r in enumerate(results)]
+        trained = []
+        for t, s in zip(tasks, sources, strict=True):
+            self.flat.load(t.x0)
+            trained.append(self._descended(s, t.correction))
+        return [(y, r) for (y, _), r in zip(trained, read_many([t for _, t in trained]), strict=True)]
 
 
 def read_phases(data: ClientData, reported: Tallies, *others: Tallies) -> LocalResult:
@@ -289,7 +321,9 @@ def read_phases(data: ClientData, reported: Tallies, *others: Tallies) -> LocalR
             state_finite & t.state_finite,
             steps + t.steps,
         )
-    mean_over = reported.steps if others else None
+    mean_over = reported.mean_over
+    if mean_over is None and others:
+        mean_over = reported.steps
     result = read_result(reported.loss_sum, finite_steps, state_finite, steps, mean_over=mean_over)
     if not result.finite:
         raise NonFiniteLoss(f"client {data.k}: non-finite loss after {result.steps} local steps")
@@ -428,9 +462,13 @@ class Algorithm(ABC, Generic[P, S, C]):
     #: model NaN/inf (a server step's rate, FedDyn's α): a divergence message names them
     divergence_params: ClassVar[tuple[str, ...]] = ()
     #: the differential-privacy levels (``privacy.level``: ``client``, ``sample``) this algorithm
-    #: supports: client level (DP-FedAvg) clips and noises the one model upload ``x`` and needs a
-    #: server step that reads only its mean; sample level (DP-SGD) needs that local training is the
-    #: run's trainer alone. Empty (the default): no DP; ``privacy.level`` other than none is refused
+    #: supports: client level (DP-FedAvg) clips and noises the upload, which must be the whole model
+    #: ``x`` alone (else refused before the first round), and needs a server step that reads only
+    #: its mean; sample level (DP-SGD) needs that every read of a client's training data is through
+    #: ``ctx.trainer`` (any of its methods, or a loop over its :meth:`Trainer.steps`): each is then
+    #: DP-SGD and every step accounted. Either way it may train through a declared task, trainer
+    #: calls inside :meth:`local_task` or its own :meth:`client_update`. Empty (the default): no DP;
+    #: ``privacy.level`` other than none is refused
     dp_levels: ClassVar[tuple[str, ...]] = ()
     #: why the levels not in :attr:`dp_levels` are refused: one clause, read in the refusal
     #: "privacy.level=L does not support algorithm 'A': <dp_refusal>"

@@ -11,7 +11,7 @@ from hpcfl.algorithms.base import Algorithm, Trainer
 from hpcfl.algorithms.participation import Population
 from hpcfl.errors import ConfigError
 from hpcfl.privacy import accountant
-from hpcfl.privacy.private import Mechanism, Private
+from hpcfl.privacy.private import Mechanism, Private, check_privatisable
 from hpcfl.privacy.section import PrivacySection
 from hpcfl.privacy.sgd import DPTrainer
 
@@ -36,6 +36,7 @@ def make_private(
     if importlib.util.find_spec("opacus") is None:
         raise ConfigError("privacy: accounting uses Opacus's accountants: pip install 'hpcfl[privacy]'")
     check_model(model, p.level)
+    check_privatisable(inner, p.level)  # before σ is calibrated (a search at sample level)
     K = population.size
     rate = 1.0
     if p.level == "client":
@@ -75,7 +76,9 @@ def make_private(
         count_stddev=count_stddev,
     )
     if p.level == "sample":
-        trainer = DPTrainer(trainer.flat, trainer.schedule, clip=p.clip, noise_multiplier=mech.sigma)
+        trainer = DPTrainer(
+            trainer.flat, trainer.schedule, clip=p.clip, noise_multiplier=mech.sigma, loss_fn=trainer.loss_fn
+        )
     return Private(inner, mech, population, trainer.schedule), trainer
 
 

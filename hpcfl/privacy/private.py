@@ -1,7 +1,8 @@
 """A private version of a model-averaging algorithm: clipping, noise and accounting around its steps.
 
-:class:`Private` wraps FedAvg, FedProx, FedAdam or a FedAvgM-style algorithm (its local task and its
-server step are kept) and adds, at the level the config names:
+:class:`Private` wraps an algorithm that declares the level (``Algorithm.dp_levels``: FedAvg, FedProx,
+FedAdam, FedAvgM, or a plugin; its local work, however it trains, and its server step are kept) and
+adds, at the level the config names:
 
 - ``client`` (DP-FedAvg, McMahan et al. 2018, Algorithm 1 with the fixed denominator qK): every
   participant's update Δ_k = y_k − x is clipped to norm S BEFORE it enters the round buffer, and
@@ -16,9 +17,18 @@ server step are kept) and adds, at the level the config names:
   b_k = 1[‖Δ_k‖ ≤ S]; the server noises the count with σ_b, b̄ = (Σb_k + N(0, σ_b²))/qK, and
   S ← S·exp(−η_C(b̄ − γ)). The two releases share the budget: the update's noise multiplier is
   z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) (the paper's Theorem 1), so the accountant sees z for the pair.
-- ``sample`` (DP-SGD, Abadi et al. 2016): the local training is :func:`hpcfl.privacy.sgd.dp_local_sgd`
-  (the runner's trainer is a :class:`hpcfl.privacy.sgd.DPTrainer`); this wrapper only accounts: client
-  k's records are protected by its own run of steps with q_k = B/n_k, and ε is the worst over clients.
+- ``sample`` (DP-SGD, Abadi et al. 2016): the runner's trainer is a :class:`hpcfl.privacy.sgd.DPTrainer`,
+  whose one primitive (``Trainer.steps``) every way of training goes through, so a declared task, a
+  trainer call inside ``local_task`` and an algorithm's own ``client_update`` are all DP-SGD. This
+  wrapper accounts: each participant trains through a recording copy of the trainer and uploads the
+  DP-SGD steps it actually took (one unweighted count per client, in the round's sum), so client
+  k's records are accounted for every step of every phase, with q_k = B/n_k; ε is the worst over
+  clients. The participants train one by one (through ``client_update``, which records).
+
+Every way an algorithm can train is forwarded (``local_task``, ``client_update``, and the personal
+models of a personalised one); what the wrapper cannot make private is refused in one line when it
+is built, before the first round (:func:`refusal`): at client level an upload with anything beside
+the model x (the clip bounds x alone), at either level a stage whose algorithm a stage hook builds.
 
 The accountant's state (steps per privacy unit, and the same split by the noise multiplier they were
 taken at), the current clip and the budget flag are fields of the server state, so they are
@@ -54,11 +64,15 @@ from hpcfl.algorithms.base import (
     Upload,
 )
 from hpcfl.algorithms.participation import Population
+from hpcfl.errors import ConfigError
 from hpcfl.privacy import accountant
 from hpcfl.privacy.section import AdaptiveClipSection
+from hpcfl.privacy.sgd import DPTrainer
 from hpcfl.training.sgd import LocalSchedule
 
-DP_FIELDS = ("dp_clip", "dp_steps", "dp_exhausted", "dp_history")
+DP_FIELDS = ("dp_clip", "dp_steps", "dp_exhausted", "dp_history", "dp_peak")
+#: the sum each participant adds its DP-SGD steps to, at its client's index (sample level)
+STEPS_TAKEN = "dp_steps_taken"
 EXHAUSTED_BUDGET, EXHAUSTED_TARGET = 1.0, 2.0  # dp_exhausted: which limit the next round would cross
 
 
@@ -92,13 +106,14 @@ class Mechanism:
 def private_state(cls: type[ServerState]) -> type[ServerState]:
     """``cls`` with the privacy fields: the clip S (float64, (1,)), the accounted steps per privacy
     unit (float64; (1,) at client level, (K,) at sample level), the budget flag (1.0 when the next
-    round would exceed ``epsilon_budget``, 2.0 the calibrated target ε) and the history (float64,
-    (segments, 1 + units): σ, then the steps each unit took at that σ)."""
+    round would exceed ``epsilon_budget``, 2.0 the calibrated target ε), the history (float64,
+    (segments, 1 + units): σ, then the steps each unit took at that σ) and the most steps each unit
+    took in one round (float64, (units,): what the budget check expects of the next round)."""
     return dataclasses.make_dataclass(
         f"Private{cls.__name__}",
         [(name, "torch.Tensor | None", dataclasses.field(default=None)) for name in DP_FIELDS],
         bases=(cls,),
-        namespace={"server_only": (*cls.server_only, "dp_steps", "dp_exhausted", "dp_history")},
+        namespace={"server_only": (*cls.server_only, "dp_steps", "dp_exhausted", "dp_history", "dp_peak")},
     )
 
 
@@ -121,16 +136,57 @@ def adaptive_clip_step(clip: float, below_fraction: float, p: AdaptiveClipSectio
     return clip * math.exp(-p.lr * (below_fraction - p.target_quantile))
 
 
+def check_privatisable(inner: Algorithm, level: str) -> None:
+    """Refuse, in one line naming the algorithm and the reason, what the wrapper cannot make private
+    (:func:`refusal`)."""
+    why = refusal(inner, level)
+    if why is not None:
+        raise ConfigError(f"privacy.level={level} cannot make algorithm {inner.name!r} private: {why}")
+
+
+def refusal(inner: Algorithm, level: str) -> str | None:
+    """Why the privacy wrapper cannot make ``inner`` private at ``level`` (one clause), or None.
+
+    At either level a stage whose algorithm a stage hook builds (``Stage.enter``) would run outside
+    the wrapper. At client level the clip bounds the model x alone, so the upload must be exactly the
+    whole model: no other sum, nothing gathered. (At sample level the upload is computed from
+    DP-SGD models and needs no bound.)"""
+    for stage in inner.stages():
+        if stage.enter is not None:
+            return f"its stage {stage.name!r} runs an algorithm of its own (Stage.enter), outside the privacy wrapper"
+    if level != "client":
+        return None
+    ex = inner.exchange(torch.float32)
+    others = [spec.name for spec in ex.sums if spec.name != "x"]
+    if others:
+        names = ", ".join(repr(n) for n in others)
+        return f"its upload holds {names} beside the model x, which the client-level clip does not bound"
+    if ex.gathers:
+        names = ", ".join(repr(n) for n in ex.gathers)
+        return f"it gathers {names} beside the model x, which the client-level clip does not bound"
+    length = next((spec.length for spec in ex.sums if spec.name == "x"), 0)
+    if length != inner.state_size:
+        return (
+            f"its upload is {length} of the model's {inner.state_size} entries, not the whole model x "
+            "the client-level clip bounds"
+        )
+    return None
+
+
 class Private(Algorithm[Any, ServerState, ClientState]):
     """``inner`` made differentially private at ``mechanism.level`` (module docstring)."""
 
     def __init__(
         self, inner: Algorithm, mechanism: Mechanism, population: Population, schedule: LocalSchedule
     ) -> None:
+        check_privatisable(inner, mechanism.level)
         super().__init__(inner.params, layout=inner.layout, participation=inner.participation)
         self.name = inner.name  # type: ignore[misc]
         self.unbatched_reason = inner.unbatched_reason  # type: ignore[misc]
+        if mechanism.level == "sample":
+            self.unbatched_reason = "DP-SGD trains each participant alone, recording its steps"  # type: ignore[misc]
         self.divergence_params = inner.divergence_params  # type: ignore[misc]
+        self.personalised = inner.personalised  # type: ignore[misc]
         self.inner = inner
         self.mech = mechanism
         self.population = population
@@ -139,8 +195,13 @@ class Private(Algorithm[Any, ServerState, ClientState]):
 
     # -- declaration ---------------------------------------------------------------------------
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        """Sample level: the inner exchange and each participant's DP-SGD steps (float32: small
+        integers are exact in it, and it never takes per-participant slots, :func:`ordered_sums`).
+        Client level: the clipped update and the clipped-below bit, unweighted."""
         if self.mech.level == "sample":
-            return self.inner.exchange(dtype)
+            ex = self.inner.exchange(dtype)
+            taken = SumSpec(STEPS_TAKEN, self.units, torch.float32, weighted=False)
+            return dataclasses.replace(ex, sums=(*ex.sums, taken))
         return Exchange(
             sums=(
                 SumSpec("x", self.state_size, dtype, weighted=False),
@@ -189,7 +250,9 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         return empty if steps is None or not float(steps.sum()) > 0 else self.extend(empty, steps)
 
     def round_steps(self, who: Sequence[int]) -> torch.Tensor:
-        """Steps one round adds to each unit: 1 (client level), or each participant's local steps."""
+        """Steps one round is expected to add to each unit: 1 (client level), or each participant's
+        local steps under the run's schedule (sample level; what the participants actually took is
+        what is accounted: :meth:`server_update`)."""
         add = torch.zeros(self.units, dtype=torch.float64)  # host: accountant bookkeeping
         if self.mech.level == "client":
             add[0] = 1.0
@@ -209,17 +272,21 @@ class Private(Algorithm[Any, ServerState, ClientState]):
             (accountant.history_epsilon(u, self.mech.delta, self.mech.kind) for u in units if u), default=0.0
         )
 
-    def _exhausted(self, history: torch.Tensor) -> torch.Tensor:
-        """EXHAUSTED_BUDGET/TARGET when one more round (every client taking part, the worst case) would
-        exceed ``epsilon_budget`` / the target ε σ was calibrated for (within the calibration's
-        tolerance), else 0."""
+    def _exhausted(self, history: torch.Tensor, peak: torch.Tensor | None = None) -> torch.Tensor:
+        """EXHAUSTED_BUDGET/TARGET when one more round (every client taking part, each with the most
+        steps it took in one round or the run's schedule's, the worst case) would exceed
+        ``epsilon_budget`` / the target ε σ was calibrated for (within the calibration's tolerance),
+        else 0."""
         flag = 0.0
         limits = [(self.mech.budget, EXHAUSTED_BUDGET)]
         if self.mech.target is not None:
             limits.append((self.mech.target + accountant.CALIBRATION_TOLERANCE, EXHAUSTED_TARGET))
         limits = [(limit, code) for limit, code in limits if limit is not None]
         if limits:
-            eps = self.epsilon(self.extend(history, self.round_steps(range(self.population.size))))
+            expected = self.round_steps(range(self.population.size))
+            if peak is not None:  # a unit that took more in one round (a second local phase)
+                expected = torch.maximum(expected, peak)
+            eps = self.epsilon(self.extend(history, expected))
             flag = next((code for limit, code in sorted(limits) if eps > limit), 0.0)
         return torch.tensor([flag], dtype=torch.float64)  # host: accountant bookkeeping
 
@@ -240,6 +307,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
             dp_steps=steps,
             dp_exhausted=self._exhausted(history),
             dp_history=history,
+            dp_peak=steps.clone(),
         )
 
     def init_client(self, k: int, server: ServerState) -> ClientState:
@@ -249,20 +317,52 @@ class Private(Algorithm[Any, ServerState, ClientState]):
     def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
     ) -> LocalTask[ClientState] | None:
+        """Client level: the inner task, its upload clipped (:meth:`clipped`). Sample level: none,
+        every participant trains through :meth:`client_update`, which records its steps."""
+        if self.mech.level == "sample":
+            return None
         task = self.inner.local_task(server, client, data, ctx)
-        if task is None or self.mech.level == "sample":
-            return task
-        clip = float(server.dp_clip[0])  # type: ignore[attr-defined]
-        x = server.x
+        if task is None:
+            return None
         inner_finish = task.finish
 
         def finish(y: torch.Tensor, result: Any) -> tuple[Upload, ClientState]:
             upload, state = inner_finish(y, result)
-            delta, below = clip_update(upload.sums["x"] - x, clip)
-            b = torch.tensor([float(below)], dtype=x.dtype, device=x.device)
-            return Upload(sums={"x": delta, "dp_below": b}, weight=1.0, metrics=upload.metrics), state
+            return self.clipped(server, upload), state
 
         return dataclasses.replace(task, finish=finish)
+
+    def client_update(
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
+    ) -> tuple[Upload, ClientState]:
+        """The inner ``client_update`` (its declared task or its own), private at the run's level:
+        client level, the upload clipped; sample level, through a recording copy of the DP trainer,
+        the steps it took added to the upload at the client's index (accounted by the server step)."""
+        if self.mech.level == "client":
+            upload, state = self.inner.client_update(server, client, data, ctx)
+            return self.clipped(server, upload), state
+        assert isinstance(ctx.trainer, DPTrainer), "sample-level DP trains through a DPTrainer"
+        recording = ctx.trainer.recording()
+        upload, state = self.inner.client_update(
+            server, client, data, dataclasses.replace(ctx, trainer=recording)
+        )
+        assert recording.ledger is not None
+        taken = torch.zeros(self.units, dtype=torch.float32, device=server.x.device)
+        taken[data.k] = float(recording.ledger.steps)
+        return dataclasses.replace(upload, sums={**upload.sums, STEPS_TAKEN: taken}), state
+
+    def clipped(self, server: ServerState, upload: Upload) -> Upload:
+        """Client level: the update Δ = x_k − x clipped to S, unweighted, with the bit ‖Δ‖ ≤ S."""
+        clip = float(server.dp_clip[0])  # type: ignore[attr-defined]
+        x = server.x
+        delta, below = clip_update(upload.sums["x"] - x, clip)
+        b = torch.tensor([float(below)], dtype=x.dtype, device=x.device)
+        return Upload(sums={"x": delta, "dp_below": b}, weight=1.0, metrics=upload.metrics)
+
+    def personal_model(
+        self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
+    ) -> torch.Tensor:
+        return self.inner.personal_model(server, client, data, ctx)
 
     def server_update(
         self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
@@ -284,16 +384,23 @@ class Private(Algorithm[Any, ServerState, ClientState]):
                 # host: the clip, read as a float
                 clip = torch.tensor([adaptive_clip_step(S, below, mech.adaptive)], dtype=torch.float64)
             aggregate = Aggregate(sums={"x": server.x + total / expected}, weight=1.0, count=aggregate.count)
+            add = self.round_steps(ctx.participants)
+        else:  # the steps each participant took, every phase (host: accountant bookkeeping)
+            add = aggregate.sums[STEPS_TAKEN].to(device="cpu", dtype=torch.float64)
+            inner_sums = {name: v for name, v in aggregate.sums.items() if name != STEPS_TAKEN}
+            aggregate = dataclasses.replace(aggregate, sums=inner_sums)
         inner_state, metrics = self.inner.server_update(server, aggregate, ctx)
-        add = self.round_steps(ctx.participants)
         steps = server.dp_steps + add  # type: ignore[attr-defined]
         history = self.extend(self.history_of(server), add)
+        peak = getattr(server, "dp_peak", None)  # None: a checkpoint written before it was kept
+        peak = add if peak is None else torch.maximum(peak, add)
         new = self._wrap(
             inner_state,
             dp_clip=clip,
             dp_steps=steps,
-            dp_exhausted=self._exhausted(history),
+            dp_exhausted=self._exhausted(history, peak),
             dp_history=history,
+            dp_peak=peak,
         )
         row = dict(metrics)
         row.update(epsilon=self.epsilon(history), dp_noise_multiplier=mech.sigma, dp_clip=S)

@@ -17,14 +17,17 @@ layer) where the model allows, else from ``vmap`` per-sample gradients, chunk by
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from hpcfl.algorithms.base import ClientData, LocalTask, NonFiniteLoss, Trainer
+from hpcfl.algorithms.base import ClientData, Trainer
 from hpcfl.entk.reference import VMAP_BUDGET_ELEMS
+from hpcfl.errors import ConfigError
 from hpcfl.privacy import ghost
 from hpcfl.training.batched import _Loss
 from hpcfl.training.flat import FlatModel
@@ -32,11 +35,12 @@ from hpcfl.training.sgd import (
     Correction,
     LocalResult,
     LocalSchedule,
+    LocalSteps,
     LossFn,
+    Tallies,
     cross_entropy_loss,
-    on_device,
+    descend,
     read_result,
-    sgd_step,
 )
 
 OPACUS_EPS = 1e-6  # the constant Opacus adds to per-sample norms in its clip factor
@@ -65,35 +69,69 @@ def vmap_clipped_grad_sum(
     model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, clip: float, out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`clipped_grad_sum` through ``vmap(grad_and_value(...))``, chunk by chunk (any model)."""
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    return joint_clipped_grad_sums(model, loss_fn, [params], x, y, clip, [out])
+
+
+def joint_clipped_grad_sums(
+    model: nn.Module,
+    loss_fn: LossFn,
+    params: Sequence[dict[str, torch.Tensor]],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip: float,
+    outs: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's gradients at every parameter set of ``params`` (trainable parameters by name)
+    clipped TOGETHER: g_i = (g_i¹, ..., g_iᵐ) scaled by min(1, C/(‖g_i‖ + 1e-6)), ‖g_i‖ the norm of
+    the whole tuple, and summed over the batch into ``outs`` (each (P,), the flat layout); returns
+    (per-sample losses at the first set (B,), per-sample joint norms (B,)). One sample then moves
+    the m sums by at most C together, so a step that differentiates m models on one mini-batch is
+    ONE release of sensitivity C (APFL's global and mixed models); m = 1 is DP-SGD's clipped sum.
+    ``vmap(grad_and_value(...))`` over ``functional_call``, chunk by chunk."""
     wrapped = _Loss(model, loss_fn)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = {f"model.{n}": p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    names = list(params[0])
     buffers = {f"model.{n}": b for n, b in model.named_buffers()}
 
     def one(prm: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
         return functional_call(wrapped, {**prm, **buffers}, (xi[None], yi[None]))
 
     per_sample = vmap(grad_and_value(one), in_dims=(None, 0, 0))
-    out.zero_()
-    P = out.numel()
+    prefixed = [{f"model.{n}": p for n, p in prm.items()} for prm in params]
+    for out in outs:
+        out.zero_()
+    P = outs[0].numel() * len(outs)
     chunk = max(1, VMAP_BUDGET_ELEMS // max(P, 1))
     losses, norms = [], []
     for s in range(0, x.shape[0], chunk):
-        grads, loss = per_sample(params, x[s : s + chunk], y[s : s + chunk])  # {name: (b, *shape)}, (b,)
-        sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values())  # (b,)
+        # per set: ({name: (b, *shape)}, (b,))
+        taken = [per_sample(prm, x[s : s + chunk], y[s : s + chunk]) for prm in prefixed]
+        sq = sum(g.flatten(1).pow(2).sum(1) for grads, _ in taken for g in grads.values())  # (b,)
         norm = sq.sqrt()
         factor = (clip / (norm + OPACUS_EPS)).clamp(max=1.0)  # (b,)
-        offset = 0
-        for n in names:
-            g = grads[f"model.{n}"]
-            size = g[0].numel()
-            out[offset : offset + size] += torch.einsum("b,bp->p", factor, g.flatten(1))
-            offset += size
-        losses.append(loss.detach())
+        for (grads, _), out in zip(taken, outs, strict=True):
+            offset = 0
+            for n in names:
+                g = grads[f"model.{n}"]
+                size = g[0].numel()
+                out[offset : offset + size] += torch.einsum("b,bp->p", factor, g.flatten(1))
+                offset += size
+        losses.append(taken[0][1].detach())
         norms.append(norm.detach())
     if not losses:
-        return out.new_zeros(0), out.new_zeros(0)
+        return outs[0].new_zeros(0), outs[0].new_zeros(0)
     return torch.cat(losses), torch.cat(norms)
+
+
+def parameters_of(flat: FlatModel, state: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The trainable parameters of ``flat.model`` as views of the state vector ``state`` (by name,
+    in the flat layout's order)."""
+    out, offset = {}, 0
+    for n, p in flat.model.named_parameters():
+        if p.requires_grad:
+            out[n] = state[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+    return out
 
 
 def poisson_batches(n: int, schedule: LocalSchedule, generator: torch.Generator) -> list[torch.Tensor]:
@@ -122,6 +160,76 @@ def noise_source(generator: torch.Generator, like: torch.Tensor) -> torch.Genera
     return torch.Generator(device=like.device).manual_seed(seed)
 
 
+class DPSteps(LocalSteps):
+    """A client's local steps under DP-SGD (module docstring): POISSON batches, and each step's
+    gradient the clipped per-sample sum plus N(0, (σC)²·I), over the expected batch size qn.
+
+    As :class:`~hpcfl.training.sgd.LocalSteps`, nothing is read back from the device until the
+    tallies are read (once); the loss is averaged over the samples the batches held."""
+
+    def __init__(
+        self,
+        flat: FlatModel,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        schedule: LocalSchedule,
+        generator: torch.Generator,
+        loss_fn: LossFn = cross_entropy_loss,
+        *,
+        clip: float,
+        noise_multiplier: float,
+    ) -> None:
+        super().__init__(flat, x, y, schedule, generator, loss_fn)
+        n = x.shape[0]
+        self.clip, self.noise_multiplier = clip, noise_multiplier
+        self.expected = min(1.0, schedule.batch_size / n) * n  # qn: the fixed denominator
+        self.seen = sum(int(b.numel()) for b in self.drawn)
+        self.noise = noise_source(generator, flat.grad)
+        self._total: torch.Tensor | None = None
+
+    def _draw(self, n: int, generator: torch.Generator) -> list[torch.Tensor]:
+        """:func:`poisson_batches`."""
+        return poisson_batches(n, self.schedule, generator)
+
+    def _tally(self, losses: torch.Tensor) -> None:
+        loss_sum, finite_steps, alive = self._started()
+        alive &= torch.isfinite(losses).all()
+        finite_steps += alive
+        loss_sum += losses.double().sum()
+
+    def _noised(self, total: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(total.shape, generator=self.noise, dtype=total.dtype, device=total.device)
+        return (total + noise * (self.noise_multiplier * self.clip)) / self.expected
+
+    def gradient(self, batch: torch.Tensor) -> torch.Tensor:
+        """The privatised gradient of ``batch`` at the model's current state (a fresh tensor)."""
+        if self._total is None:
+            self._total = torch.empty_like(self.flat.grad)
+        x, y = self.x[batch], self.y[batch]
+        losses, _ = clipped_grad_sum(self.flat.model, self.loss_fn, x, y, self.clip, self._total)
+        self._tally(losses)
+        return self._noised(self._total)
+
+    def gradients(
+        self, batch: torch.Tensor, states: Sequence[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The privatised gradients at each of ``states`` from one read of ``batch``: each sample's
+        gradients clipped together (:func:`joint_clipped_grad_sums`), each sum noised; the states are
+        returned as they are (DP refuses BatchNorm: no forward pass changes a float buffer)."""
+        outs = [torch.empty_like(self.flat.grad) for _ in states]
+        params = [parameters_of(self.flat, s) for s in states]
+        x, y = self.x[batch], self.y[batch]
+        losses, _ = joint_clipped_grad_sums(self.flat.model, self.loss_fn, params, x, y, self.clip, outs)
+        self._tally(losses)
+        if states:
+            self.flat.load(states[-1])
+        return [(self._noised(out), s.clone()) for out, s in zip(outs, states, strict=True)]
+
+    def tallies(self, state_finite: torch.Tensor) -> Tallies:
+        """The tallies, the loss averaged over the samples the batches held (not over the steps)."""
+        return super().tallies(state_finite)._replace(mean_over=self.seen)
+
+
 def dp_local_sgd(
     flat: FlatModel,
     x: torch.Tensor,
@@ -139,68 +247,73 @@ def dp_local_sgd(
     As :func:`~hpcfl.training.sgd.local_sgd`, nothing is read back from the device until the end
     (one read): a client whose loss turns non-finite runs its remaining steps on a meaningless model
     and is reported with the steps it took before."""
-    model = flat.model
-    model.train()
-    w = flat.params
-    n = x.shape[0]
-    expected = min(1.0, schedule.batch_size / n) * n  # qn: the fixed denominator
-    total = torch.empty_like(flat.grad)
-    momentum_buf: torch.Tensor | None = None
-    loss_sum = w.new_zeros((), dtype=torch.float64)
-    finite_steps = w.new_zeros((), dtype=torch.int64)  # steps before the first non-finite loss
-    alive = w.new_ones((), dtype=torch.bool)
-    batches = poisson_batches(n, schedule, generator)
-    seen = sum(int(b.numel()) for b in batches)
-    noise_gen = noise_source(generator, total)
-    for idx in on_device(batches, x.device):
-        losses, _ = clipped_grad_sum(model, loss_fn, x[idx], y[idx], clip, total)
-        alive &= torch.isfinite(losses).all()
-        finite_steps += alive
-        loss_sum += losses.double().sum()
-        noise = torch.randn(total.shape, generator=noise_gen, dtype=total.dtype, device=total.device)
-        g = (total + noise * (noise_multiplier * clip)) / expected
-        momentum_buf = sgd_step(w, g, schedule, correction, momentum_buf)
-    # the loss is the mean over the samples seen, not over the steps
-    return read_result(loss_sum, finite_steps, torch.isfinite(w).all(), len(batches), mean_over=seen)
+    steps = DPSteps(flat, x, y, schedule, generator, loss_fn, clip=clip, noise_multiplier=noise_multiplier)
+    return read_result(*descend(flat, steps, correction))
+
+
+@dataclass
+class Ledger:
+    """The DP-SGD steps taken through a recording trainer (and the copies made from it)."""
+
+    steps: int = 0
 
 
 class DPTrainer(Trainer):
-    """The run's trainer with DP-SGD as every client's local training (participants one by one)."""
+    """The run's trainer with DP-SGD as every client's local training: it overrides the one
+    primitive, :meth:`steps`, so every entry point (``train``, ``train_tallies``, ``run``,
+    ``run_many``, an algorithm's own loop over ``steps``) is DP-SGD. Participants train one by one
+    (the per-sample step is already vectorised)."""
 
     def __init__(
-        self, flat: FlatModel, schedule: LocalSchedule, *, clip: float, noise_multiplier: float
+        self,
+        flat: FlatModel,
+        schedule: LocalSchedule,
+        *,
+        clip: float,
+        noise_multiplier: float,
+        loss_fn: LossFn = cross_entropy_loss,
     ) -> None:
-        super().__init__(flat, schedule)
+        super().__init__(flat, schedule, loss_fn)
         self.clip = clip
         self.noise_multiplier = noise_multiplier
+        self.batch_size = schedule.batch_size  # B of the accountant's rates q_k = B/n_k
+        self.ledger: Ledger | None = None  # counts the steps taken when recording
 
-    def train(
+    def steps(
         self,
-        x0: torch.Tensor,
         data: ClientData,
         generator: torch.Generator,
         *,
-        loss_fn: LossFn | None = None,
-        correction: Correction | None = None,
         schedule: LocalSchedule | None = None,
-    ) -> tuple[torch.Tensor, LocalResult]:
-        """DP-SGD from ``x0`` (as :meth:`Trainer.train`, with the private local step)."""
-        self.flat.load(x0)
-        result = dp_local_sgd(
+        loss_fn: LossFn | None = None,
+    ) -> DPSteps:
+        """Client ``data``'s DP-SGD steps (:class:`DPSteps`), counted in :attr:`ledger` when recording.
+        A schedule with another batch size is refused: its sampling rate is not the accountant's."""
+        schedule = schedule or self.schedule
+        if schedule.batch_size != self.batch_size:
+            raise ConfigError(
+                f"privacy.level=sample: the algorithm trains with batch_size {schedule.batch_size}, but the "
+                f"accountant samples each client's data at the run's batch_size/n_k ({self.batch_size}/n_k); "
+                "train with the run's batch size"
+            )
+        source = DPSteps(
             self.flat,
             data.x,
             data.y,
-            schedule or self.schedule,
+            schedule,
             generator,
+            loss_fn or self.loss_fn,
             clip=self.clip,
             noise_multiplier=self.noise_multiplier,
-            loss_fn=loss_fn or self.loss_fn,
-            correction=correction,
         )
-        if not result.finite:
-            raise NonFiniteLoss(f"client {data.k}: non-finite loss after {result.steps} local steps")
-        return self.flat.vector.clone(), result
+        if self.ledger is not None:
+            self.ledger.steps += len(source)
+        return source
 
-    def can_batch(self, tasks: Sequence[LocalTask]) -> bool:
-        """DP-SGD trains its participants one by one (its per-sample step is already vectorised)."""
-        return False
+    def recording(self) -> DPTrainer:
+        """This trainer counting in a fresh :attr:`ledger` every DP-SGD step taken through it and
+        through the trainers made from it (``with_schedule``): what the privacy wrapper hands a
+        participant, to account the steps it actually took."""
+        other = copy.copy(self)
+        other.ledger = Ledger()
+        return other

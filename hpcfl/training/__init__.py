@@ -3,7 +3,7 @@
 from hpcfl.training.batched import ClientJob, LinearCorrection, batched_local_sgd
 from hpcfl.training.evaluate import evaluate
 from hpcfl.training.flat import FlatModel
-from hpcfl.training.sgd import LocalResult, LocalSchedule, cross_entropy_loss, local_sgd
+from hpcfl.training.sgd import LocalResult, LocalSchedule, LocalSteps, cross_entropy_loss, local_sgd
 
 __all__ = [
     "ClientJob",
@@ -11,6 +11,7 @@ __all__ = [
     "LinearCorrection",
     "LocalResult",
     "LocalSchedule",
+    "LocalSteps",
     "batched_local_sgd",
     "cross_entropy_loss",
     "evaluate",

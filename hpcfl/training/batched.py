@@ -129,8 +129,14 @@ def batched_local_sgd(
     jobs: Sequence[ClientJob],
     schedule: LocalSchedule,
     loss_fn: LossFn,
+    *,
+    batches: Sequence[list[torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, list[LocalResult]]:
     """Train every job's client from its ``x0`` as ``local_sgd`` would, in vectorised steps.
+
+    ``batches``: each job's mini-batches (host index tensors) when they are already drawn (the
+    trainer draws them through its :class:`~hpcfl.training.sgd.LocalSteps`); else drawn here from
+    each job's generator by :func:`~hpcfl.training.sgd.batch_indices`, as ``local_sgd`` draws them.
 
     Returns the ``(K, S)`` matrix of final state vectors and each client's :class:`LocalResult`
     (``finite=False`` for a client whose loss became NaN/inf; its row is then meaningless). Nothing is
@@ -146,7 +152,7 @@ def batched_local_sgd(
     # every client's samples in one tensor, so a step gathers its mini-batches with one index
     X = torch.cat([j.x for j in jobs])  # (Σn, ...)
     Y = torch.cat([j.y for j in jobs])  # (Σn,)
-    plan = _RoundPlan.build(jobs, schedule, W.device)
+    plan = _RoundPlan.build(jobs, schedule, W.device, batches)
     momentum: torch.Tensor | None = None
     loss_sum = torch.zeros(K, dtype=torch.float64, device=W.device)
     alive = torch.ones(K, dtype=torch.bool, device=W.device)  # no non-finite loss yet
@@ -233,9 +239,15 @@ class _RoundPlan:
     num_steps: list[int]
 
     @staticmethod
-    def build(jobs: Sequence[ClientJob], schedule: LocalSchedule, device: torch.device) -> _RoundPlan:
+    def build(
+        jobs: Sequence[ClientJob],
+        schedule: LocalSchedule,
+        device: torch.device,
+        batches: Sequence[list[torch.Tensor]] | None = None,
+    ) -> _RoundPlan:
         K = len(jobs)
-        batches = [batch_indices(j.x.shape[0], schedule, j.generator) for j in jobs]
+        if batches is None:
+            batches = [batch_indices(j.x.shape[0], schedule, j.generator) for j in jobs]
         sizes = [j.x.shape[0] for j in jobs]
         starts = [sum(sizes[:i]) for i in range(K)]
         num_steps = [len(b) for b in batches]

@@ -9,7 +9,7 @@ term) and the loss through ``loss_fn`` (MOON, FedCKA).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -158,6 +158,113 @@ class Tallies(NamedTuple):
     finite_steps: torch.Tensor
     state_finite: torch.Tensor
     steps: int
+    #: what ``loss_sum`` is averaged over: None, the steps (a mean loss per step); DP-SGD's, the
+    #: samples its Poisson batches held (a loss per sample)
+    mean_over: int | None = None
+
+
+class LocalSteps:
+    """One client's local steps of a round as its data is read: the mini-batches drawn from its
+    generator and, for each, the gradient of ``loss_fn`` at the model's current state, tallied as
+    they are taken (loss sum, steps before the first non-finite loss).
+
+    The one way local training reads a client's data: :meth:`hpcfl.algorithms.base.Trainer.steps`
+    makes it, every entry point of the trainer and any algorithm with a local loop of its own (APFL)
+    iterates it, and DP-SGD's variant (:class:`hpcfl.privacy.sgd.DPSteps`) draws Poisson batches and
+    returns clipped, noised gradients instead. Nothing is read back from the device: the tallies are
+    read once, at the end (:func:`read_result`).
+
+    Iterating yields each step's mini-batch (an index tensor on the data's device); for it,
+    :meth:`gradient` gives the gradient at the model's current state, or :meth:`gradients` the
+    gradients at several states from the same mini-batch.
+    """
+
+    def __init__(
+        self,
+        flat: FlatModel,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        schedule: LocalSchedule,
+        generator: torch.Generator,
+        loss_fn: LossFn = cross_entropy_loss,
+    ) -> None:
+        self.flat, self.x, self.y, self.schedule, self.loss_fn = flat, x, y, schedule, loss_fn
+        flat.model.train()
+        self.drawn = self._draw(x.shape[0], generator)  # host: the client's seeded CPU generator
+        self._tallies: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _draw(self, n: int, generator: torch.Generator) -> list[torch.Tensor]:
+        """The round's mini-batches (host index tensors): :func:`batch_indices`."""
+        return batch_indices(n, self.schedule, generator)
+
+    def __len__(self) -> int:
+        return len(self.drawn)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self._started()
+        return iter(on_device(self.drawn, self.x.device))
+
+    def _started(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss sum, steps before the first non-finite loss, no non-finite loss yet), on the device;
+        made on first use, so a source that is only drawn (the batched path) allocates nothing."""
+        if self._tallies is None:
+            w = self.flat.params
+            zero = w.new_zeros((), dtype=torch.float64)
+            self._tallies = (zero, w.new_zeros((), dtype=torch.int64), w.new_ones((), dtype=torch.bool))
+        return self._tallies
+
+    def gradient(self, batch: torch.Tensor) -> torch.Tensor:
+        """The mean gradient of the loss over ``batch`` at the model's current state (``flat.grad``,
+        overwritten by the next call); the loss is tallied."""
+        loss_sum, finite_steps, alive = self._started()
+        g = self.flat.grad
+        g.zero_()
+        loss = self.loss_fn(self.flat.model, self.x[batch], self.y[batch])
+        alive &= torch.isfinite(loss.detach())
+        finite_steps += alive
+        loss.backward()
+        loss_sum += loss.detach().to(torch.float64)
+        return g
+
+    def gradients(
+        self, batch: torch.Tensor, states: Sequence[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The gradient at each of ``states`` from the same ``batch`` (one step's read of it), each
+        with the state vector its forward pass left (float buffers updated); the first state's loss is
+        tallied. Leaves the last state loaded."""
+        out = []
+        for i, state in enumerate(states):
+            self.flat.load(state)
+            if i == 0:
+                g = self.gradient(batch)
+            else:
+                g = self.flat.grad
+                g.zero_()
+                self.loss_fn(self.flat.model, self.x[batch], self.y[batch]).backward()
+            out.append((g if i == len(states) - 1 else g.clone(), self.flat.vector.clone()))
+        return out
+
+    def tallies(self, state_finite: torch.Tensor) -> Tallies:
+        """The steps' tallies, unread, with the caller's final-state finiteness."""
+        loss_sum, finite_steps, _ = self._started()
+        return Tallies(loss_sum, finite_steps, state_finite, len(self.drawn))
+
+
+def descend(flat: FlatModel, steps: LocalSteps, correction: Correction | None = None) -> Tallies:
+    """Local SGD on ``flat.params`` in place along ``steps`` (:func:`sgd_step` of each step's
+    gradient, with the algorithm's ``correction``); returns the run's tallies unread.
+
+    The loop never waits for the device: the loss sum, the count of steps before the first
+    non-finite loss and the final state's finiteness stay on the device and are read back once, at
+    the end. A client whose loss turns non-finite at step s therefore runs its remaining steps (on
+    a model that is then meaningless) and is reported exactly as an early stop would: ``steps=s``,
+    ``finite=False``.
+    """
+    w = flat.params
+    momentum_buf: torch.Tensor | None = None
+    for batch in steps:
+        momentum_buf = sgd_step(w, steps.gradient(batch), steps.schedule, correction, momentum_buf)
+    return steps.tallies(torch.isfinite(w).all())
 
 
 def local_sgd(
@@ -187,31 +294,9 @@ def local_sgd_tallies(
     loss_fn: LossFn = cross_entropy_loss,
     correction: Correction | None = None,
 ) -> Tallies:
-    """Train ``flat.model`` in place on (x, y) and return the run's tallies unread.
-
-    The loop never waits for the device: the loss sum, the count of steps before the first
-    non-finite loss and the final state's finiteness stay on the device and are read back once, at
-    the end. A client whose loss turns non-finite at step s therefore runs its remaining steps (on
-    a model that is then meaningless) and is reported exactly as an early stop would: ``steps=s``,
-    ``finite=False``.
-    """
-    model = flat.model
-    model.train()
-    w, g = flat.params, flat.grad
-    momentum_buf: torch.Tensor | None = None
-    loss_sum = w.new_zeros((), dtype=torch.float64)
-    finite_steps = w.new_zeros((), dtype=torch.int64)  # steps before the first non-finite loss
-    alive = w.new_ones((), dtype=torch.bool)
-    batches = on_device(batch_indices(x.shape[0], schedule, generator), x.device)
-    for idx in batches:
-        g.zero_()
-        loss = loss_fn(model, x[idx], y[idx])
-        alive &= torch.isfinite(loss.detach())
-        finite_steps += alive
-        loss.backward()
-        loss_sum += loss.detach().to(torch.float64)
-        momentum_buf = sgd_step(w, g, schedule, correction, momentum_buf)
-    return Tallies(loss_sum, finite_steps, torch.isfinite(w).all(), len(batches))
+    """Train ``flat.model`` in place on (x, y) and return the run's tallies unread (:func:`descend`
+    along the client's :class:`LocalSteps`)."""
+    return descend(flat, LocalSteps(flat, x, y, schedule, generator, loss_fn), correction)
 
 
 def read_result(
@@ -219,12 +304,24 @@ def read_result(
     finite_steps: torch.Tensor,
     state_finite: torch.Tensor,
     steps: int,
-    *,
     mean_over: int | None = None,
 ) -> LocalResult:
     """A client's :class:`LocalResult` from its device-side tallies, in ONE device-to-host read: the
     loss is ``loss_sum`` over ``mean_over`` (default: the steps; NaN when it is 0)."""
     total, good, ok = torch.stack([loss_sum.double(), finite_steps.double(), state_finite.double()]).tolist()
+    return _result(total, good, ok, steps, mean_over)
+
+
+def read_many(runs: Sequence[Tallies]) -> list[LocalResult]:
+    """:func:`read_result` of several clients' tallies in ONE device-to-host read."""
+    if not runs:
+        return []
+    columns = [torch.stack([getattr(t, f) for t in runs]).double() for f in Tallies._fields[:3]]
+    read = torch.stack(columns, dim=1).tolist()  # (clients, 3)
+    return [_result(*row, t.steps, t.mean_over) for row, t in zip(read, runs, strict=True)]
+
+
+def _result(total: float, good: float, ok: float, steps: int, mean_over: int | None) -> LocalResult:
     if good < steps:
         return LocalResult(loss=float("nan"), steps=int(good), finite=False)
     if not ok:
