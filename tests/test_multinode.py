@@ -371,18 +371,37 @@ def _lost_line(log: str) -> str:
 def test_a_node_killed_mid_round_ends_the_job_in_one_line_and_the_rerun_resumes_bit_identically(
     cluster: SlurmCluster, fault_reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    """Under ``hpcfl submit`` (submitit): node 2 dies (slurmd, step daemons, ranks SIGKILLed); the
+    survivors name its ranks in one line, requeue the job, and the rerun on the restarted node
+    resumes bit-identically."""
     cfg, reference = fault_reference
     run_dir = tmp_path / "run"
-    log, ended = _run_through_a_fault(
-        cluster, cfg, run_dir, hit=lambda: cluster.kill_node(2), heal=lambda: cluster.start_slurmd(2)
+    proc = cli(
+        cluster, "submit", str(cfg), "--run-dir", str(run_dir),
+        "--nodes", "2", "--ntasks-per-node", "2", "-c", "1", "--time", "10",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    _wait_for(lambda: len(_rows(run_dir)) >= 2, 120, "two rounds written")
+    cluster.kill_node(2)
+    t_hit = time.monotonic()
+    _wait_for(lambda: (run_dir / "PEER_LOST").exists(), 60, "the lost peer's line")
+    said = time.monotonic() - t_hit
+    _wait_for(
+        lambda: cluster.squeue_state(job_id) in ("PENDING", "REQUEUED", "REQUEUE_HOLD"), 60, "the requeue"
     )
-    print(f"\nnode 2 killed: the job ended {ended:.1f} s later")
-    line = _lost_line(log)
-    assert line == (
+    print(
+        f"\nnode 2 killed: the line {said:.1f} s later, the job requeued {time.monotonic() - t_hit:.1f} s later"
+    )
+    cluster.start_slurmd(2)
+    _wait_for(lambda: (run_dir / "DONE").exists(), 240, "the resumed run's end")
+    line = (
         "hpcfl: error: ranks 2, 3 (host node2) did not answer within 4 s (their nodes were lost or their "
         "links cut); ending the job — resume with --resume"
-    ), log
-    assert "run 1: 4 ranks" in log, log
+    )
+    logs = "".join(p.read_text() for p in (run_dir / "slurm").glob(f"{job_id}_*_log.err"))
+    assert [x for x in logs.splitlines() if x.startswith("hpcfl: error:")] == [line], logs
+    assert not (run_dir / "PEER_LOST").exists()  # the rerun took it away
     assert [r["round"] for r in _rows(run_dir)] == list(range(1, 25))
     assert _results(run_dir) == _results(reference)
     assert torch.equal(final_state(run_dir), final_state(reference))
@@ -391,14 +410,19 @@ def test_a_node_killed_mid_round_ends_the_job_in_one_line_and_the_rerun_resumes_
 def test_a_cut_link_ends_the_job_in_one_line_and_the_rerun_resumes_bit_identically(
     cluster: SlurmCluster, fault_reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    """slurm/cpu.sbatch: node 2's switch port goes down mid-round (no process dies); rank 0's
+    side names node 2's ranks in one line, the script requeues, the mended link runs the rerun."""
     cfg, reference = fault_reference
     run_dir = tmp_path / "run"
     log, ended = _run_through_a_fault(
         cluster, cfg, run_dir, hit=lambda: cluster.network.cut(2), heal=lambda: cluster.network.mend(2)
     )
     print(f"\nnode 2's link cut: the job ended {ended:.1f} s later")
-    line = _lost_line(log)
-    assert line.startswith("hpcfl: error: ranks 2, 3 (host node2) did not answer within 4 s"), line
+    assert _lost_line(log) == (
+        "hpcfl: error: ranks 2, 3 (host node2) did not answer within 4 s (their nodes were lost or their "
+        "links cut); ending the job — resume with --resume"
+    ), log
+    assert "run 1: 4 ranks" in log, log
     assert [r["round"] for r in _rows(run_dir)] == list(range(1, 25))
     assert _results(run_dir) == _results(reference)
     assert torch.equal(final_state(run_dir), final_state(reference))

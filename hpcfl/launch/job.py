@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from hpcfl.comm import finalize_mpi
+from hpcfl.comm import abort_world, finalize_mpi
 from hpcfl.config import config_from_dict
-from hpcfl.errors import ConfigError, StoppedError
+from hpcfl.errors import EXIT_PEER_LOST, ConfigError, PeerLostError, StoppedError
 from hpcfl.launch.records import error_path, missing_slurm_extra
 
 try:
@@ -98,6 +99,8 @@ class HpcflJob(submitit.helpers.Checkpointable):
         except StoppedError:  # stopped between rounds' checkpoints (feature extraction): work is kept
             self._requeue_after_checkpoint(t_start, start)
             raise
+        except PeerLostError as err:  # this rank speaks for the ranks still reachable
+            self._requeue_after_lost_peer(err)
         last = result.metrics[-1] if result.metrics else {}
         summary = {
             "run_dir": str(run_dir),
@@ -122,6 +125,22 @@ class HpcflJob(submitit.helpers.Checkpointable):
         needs saving here.
         """
         return DelayedSubmission(HpcflJob(config=self.config, run_dir=self.run_dir))
+
+    def _requeue_after_lost_peer(self, err: PeerLostError) -> NoReturn:
+        """A peer was lost (:mod:`hpcfl.comm.deadline`): say the one line, ask SLURM to requeue
+        this job (the rerun resumes from the last checkpoint; the job always resumes), and end
+        every rank with exit 76. ``scontrol`` directly, not submitit's checkpoint-and-requeue:
+        the speaking rank need not be rank 0, and the state is the run directory's checkpoints."""
+        print(f"hpcfl: error: {err}", file=sys.stderr, flush=True)
+        _record_error(err)
+        job_id = str(submitit.JobEnvironment().job_id)
+        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            print(
+                f"hpcfl: requeue of job {job_id} refused: {proc.stderr.strip()}", file=sys.stderr, flush=True
+            )
+        abort_world(EXIT_PEER_LOST)
+        sys.exit(EXIT_PEER_LOST)
 
     def _requeue_after_checkpoint(self, t_start: float, rounds_done: int) -> None:
         """After the round checkpoint: every rank finalizes MPI, then rank 0 runs submitit's
