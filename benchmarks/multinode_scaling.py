@@ -1,6 +1,6 @@
 """Scaling measured ACROSS hosts: ``hpcfl bench scaling`` in world mode on emulated nodes.
 
-For each link profile (default ``10gbe`` and ``1gbe``, :mod:`hpcfl.bench.scaling.links`) this
+For each link profile (default ``10gbe`` and ``1gbe``, :mod:`hpcfl.testing.links`) this
 starts an emulated SLURM cluster of ``--nodes`` nodes (:func:`tests.slurm_cluster.start_cluster`:
 one network + UTS + mount namespace and one ``slurmd`` per node, links shaped with ``tc``), then runs
 ``srun -N n --ntasks-per-node r python -m hpcfl bench scaling --mode world`` at every point n×r of
@@ -45,13 +45,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hpcfl.bench.scaling.links import parse_link  # noqa: E402
 from hpcfl.bench.scaling.perfmodel import (  # noqa: E402
     ComputeModel,
     Network,
     projected_round,
     ring_allreduce_s,
 )
+from hpcfl.testing.links import parse_link  # noqa: E402
 from tests.helpers import repo_env  # noqa: E402
 from tests.slurm_cluster import start_cluster  # noqa: E402
 

@@ -60,7 +60,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcfl.bench.scaling.links import LinkProfile, parse_link
+from hpcfl.testing.links import LinkProfile, parse_link
 from hpcfl.testing.netns import MAX_NODES, EmulatedNetwork, NamespaceError, start_network
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +83,17 @@ TERMINAL_STATES = frozenset(
     }
 )
 
-_CORE_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol", "iptables")
+_CORE_BINARIES = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "squeue",
+    "sinfo",
+    "scontrol",
+    "iptables",
+)
 _ACCOUNTING_BINARIES = ("slurmdbd", "sacct", "mariadbd", "mariadb-install-db", "my_print_defaults")
 
 
@@ -763,7 +773,7 @@ def start_cluster(
     ``nodes=None``: one node, this host (today's fixture). ``nodes=N``: N emulated nodes
     (:mod:`hpcfl.testing.netns`: a network + UTS namespace each, hostnames ``node1``..``nodeN``, on
     one bridge), one ``slurmd`` per node, the controller and accounting in the head namespace,
-    every link shaped to ``link`` (a profile name of :mod:`hpcfl.bench.scaling.links` or
+    every link shaped to ``link`` (a profile name of :mod:`hpcfl.testing.links` or
     ``rate=100mbit``; None: unshaped veth), each node declaring ``gpus_per_node`` GPUs (a GRES count
     without device files, for the fake accelerator). An unknown profile or an impossible node count
     is a ValueError with one line.

@@ -28,7 +28,7 @@ import torch
 
 pytest.importorskip("submitit")
 
-from hpcfl.bench.scaling.links import parse_link  # noqa: E402
+from hpcfl.testing.links import parse_link  # noqa: E402
 from tests.helpers import (  # noqa: E402
     final_state,
     hpcfl_cmd,

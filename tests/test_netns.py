@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcfl.bench.scaling.links import parse_link
+from hpcfl.testing.links import parse_link
 from hpcfl.testing.netns import NamespaceError, namespaces_available, start_network
 from tests.helpers import repo_env
 

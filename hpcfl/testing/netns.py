@@ -19,7 +19,7 @@ namespace with its links once nothing else runs in it. :meth:`EmulatedNetwork.st
 at once. Links are shaped with ``tc`` (``tbf``: a bandwidth per direction) and made lossy with the
 iptables ``statistic`` match; this kernel has no ``netem``, so a profile's latency is not injected:
 what is measured carries the veth's own latency and the projection adds the profile's (see
-:mod:`hpcfl.bench.scaling.links`).
+:mod:`hpcfl.testing.links`).
 
 Needs root (``unshare``, ``nsenter``, ``ip``, ``tc``; ``iptables`` for loss). Standard library only.
 """
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcfl.bench.scaling.links import LinkProfile
+from hpcfl.testing.links import LinkProfile
 
 #: The emulated hosts' subnet, 10.231.0.0/24: it exists only inside each network's own namespaces,
 #: so two networks on one machine never meet.
@@ -256,7 +256,9 @@ def _holder(hostname: str, workdir: Path) -> subprocess.Popen[bytes]:
     raise NamespaceError(f"the namespaces of {hostname} were not ready within 10 s")
 
 
-def start_network(nodes: int, link: LinkProfile | None = None, names: Sequence[str] | None = None) -> EmulatedNetwork:
+def start_network(
+    nodes: int, link: LinkProfile | None = None, names: Sequence[str] | None = None
+) -> EmulatedNetwork:
     """Make the head namespace and ``nodes`` node namespaces (hostnames ``node1``..), linked and shaped.
 
     Raises :class:`NamespaceError` naming the step that failed (everything made so far is removed).
@@ -272,7 +274,9 @@ def start_network(nodes: int, link: LinkProfile | None = None, names: Sequence[s
     net_id = 0  # every network has its own bridge in its own namespace: subnets never meet
     workdir = Path(tempfile.mkdtemp(prefix="hpcfl-netns-"))
     head = _holder("head", workdir)
-    network = EmulatedNetwork(workdir=workdir, net=net_id, head=head, head_address=f"{SUBNET_PREFIX}.{net_id}.1", link=link)
+    network = EmulatedNetwork(
+        workdir=workdir, net=net_id, head=head, head_address=f"{SUBNET_PREFIX}.{net_id}.1", link=link
+    )
     try:
         network._in(head.pid, "ip", "link", "add", "br0", "type", "bridge")
         network._in(head.pid, "ip", "addr", "add", f"{network.head_address}/24", "dev", "br0")

@@ -55,15 +55,23 @@ class LinkProfile:
 
     def describe(self) -> str:
         rate = "unshaped" if self.rate_bit_s is None else f"{self.rate_bit_s / 1e9:g} Gb/s"
-        lat = "" if self.latency_s is None else f", {self.latency_s * 1e6:g} µs latency (projected, not injected)"
+        lat = (
+            ""
+            if self.latency_s is None
+            else f", {self.latency_s * 1e6:g} µs latency (projected, not injected)"
+        )
         return f"{self.name}: {rate}{lat}"
 
 
 LINK_PROFILES: dict[str, LinkProfile] = {
     "veth": LinkProfile("veth", None, None, "this machine's kernel veth, unshaped (measured)"),
-    "1gbe": LinkProfile("1gbe", 1e9, 50e-6, "IEEE 802.3ab 1 Gb/s; GbE MPI latency ~40-300 µs (Aspen Systems)"),
+    "1gbe": LinkProfile(
+        "1gbe", 1e9, 50e-6, "IEEE 802.3ab 1 Gb/s; GbE MPI latency ~40-300 µs (Aspen Systems)"
+    ),
     "10gbe": LinkProfile("10gbe", 10e9, 40e-6, "IEEE 802.3ae 10 Gb/s; latency about GbE's (Aspen Systems)"),
-    "ib-hdr": LinkProfile("ib-hdr", 200e9, 1e-6, "InfiniBand HDR 4x 200 Gb/s; IB latency ~1-5 µs (Aspen Systems)"),
+    "ib-hdr": LinkProfile(
+        "ib-hdr", 200e9, 1e-6, "InfiniBand HDR 4x 200 Gb/s; IB latency ~1-5 µs (Aspen Systems)"
+    ),
 }
 
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
