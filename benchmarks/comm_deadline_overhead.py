@@ -1,7 +1,11 @@
 """Issue 50: the cost of bounding MPI collectives by a deadline (nonblocking + polling) against the
 blocking call, for the round's allreduce.
 
-    mpiexec -n 2 python benchmarks/comm_deadline_overhead.py [--repeats 200] [--out FILE.json]
+    mpiexec -n 2 python benchmarks/comm_deadline_overhead.py [--repeats 200] [--out FILE]
+
+``--out FILE`` writes FILE.json and FILE.csv (the same rows). Across two emulated nodes (TCP over
+a veth link instead of shared memory), ``benchmarks/multinode_scaling.py --deadline-overhead`` runs
+this script under srun on its cluster.
 
 For each message size (1 KB .. 8 MB of float64), ``--repeats`` calls of ``MPI_Allreduce`` (in place,
 blocking) and of :meth:`hpcfl.comm.mpi.MPIComm.allreduce` (``MPI_Iallreduce`` polled by
@@ -61,8 +65,19 @@ def main() -> None:
                 flush=True,
             )
     if comm.rank == 0 and args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"ranks": comm.size, "repeats": args.repeats, "rows": rows}, fh, indent=1)
+        import csv
+        import socket
+        from pathlib import Path
+
+        hosts = sorted(set(comm.hosts))
+        out = Path(args.out)
+        meta = {"ranks": comm.size, "hosts": hosts, "repeats": args.repeats, "hostname": socket.gethostname()}
+        out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+        with out.with_suffix(".csv").open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=["hosts", *rows[0]])
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({"hosts": " ".join(hosts), **row})
 
 
 if __name__ == "__main__":

@@ -84,6 +84,15 @@ def run_points(profile: str, nodes: int, points: list[tuple[int, int]], out: Pat
             print(f"  {profile} {n}x{r}: {state}", flush=True)
             if state != "COMPLETED":
                 print(cluster.output_path(job).read_text()[-2000:])
+        if DEADLINE_OVERHEAD and profile == PROFILES_FIRST[0]:  # the collective deadline across hosts
+            script = REPO / "benchmarks" / "comm_deadline_overhead.py"
+            dest = RESULTS_DIR / f"comm_deadline_overhead_2nodes_{profile}"
+            step = (
+                f"srun --mpi=pmi2 -N2 --ntasks-per-node=1 {sys.executable} {script} --repeats 50 --out {dest}"
+            )
+            job = cluster.sbatch(wrap=step, args=["-N2", "--ntasks-per-node=1", "-c1"], env=repo_env())
+            print(f"  {profile} deadline overhead: {cluster.wait_state(job, timeout=900)}", flush=True)
+            print(cluster.output_path(job).read_text(), flush=True)
         # resnet18's per-client CPU time: one rank, two clients
         r18 = out / profile / "resnet18-1x1"
         if not r18.exists() and profile == PROFILES_FIRST[0]:
@@ -100,6 +109,8 @@ def run_points(profile: str, nodes: int, points: list[tuple[int, int]], out: Pat
 
 
 PROFILES_FIRST: list[str] = []
+DEADLINE_OVERHEAD: list[bool] = []
+RESULTS_DIR = REPO / "benchmarks" / "results"
 
 
 def fit_latency_bandwidth(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
@@ -304,9 +315,16 @@ def main() -> None:
     )
     p.add_argument("--out", default="benchmarks/results/multinode_scaling")
     p.add_argument("--analyse-only", action="store_true")
+    p.add_argument(
+        "--deadline-overhead",
+        action="store_true",
+        help="also time the deadline-bounded allreduce against the blocking one across 2 nodes (first profile)",
+    )
     args = p.parse_args()
     profiles = args.profiles.split(",")
     PROFILES_FIRST.extend(profiles[:1])
+    if args.deadline_overhead:
+        DEADLINE_OVERHEAD.append(True)
     points = [tuple(int(v) for v in s.split("x")) for s in args.points.split(",")]
     work = Path(args.work)
     if not args.analyse_only:
