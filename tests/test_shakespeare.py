@@ -150,6 +150,11 @@ def test_leaf_rules_on_a_handmade_archive(small_root: Path) -> None:
     other = shk.build_split(roles, min_lines=2, seq_len=12, seed=4)
     assert not np.array_equal(other.y_train, split.y_train)  # the seed draws the split
     assert shk.build_split(roles, min_lines=0, seq_len=12, max_roles=2).roles == list(EXPECTED)[:2]
+    capped = shk.build_split(roles, min_lines=2, seq_len=12, max_lines=1, seed=3)
+    assert capped.roles == kept  # kept by all their lines, then cut to their first line
+    for k, role in enumerate(kept):
+        n = len(leaf_samples(EXPECTED[role][:1], 12))
+        assert capped.train_idx[k].size + capped.test_idx[k].size == n
 
 
 def test_dataset_natural_and_iid_partitions(small_root: Path) -> None:

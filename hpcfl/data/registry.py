@@ -126,15 +126,18 @@ def _load_shakespeare(
     min_lines: int = 2,
     seq_len: int = 80,
     roles: int = 0,
+    lines: int = 0,
     seed: int = 0,
 ) -> Dataset:
     """LEAF's Shakespeare (:mod:`hpcfl.data.shakespeare`); ``roles`` > 0 keeps the first ``roles``
-    roles only (a small federation), ``seed`` draws each role's train/test split."""
+    roles only and ``lines`` > 0 the first ``lines`` lines of each (a small federation), ``seed``
+    draws each role's train/test split."""
     split = build_split(
         load_roles(root),
         min_lines=_integer_option("min_lines", min_lines, 0),
         seq_len=_integer_option("seq_len", seq_len, 1),
         max_roles=_integer_option("roles", roles, 0) or None,
+        max_lines=_integer_option("lines", lines, 0) or None,
         seed=_integer_option("seed", seed, 0),
     )
     seq = split.x_train.shape[1]
@@ -164,7 +167,7 @@ BUILTIN_DATASETS: dict[str, DatasetSpec] = {
     "cifar10": DatasetSpec(_load_cifar, ("verify",)),
     "cifar100": DatasetSpec(_load_cifar, ("verify",)),
     "femnist": DatasetSpec(_load_femnist),
-    "shakespeare": DatasetSpec(_load_shakespeare, ("min_lines", "seq_len", "roles", "seed")),
+    "shakespeare": DatasetSpec(_load_shakespeare, ("min_lines", "seq_len", "roles", "lines", "seed")),
     "synthetic": DatasetSpec(_load_synthetic, _SYNTHETIC_OPTIONS),
 }
 
@@ -179,8 +182,9 @@ def load_dataset(
     """Load a dataset by name, normalised, from ``data_root`` (see :func:`resolve_data_root`).
 
     Names: ``mnist``, ``fashion-mnist`` (alias ``fmnist``), ``cifar10``, ``cifar100``, ``femnist``,
-    ``shakespeare`` (options ``min_lines``, ``seq_len``, ``roles``, ``seed``), ``synthetic``. Missing official files are downloaded when ``download`` is true (FEMNIST never
-    is). Options: ``verify=False`` skips the MD5 check of MNIST/Fashion-MNIST/CIFAR files;
+    ``shakespeare`` (options ``min_lines``, ``seq_len``, ``roles``, ``lines``, ``seed``),
+    ``synthetic``. Missing official files are downloaded when ``download`` is true (FEMNIST and
+    Shakespeare never are). Options: ``verify=False`` skips the MD5 check of MNIST/Fashion-MNIST/CIFAR files;
     ``synthetic`` takes the keyword arguments of :func:`hpcfl.data.synthetic.make_synthetic`. A
     plugin's dataset (:mod:`hpcfl.registry`) is loaded and cached the same way.
     Raises ConfigError for an unknown name or option and DataError for missing or corrupt data.

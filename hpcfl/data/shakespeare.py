@@ -265,10 +265,12 @@ def build_split(
     min_lines: int = MIN_LINES,
     seq_len: int = SEQ_LEN,
     max_roles: int | None = None,
+    max_lines: int | None = None,
     seed: int = 0,
 ) -> ShakespeareSplit:
     """LEAF's split of ``roles`` (see the module docstring); ``max_roles`` keeps the first roles only
-    (a small federation for tests). An impossible ``min_lines`` or ``seq_len`` is a DataError line."""
+    and ``max_lines`` the first lines of each (a small federation for tests; a role is kept or
+    dropped by all its lines, as LEAF does). An impossible ``min_lines`` or ``seq_len`` is a DataError line."""
     # A context reaches back to the start of its line only, so past the longest line (and LEAF's 80)
     # a longer one adds padding and nothing else.
     longest = max(int(roles.line_lengths.max()), SEQ_LEN)
@@ -284,13 +286,17 @@ def build_split(
             f"0..{most - 1} (LEAF's is {MIN_LINES}: roles with more than 2 lines)"
         )
     role_of_line = np.repeat(np.arange(len(roles.names)), roles.lines_per_role)
+    first_line = np.cumsum(roles.lines_per_role) - roles.lines_per_role
+    line_rank = np.arange(role_of_line.size) - first_line[role_of_line]  # a line's place in its role
+    used = line_rank < max_lines if max_lines is not None else np.ones(role_of_line.size, dtype=bool)
     role_of_char = np.repeat(role_of_line, roles.line_lengths)
-    samples = np.bincount(role_of_char, minlength=len(roles.names))
-    keep = np.flatnonzero((roles.lines_per_role > min_lines) & (samples >= 2))
+    char_used = np.repeat(used, roles.line_lengths)
+    samples = np.bincount(role_of_char[char_used], minlength=len(roles.names))
+    keep = np.flatnonzero((roles.lines_per_role > min_lines) & (samples >= 2))  # LEAF counts all lines
     if max_roles is not None:
         keep = keep[:max_roles]
-    lines = np.isin(role_of_line, keep)
-    chars = np.isin(role_of_char, keep)
+    lines = np.isin(role_of_line, keep) & used
+    chars = np.isin(role_of_char, keep) & char_used
     x, y = _windows(roles.codes[chars], roles.line_lengths[lines], seq_len)  # kept roles, in order
     rng = np.random.default_rng(seed)
     train = np.zeros(y.size, dtype=bool)

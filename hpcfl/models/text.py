@@ -17,9 +17,10 @@ uint8) and give logits ``(B, V)`` for the symbol after the last one, with the zo
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 
 class CharLSTM(nn.Module):
@@ -61,7 +62,12 @@ class CausalSelfAttention(nn.Module):
         b, n, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)  # each (B, L, d)
         q, k, v = (t.reshape(b, n, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, L, d/H)
+        # written out rather than F.scaled_dot_product_attention: torch.func.vmap (batched clients,
+        # per-sample references) has no batching rule for SDPA's fused CPU kernel and loops instead
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))  # (B, H, L, L)
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        y = weights @ v  # (B, H, L, d/H)
         return self.proj(y.transpose(1, 2).reshape(b, n, d))
 
 
