@@ -104,7 +104,9 @@ class CharTransformer(nn.Module):
     def features(self, x: Tensor) -> Tensor:
         """The last position's final-LayerNorm output ``(B, d_model)``."""
         idx = x.long()
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        # positions per sample (B, L), not one (L,) row broadcast: per-sample gradient paths then see
+        # each sample's own position-embedding output
+        pos = torch.arange(idx.shape[1], device=idx.device).expand(idx.shape[0], -1)
         h = self.embedding(idx) + self.positions(pos)  # (B, L, d)
         for block in self.blocks:
             h = block(h)
