@@ -230,6 +230,7 @@ def test_bad_text_inputs_are_one_line(
     _fails_cleanly(capsys, _run_config(tmp_path, small_root, **extra), *fragments)
 
 
+@pytest.mark.slow  # parses the 5 MB archive and builds all 4 million samples (~6-15 s on 2 cores)
 def test_real_statistics_printed_by_partition(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
