@@ -66,13 +66,16 @@ class ModelSpec:
     ``options`` maps each option the model accepts to a validator ``(model_name, value) -> value``
     that raises :class:`ConfigError` on a bad value; ``min_side`` is the smallest image side;
     ``flat_inputs``: the model flattens its input into an ``nn.Linear`` first layer named ``fc1``
-    (NTK-FL's memory guard counts that layer apart; CP-NTK-FL projects such inputs).
+    (NTK-FL's memory guard counts that layer apart; CP-NTK-FL projects such inputs);
+    ``text``: the model reads symbol codes ``(B, L)`` of a text dataset, whose vocabulary
+    :func:`hpcfl.build_model` checks against the model's (an image model refuses text and back).
     """
 
     build: Callable[..., nn.Module]
     options: Mapping[str, Callable[[str, Any], Any]] = field(default_factory=dict)
     min_side: int = 1
     flat_inputs: bool = False
+    text: bool = False
 
 
 @dataclass(frozen=True)
@@ -320,7 +323,16 @@ MODEL_SPECS: Registry[ModelSpec] = Registry(
     "hpcfl.models",
     {
         name: _attr("hpcfl.models", "BUILTIN_MODELS", name)
-        for name in ("simplecnn", "mlp", "cnn-proj", "resnet8", "resnet18", "vgg11")
+        for name in (
+            "simplecnn",
+            "mlp",
+            "cnn-proj",
+            "resnet8",
+            "resnet18",
+            "vgg11",
+            "char-lstm",
+            "char-transformer",
+        )
     },
     _check_model,
 )
@@ -330,7 +342,7 @@ DATASET_SPECS: Registry[DatasetSpec] = Registry(
     "hpcfl.datasets",
     {
         name: _attr("hpcfl.data.registry", "BUILTIN_DATASETS", name)
-        for name in ("mnist", "fashion-mnist", "cifar10", "cifar100", "femnist", "synthetic")
+        for name in ("mnist", "fashion-mnist", "cifar10", "cifar100", "femnist", "shakespeare", "synthetic")
     },
     _check_dataset,
 )

@@ -249,7 +249,15 @@ def test_unknown_dataset_and_option_are_config_errors() -> None:
         load_dataset("fashion-mnst")
     with pytest.raises(ConfigError, match="takes no option 'verfy'"):
         load_dataset("mnist", verfy=False)
-    assert set(DATASETS) == {"mnist", "fashion-mnist", "cifar10", "cifar100", "femnist", "synthetic"}
+    assert set(DATASETS) == {
+        "mnist",
+        "fashion-mnist",
+        "cifar10",
+        "cifar100",
+        "femnist",
+        "shakespeare",
+        "synthetic",
+    }
 
 
 # --------------------------------------------------------------------------- CIFAR (official pickle format)

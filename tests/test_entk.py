@@ -166,15 +166,15 @@ def test_conv_geometries_both_paths(monkeypatch, mode, p):
     _assert_close(fused, vmap, f"geometry model, {mode}, p={p}")
 
 
-class _WithLayerNorm(nn.Module):
+class _WithPReLU(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(6, 5)
-        self.norm = nn.LayerNorm(5)
+        self.act = nn.PReLU(5)
         self.head = nn.Linear(5, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.norm(self.fc(x))))
+        return self.head(self.act(self.fc(x)))
 
 
 class _Shared(nn.Module):
@@ -189,7 +189,7 @@ class _Shared(nn.Module):
 
 @pytest.mark.parametrize(
     ("factory", "layer", "reason"),
-    [(_WithLayerNorm, "LayerNorm", "no per-sample"), (_Shared, "Linear", "more than once")],
+    [(_WithPReLU, "PReLU", "no per-sample"), (_Shared, "Linear", "more than once")],
 )
 def test_unsupported_model_fallback_with_one_log_line(caplog, factory, layer, reason):
     torch.manual_seed(0)

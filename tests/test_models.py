@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 from hpcfl.errors import ConfigError
-from hpcfl.models import MODELS, build_model, last_linear, reinit_last_layer, with_fresh_head
+from hpcfl.models import (
+    IMAGE_MODELS,
+    TEXT_MODELS,
+    build_model,
+    last_linear,
+    reinit_last_layer,
+    with_fresh_head,
+)
 
 SHAPES = [((1, 28, 28), 10), ((3, 32, 32), 10), ((3, 32, 32), 100)]
 PARAMETRISED = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.GroupNorm)
@@ -17,7 +24,7 @@ def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 @pytest.mark.parametrize(("shape", "classes"), SHAPES)
 def test_every_model_builds_and_gives_logits(name: str, shape: tuple[int, int, int], classes: int) -> None:
     torch.manual_seed(0)
@@ -36,7 +43,7 @@ def test_every_model_builds_and_gives_logits(name: str, shape: tuple[int, int, i
     assert head is model.classifier and head.out_features == classes
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 def test_layers_are_hook_friendly(name: str) -> None:
     model = build_model(name, (3, 32, 32), 10, **({"batch_norm": True} if name == "vgg11" else {}))
     for mod_name, module in model.named_modules():
@@ -206,3 +213,70 @@ def test_mlp_kaiming_init_is_he_normal_with_zero_biases() -> None:
     assert torch.count_nonzero(model.fc1.bias) == 0 and torch.count_nonzero(model.classifier.bias) == 0
     assert abs(float(w.std()) - (2 / 784) ** 0.5) < 0.02 * (2 / 784) ** 0.5  # 78,400 draws
     assert float(w.abs().max()) > 1 / 784**0.5  # not PyTorch's U(±1/√fan_in)
+
+
+@pytest.mark.parametrize("name", TEXT_MODELS)
+def test_text_models_give_next_symbol_logits(name: str) -> None:
+    torch.manual_seed(0)
+    model = build_model(name, (1, 1, 80), 80, vocab_size=80)
+    x = torch.randint(0, 80, (3, 80), dtype=torch.uint8)
+    with torch.no_grad():
+        logits, rep = model.forward_with_repr(x)
+        assert logits.shape == (3, 80) and torch.equal(model.classifier(rep), logits)
+        assert torch.equal(model(x), logits) and torch.equal(model(x.long()), logits)
+        # the last symbol reaches the prediction
+        features = model.features
+        y = x.clone()
+        y[:, -1] = (y[:, -1] + 1) % 80
+        assert not torch.equal(features(y), rep)
+    assert last_linear(model) is model.classifier and model.classifier.out_features == 80
+
+
+def test_text_model_parameter_counts() -> None:
+    lstm = build_model("char-lstm", (1, 1, 80), 80, vocab_size=80)
+    layer1 = 4 * 256 * (8 + 256) + 2 * 4 * 256  # PyTorch: two bias vectors per gate set
+    layer2 = 4 * 256 * (256 + 256) + 2 * 4 * 256
+    assert n_params(lstm) == 80 * 8 + layer1 + layer2 + (256 * 80 + 80) == 819_920
+    tf = build_model("char-transformer", (1, 1, 80), 80, vocab_size=80)
+    block = 2 * 128 + (64 * 192 + 192) + (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64)
+    assert n_params(tf) == 80 * 64 + 80 * 64 + 2 * block + 128 + (64 * 80 + 80) == 115_536
+    assert n_params(build_model("char-transformer", (1, 1, 20), 80, vocab_size=80, layers=1)) == (
+        80 * 64 + 20 * 64 + block + 128 + 64 * 80 + 80
+    )
+
+
+def test_transformer_is_causal_at_every_position() -> None:
+    """Each position's hidden state depends on that position and earlier ones only."""
+    torch.manual_seed(0)
+    model = build_model("char-transformer", (1, 1, 12), 80, vocab_size=80).eval()
+    x = torch.randint(0, 80, (2, 12))
+    captured: list[torch.Tensor] = []
+    model.blocks[-1].register_forward_hook(lambda m, i, o: captured.append(o))
+    y = x.clone()
+    y[:, 7:] = (y[:, 7:] + 5) % 80
+    with torch.no_grad():
+        model(x), model(y)
+    assert torch.equal(captured[0][:, :7], captured[1][:, :7])
+    assert not torch.equal(captured[0][:, 7:], captured[1][:, 7:])
+
+
+@pytest.mark.parametrize(
+    ("name", "vocab_size", "options", "fragment"),
+    [
+        ("char-lstm", 80, {"vocab": 64}, "vocabulary of 64 symbols does not match the dataset's 80"),
+        ("char-lstm", None, {}, "reads symbol codes but the dataset holds images"),
+        ("simplecnn", 80, {}, "reads images but the dataset holds text over 80 symbols"),
+        ("char-transformer", 80, {"d_model": 10, "heads": 4}, "not a multiple of heads 4"),
+        (
+            "char-transformer",
+            80,
+            {"layers": 0},
+            "'layers' of model 'char-transformer' must be a whole number",
+        ),
+    ],
+)
+def test_text_model_errors_are_one_line(
+    name: str, vocab_size: int | None, options: dict, fragment: str
+) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        build_model(name, (1, 1, 80), 80, vocab_size=vocab_size, **options)

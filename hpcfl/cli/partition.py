@@ -16,7 +16,7 @@ from typing import Any
 from hpcfl.errors import ConfigError
 
 # Kept literal so --help needs no torch import; a test checks it against hpcfl.data.DATASETS.
-_DATASET_NAMES = "mnist, fashion-mnist (fmnist), cifar10, cifar100, femnist, synthetic"
+_DATASET_NAMES = "mnist, fashion-mnist (fmnist), cifar10, cifar100, femnist, shakespeare, synthetic"
 
 _EPILOG = """\
 partition specs:
@@ -32,7 +32,8 @@ partition specs:
   balanced-classes:C
                every client holds exactly C classes assigned round-robin, each class split evenly:
                equal sizes (same as classes:C for C = 1)
-  natural      one client per writer (femnist); --num-clients <= writers takes the first ones
+  natural      one client per writer (femnist) or speaking role (shakespeare); --num-clients <= writers
+               takes the first ones
 
 examples:
   hpcfl partition --dataset fashion-mnist --partition dir:0.5 --num-clients 10
@@ -146,15 +147,31 @@ def run(args: argparse.Namespace) -> int:
 
     sizes = counts.sum(axis=1)
     held = (counts > 0).sum(axis=1)
-    print(format_partition_table(counts))
+    if dataset.vocab_size is None:
+        print(format_partition_table(counts))
+    else:  # one column per next symbol: too wide to read; the counts are in partition.json
+        print(f"(the clients x {dataset.num_classes} next-symbol counts are in {json_path})")
     print(
         f"{title}: client sizes {int(sizes.min())}..{int(sizes.max())} (mean {sizes.mean():.0f}), "
         f"classes per client {int(held.min())}..{int(held.max())}"
     )
+    print(size_summary(sizes))
     if args.clients_per_round is not None:
         print(participation_summary(sizes.tolist(), args))
     print(f"saved {json_path} and {png_path}")
     return 0
+
+
+def size_summary(sizes: Any) -> str:
+    """One line: the number of clients and their train samples' mean, std and quartiles."""
+    import numpy as np
+
+    n = np.asarray(sizes, dtype=np.int64)
+    q1, q2, q3 = (float(v) for v in np.percentile(n, [25, 50, 75]))
+    return (
+        f"{n.size} clients, {int(n.sum())} train samples; per client: mean {n.mean():.1f}, "
+        f"std {n.std():.1f}, quartiles {q1:g} / {q2:g} / {q3:g}, min {int(n.min())}, max {int(n.max())}"
+    )
 
 
 def participation_summary(sizes: list[int], args: argparse.Namespace) -> str:

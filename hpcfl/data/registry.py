@@ -21,13 +21,23 @@ from hpcfl.data.femnist import NUM_CLASSES as FEMNIST_CLASSES
 from hpcfl.data.femnist import load_femnist_arrays
 from hpcfl.data.idx import load_idx_arrays
 from hpcfl.data.root import resolve_data_root
+from hpcfl.data.shakespeare import VOCAB as SHAKESPEARE_VOCAB
+from hpcfl.data.shakespeare import build_split, load_roles
 from hpcfl.data.synthetic import make_synthetic
 from hpcfl.data.types import Dataset, Split
 from hpcfl.errors import ConfigError, unknown
 from hpcfl.registry import DATASET_SPECS, DatasetSpec
 
 #: the built-in dataset names (plugins add theirs through :mod:`hpcfl.registry`)
-DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist", "cifar10", "cifar100", "femnist", "synthetic")
+DATASETS: tuple[str, ...] = (
+    "mnist",
+    "fashion-mnist",
+    "cifar10",
+    "cifar100",
+    "femnist",
+    "shakespeare",
+    "synthetic",
+)
 ALIASES: dict[str, str] = {"fmnist": "fashion-mnist"}
 
 # Per-channel (mean, std) of the train split in 0..1 pixel units, the values the literature uses.
@@ -102,6 +112,49 @@ def _load_femnist(name: str, root: Path, download: bool) -> Dataset:
     )
 
 
+def _integer_option(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"shakespeare option {name!r} must be a whole number >= {low}, got {value!r}")
+    return int(value)
+
+
+def _load_shakespeare(
+    name: str,
+    root: Path,
+    download: bool,
+    *,
+    min_lines: int = 2,
+    seq_len: int = 80,
+    roles: int = 0,
+    lines: int = 0,
+    seed: int = 0,
+) -> Dataset:
+    """LEAF's Shakespeare (:mod:`hpcfl.data.shakespeare`); ``roles`` > 0 keeps the first ``roles``
+    roles only and ``lines`` > 0 the first ``lines`` lines of each (a small federation), ``seed``
+    draws each role's train/test split."""
+    split = build_split(
+        load_roles(root),
+        min_lines=_integer_option("min_lines", min_lines, 0),
+        seq_len=_integer_option("seq_len", seq_len, 1),
+        max_roles=_integer_option("roles", roles, 0) or None,
+        max_lines=_integer_option("lines", lines, 0) or None,
+        seed=_integer_option("seed", seed, 0),
+    )
+    seq = split.x_train.shape[1]
+    return Dataset(
+        name=name,
+        train=Split(
+            x=torch.from_numpy(split.x_train), y=torch.from_numpy(split.y_train)
+        ),  # host: data loading
+        test=Split(x=torch.from_numpy(split.x_test), y=torch.from_numpy(split.y_test)),  # host: data loading
+        num_classes=len(SHAKESPEARE_VOCAB),
+        input_shape=(1, 1, seq),
+        natural_clients=[torch.from_numpy(i) for i in split.train_idx],  # host: index bookkeeping
+        natural_test_clients=[torch.from_numpy(i) for i in split.test_idx],  # host: index bookkeeping
+        vocab_size=len(SHAKESPEARE_VOCAB),
+    )
+
+
 def _load_synthetic(name: str, root: Path, download: bool, **options: Any) -> Dataset:
     return make_synthetic(**options)
 
@@ -114,6 +167,7 @@ BUILTIN_DATASETS: dict[str, DatasetSpec] = {
     "cifar10": DatasetSpec(_load_cifar, ("verify",)),
     "cifar100": DatasetSpec(_load_cifar, ("verify",)),
     "femnist": DatasetSpec(_load_femnist),
+    "shakespeare": DatasetSpec(_load_shakespeare, ("min_lines", "seq_len", "roles", "lines", "seed")),
     "synthetic": DatasetSpec(_load_synthetic, _SYNTHETIC_OPTIONS),
 }
 
@@ -128,8 +182,9 @@ def load_dataset(
     """Load a dataset by name, normalised, from ``data_root`` (see :func:`resolve_data_root`).
 
     Names: ``mnist``, ``fashion-mnist`` (alias ``fmnist``), ``cifar10``, ``cifar100``, ``femnist``,
-    ``synthetic``. Missing official files are downloaded when ``download`` is true (FEMNIST never
-    is). Options: ``verify=False`` skips the MD5 check of MNIST/Fashion-MNIST/CIFAR files;
+    ``shakespeare`` (options ``min_lines``, ``seq_len``, ``roles``, ``lines``, ``seed``),
+    ``synthetic``. Missing official files are downloaded when ``download`` is true (FEMNIST and
+    Shakespeare never are). Options: ``verify=False`` skips the MD5 check of MNIST/Fashion-MNIST/CIFAR files;
     ``synthetic`` takes the keyword arguments of :func:`hpcfl.data.synthetic.make_synthetic`. A
     plugin's dataset (:mod:`hpcfl.registry`) is loaded and cached the same way.
     Raises ConfigError for an unknown name or option and DataError for missing or corrupt data.

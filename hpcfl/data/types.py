@@ -1,6 +1,6 @@
 """The in-memory dataset types every loader returns.
 
-A dataset is two splits of already-normalised tensors plus what the partitioner and the models
+A dataset is two splits of already-normalised tensors (or, for text, symbol codes) plus what the partitioner and the models
 need to know about it (class count, input shape, the writers of a naturally federated dataset).
 Tensors are shared by the in-process cache of :func:`hpcfl.data.load_dataset`: treat them as
 read-only (index them, never modify them in place).
@@ -17,7 +17,7 @@ import torch
 class Split:
     """One split held in memory."""
 
-    x: torch.Tensor  # float32 (N, C, H, W), already normalised
+    x: torch.Tensor  # float32 (N, C, H, W), already normalised; uint8 (N, L) symbol codes for text
     y: torch.Tensor  # int64 (N,)
 
     def __len__(self) -> int:
@@ -32,7 +32,10 @@ class Dataset:
     train: Split
     test: Split
     num_classes: int
-    input_shape: tuple[int, int, int]  # (C, H, W)
+    input_shape: tuple[int, int, int]  # (C, H, W); (1, 1, L) for text
     # Train / test index tensors per writer (FEMNIST), aligned by writer; None for pooled datasets.
     natural_clients: list[torch.Tensor] | None = None
     natural_test_clients: list[torch.Tensor] | None = None
+    # Text: the size of the symbol vocabulary ``x`` indexes (the classes are the next symbol); None
+    # for images. Models that read symbols check it against their own (hpcfl.models.build_model).
+    vocab_size: int | None = None

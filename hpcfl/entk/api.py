@@ -151,12 +151,15 @@ def entk_features(
                 return _run_fused(model, inputs, plan, logit, out, target, batch_size, progress, graph)
             except Unsupported as err:
                 _PLANS.setdefault(model, {})[key] = (structure_signature(model, named), err)
+                # torch.func.vmap has no batching rule for the recurrent layers: one sample at a time
+                recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
                 log.warning(
-                    "eNTK: fused path does not support %s layers (%s); computing with vmap for the whole model",
+                    "eNTK: fused path does not support %s layers (%s); computing with %s for the whole model",
                     err.layer,
                     err,
+                    "a per-sample loop (vmap cannot batch recurrent layers)" if recurrent else "vmap",
                 )
-                chosen = EntkMethod.VMAP
+                chosen = EntkMethod.LOOP if recurrent else EntkMethod.VMAP
         if chosen is EntkMethod.VMAP:
             columns = param_columns(named, coords)
             return _stage(

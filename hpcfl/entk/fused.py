@@ -27,8 +27,9 @@ On CUDA, ``cuda_graph=True`` (or ``HPCFL_ENTK_CUDA_GRAPH=1``) replays full batch
 graph, for models whose batch is bound by host-side launches (:mod:`hpcfl.entk.cuda_graph`);
 :func:`_fused_batch` is written to be capturable (no host sync, no branch on a tensor's value).
 
-Supported parametrised layers: Linear (2-d inputs), Conv2d (zero padding, any stride, dilation,
-groups), BatchNorm1d/2d with running statistics, GroupNorm. Anything else raises
+Supported parametrised layers: Linear (2-d inputs, and 3-d sequence inputs with per-sample
+gradients summed over positions), Conv2d (zero padding, any stride, dilation, groups),
+BatchNorm1d/2d with running statistics, GroupNorm, Embedding, LayerNorm (last dimension). Anything else raises
 :class:`~hpcfl.entk.layers.Unsupported` naming the layer type and the reason; the caller falls back
 to ``vmap`` for the whole model.
 """
@@ -50,7 +51,9 @@ from hpcfl.entk.coords import ParamColumns
 from hpcfl.entk.cuda_graph import BatchGraphs, batch_key, bindings, capture_batch, cuda_graph_applies
 from hpcfl.entk.layers import (
     ConvPlan,
+    EmbeddingPlan,
     Form,
+    LayerNormPlan,
     LayerPlan,
     LinearPlan,
     NormPlan,
@@ -120,6 +123,10 @@ def _layer_plan(
         return NormPlan(module, weight, bias, device)
     if isinstance(module, nn.GroupNorm):
         return NormPlan(module, weight, bias, device)
+    if isinstance(module, nn.Embedding) and weight is not None:
+        return EmbeddingPlan(module, weight, device)
+    if isinstance(module, nn.LayerNorm) and module.elementwise_affine:
+        return LayerNormPlan(module, weight, bias, device)
     raise Unsupported(kind, f"no per-sample gradient gather for {kind} layers")
 
 

@@ -161,8 +161,12 @@ class LinearPlan(LayerPlan):
     def tasks(
         self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace, *, pieces: int
     ) -> list[Task]:
+        if act.dim() == 3:  # (B, L, I): a sequence, per-sample gradients summed over positions
+            return [lambda: _sequence_linear(self, act, delta, out)]
         if act.dim() != 2:
-            raise Unsupported("Linear", f"Linear on {act.dim()}-d inputs (only (B, features) is fused)")
+            raise Unsupported(
+                "Linear", f"Linear on {act.dim()}-d inputs (only (B, I) and (B, L, I) are fused)"
+            )
         weight, bias = self.columns
         work: list[Task] = []
         if weight is not None and weight.n:
@@ -496,3 +500,89 @@ class NormPlan(LayerPlan):
         if bias is not None and bias.n:
             assert self.bias_index is not None
             channel_sum_gather(d3, self.bias_index, out=out[:, bias.col0 : bias.col1])
+
+
+def _pick(full: Tensor, col: ParamColumns, index: Tensor | None, out: Tensor) -> None:
+    """Write the kept columns of a per-sample gradient ``full`` (B, numel) into ``out``."""
+    dst = out[:, col.col0 : col.col1]
+    _write(dst, full if col.full or index is None else full.index_select(1, index))
+
+
+def _sequence_linear(plan: LinearPlan, act: Tensor, delta: Tensor, out: Tensor) -> None:
+    """``nn.Linear`` on (B, L, I): weight g_b = Σ_pos δ_b,posᵀ a_b,pos = (δ_bᵀ a_b), one batched
+    product (B, O, I) then the kept entries; bias g_b = Σ_pos δ_b,pos. (Attention's projections and
+    a Transformer's MLP are Linears on sequences.)"""
+    weight, bias = plan.columns
+    if weight is not None and weight.n:
+        full = torch.bmm(delta.transpose(1, 2), act).reshape(act.shape[0], -1)  # (B, O·I)
+        _pick(full, weight, plan.local, out)
+    if bias is not None and bias.n:
+        _pick(delta.sum(1), bias, plan.bias_index, out)
+
+
+class EmbeddingPlan(LayerPlan):
+    """``nn.Embedding`` (no max_norm, no sparse gradients): the per-sample weight gradient of
+    sample b is Σ_pos onehot(x_b,pos) ⊗ δ_b,pos, (V, D), by one batched product of the one-hot
+    rows with δ; then the kept entries. Inputs (B,) or (B, L) of indices."""
+
+    def __init__(self, module: nn.Embedding, weight: ParamColumns, device: torch.device):
+        if module.max_norm is not None or module.sparse:
+            raise Unsupported("Embedding", "an Embedding with max_norm or sparse gradients")
+        self.columns = (weight,)
+        self.vocab = module.num_embeddings
+        self.padding_idx = module.padding_idx
+        self.index = weight.local.to(device)
+
+    def tasks(
+        self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace, *, pieces: int
+    ) -> list[Task]:
+        return [lambda: self._apply(act, delta, out)]
+
+    def _apply(self, act: Tensor, delta: Tensor, out: Tensor) -> None:
+        (weight,) = self.columns
+        if not weight.n:
+            return
+        batch = act.shape[0]
+        idx = act.reshape(batch, -1).long()  # (B, L)
+        d = delta.reshape(batch, idx.shape[1], -1)  # (B, L, D)
+        onehot = F.one_hot(idx, self.vocab).to(d.dtype)  # (B, L, V)
+        if self.padding_idx is not None:  # the padding row gets no gradient
+            onehot[..., self.padding_idx] = 0
+        full = torch.bmm(onehot.transpose(1, 2), d).reshape(batch, -1)  # (B, V·D)
+        _pick(full, weight, self.index, out)
+
+
+class LayerNormPlan(LayerPlan):
+    """``nn.LayerNorm`` over the last dimension (elementwise affine): weight g[b,j] = Σ_pos δ·x̂ and
+    bias g[b,j] = Σ_pos δ, at feature j (x̂ recomputed from the recorded input)."""
+
+    def __init__(
+        self,
+        module: nn.LayerNorm,
+        weight: ParamColumns | None,
+        bias: ParamColumns | None,
+        device: torch.device,
+    ):
+        if len(module.normalized_shape) != 1:
+            raise Unsupported("LayerNorm", "a LayerNorm over more than the last dimension")
+        self.columns = (weight, bias)
+        self.weight_index = _on(weight.local, device) if weight is not None else None
+        self.bias_index = _on(bias.local, device) if bias is not None else None
+
+    def tasks(
+        self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace, *, pieces: int
+    ) -> list[Task]:
+        return [lambda: self._apply(module, act, delta, out)]
+
+    def _apply(self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor) -> None:
+        assert isinstance(module, nn.LayerNorm)
+        weight, bias = self.columns
+        batch, features = act.shape[0], act.shape[-1]
+        d = delta.reshape(batch, -1, features)  # (B, L, D)
+        if weight is not None and weight.n:
+            x = act.reshape(batch, -1, features)
+            var, mean = torch.var_mean(x, dim=-1, keepdim=True, unbiased=False)
+            x_hat = (x - mean) * torch.rsqrt(var + module.eps)  # (B, L, D)
+            _pick((d * x_hat).sum(1), weight, self.weight_index, out)
+        if bias is not None and bias.n:
+            _pick(d.sum(1), bias, self.bias_index, out)

@@ -9,7 +9,15 @@ cnn-proj    2 convs + 256-d projection head (MOON, FedCKA)        —
 resnet8     CIFAR ResNet-8, widths 16/32/64 (FedPVR)              ``norm`` = ``"bn"`` | ``"gn"``
 resnet18    CIFAR ResNet-18 (TCT)                                 ``norm`` = ``"gn"`` | ``"bn"``
 vgg11       VGG-11, no dropout (FedPVR)                           ``batch_norm`` = ``False``
+char-lstm   LEAF's Shakespeare LSTM: embed 8, 2×LSTM 256, Linear   ``embed`` 8, ``hidden`` 256,
+                                                                  ``layers`` 2, ``vocab``
+char-       causal pre-LN Transformer, learned positions           ``d_model`` 64, ``layers`` 2,
+transformer                                                       ``heads`` 4, ``vocab``
 =========== ===================================================== =============================
+
+The two ``char-`` models read symbol codes ``(B, L)`` of a text dataset (``Dataset.vocab_size``)
+and predict the next symbol (:mod:`hpcfl.models.text`); ``vocab`` defaults to the dataset's and a
+different one is a ConfigError, as is an image model on text or a text model on images.
 
 Every model built here has the same small interface, which the algorithms rely on:
 
@@ -43,12 +51,15 @@ from hpcfl.models.cnn_proj import CNNProj
 from hpcfl.models.mlp import INITS, MLP
 from hpcfl.models.resnet import NORMS, resnet8, resnet18
 from hpcfl.models.simplecnn import SimpleCNN
+from hpcfl.models.text import CharLSTM, CharTransformer
 from hpcfl.models.vgg import vgg11
 from hpcfl.registry import MODEL_SPECS, ModelSpec
 
 __all__ = [
     "BUILTIN_MODELS",
+    "IMAGE_MODELS",
     "MODELS",
+    "TEXT_MODELS",
     "ModelSpec",
     "build_model",
     "last_linear",
@@ -78,6 +89,33 @@ def _init_option(model: str, value: Any) -> str:
     return value
 
 
+def _positive_option(option: str) -> Callable[[str, Any], int]:
+    def check(model: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"option {option!r} of model {model!r} must be a whole number >= 1, got {value!r}"
+            )
+        return value
+
+    return check
+
+
+def _char_lstm(input_shape: tuple[int, int, int], num_classes: int, **options: Any) -> nn.Module:
+    return CharLSTM(input_shape[2], num_classes, **options)
+
+
+def _char_transformer(input_shape: tuple[int, int, int], num_classes: int, **options: Any) -> nn.Module:
+    if options.get("d_model", 64) % options.get("heads", 4):
+        raise ConfigError(
+            f"model 'char-transformer': d_model {options.get('d_model', 64)} is not a multiple of "
+            f"heads {options.get('heads', 4)}; choose d_model = heads x head size"
+        )
+    return CharTransformer(input_shape[2], num_classes, **options)
+
+
+_LSTM_OPTIONS = {name: _positive_option(name) for name in ("embed", "hidden", "layers", "vocab")}
+_TRANSFORMER_OPTIONS = {name: _positive_option(name) for name in ("d_model", "layers", "heads", "vocab")}
+
 BUILTIN_MODELS: dict[str, ModelSpec] = {
     "simplecnn": ModelSpec(SimpleCNN),
     "mlp": ModelSpec(MLP, {"init": _init_option}, flat_inputs=True),
@@ -85,10 +123,39 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
     "resnet8": ModelSpec(resnet8, {"norm": _norm_option}),
     "resnet18": ModelSpec(resnet18, {"norm": _norm_option}),
     "vgg11": ModelSpec(vgg11, {"batch_norm": _bool_option("batch_norm")}),
+    "char-lstm": ModelSpec(_char_lstm, _LSTM_OPTIONS, text=True),
+    "char-transformer": ModelSpec(_char_transformer, _TRANSFORMER_OPTIONS, text=True),
 }
 
 MODELS: tuple[str, ...] = tuple(BUILTIN_MODELS)
 """The built-in model names; :func:`build_model` also accepts plugins' (:mod:`hpcfl.registry`)."""
+TEXT_MODELS: tuple[str, ...] = tuple(n for n, spec in BUILTIN_MODELS.items() if spec.text)
+"""The built-in models that read symbol codes (text datasets)."""
+IMAGE_MODELS: tuple[str, ...] = tuple(n for n in MODELS if n not in TEXT_MODELS)
+"""The built-in models that read images."""
+
+
+def _check_vocabulary(
+    name: str, spec: ModelSpec, num_classes: int, vocab_size: int | None, options: dict[str, Any]
+) -> None:
+    """A text model on text of its vocabulary, an image model on images; else one ConfigError line."""
+    if spec.text and vocab_size is None:
+        raise ConfigError(
+            f"model {name!r} reads symbol codes but the dataset holds images; use it on a text dataset "
+            f"(shakespeare) or pick an image model ({', '.join(IMAGE_MODELS)})"
+        )
+    if not spec.text and vocab_size is not None:
+        raise ConfigError(
+            f"model {name!r} reads images but the dataset holds text over {vocab_size} symbols; "
+            f"use {' or '.join(TEXT_MODELS)}"
+        )
+    if spec.text:
+        vocab = options.pop("vocab", vocab_size)
+        if vocab != vocab_size or num_classes != vocab_size:
+            raise ConfigError(
+                f"model {name!r}: its vocabulary of {vocab} symbols does not match the dataset's "
+                f"{vocab_size}; drop the model's vocab option or set it to {vocab_size}"
+            )
 
 
 def _check_shape(input_shape: Any) -> tuple[int, int, int]:
@@ -106,12 +173,21 @@ def _check_shape(input_shape: Any) -> tuple[int, int, int]:
     return int(dims[0]), int(dims[1]), int(dims[2])
 
 
-def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, **options: Any) -> nn.Module:
+def build_model(
+    name: str,
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    *,
+    vocab_size: int | None = None,
+    **options: Any,
+) -> nn.Module:
     """Build model ``name`` for images of ``input_shape`` = (C, H, W) and ``num_classes`` outputs.
 
     Layer sizes that depend on the image (input channels, flattened size, which pools run) are
     derived from ``input_shape``, so every model runs on 1×28×28 (MNIST-like) and 3×32×32 (CIFAR).
     ``options`` are the model's own (see the module docstring); unset ones take their defaults.
+    ``vocab_size`` is a text dataset's (``Dataset.vocab_size``; None for images): a ``char-`` model
+    needs it, ``input_shape`` is then ``(1, 1, L)`` and ``num_classes`` the vocabulary.
 
     Raises:
         ConfigError: unknown ``name`` or option, a bad option value, a malformed ``input_shape``,
@@ -135,6 +211,7 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, 
         )
     if not isinstance(num_classes, numbers.Integral) or isinstance(num_classes, bool) or num_classes < 1:
         raise ConfigError(f"num_classes must be a positive integer, got {num_classes!r}")
+    _check_vocabulary(name, spec, int(num_classes), vocab_size, checked)
     return spec.build(shape, int(num_classes), **checked)
 
 

@@ -24,6 +24,10 @@ of its parameters as one weighted product:
 - ``GroupNorm`` (affine): per-channel sums Σ_hw x̂·g (weight) and Σ_hw g (bias), the first as
   rstd·(Σ_hw a·g − mean·Σ_hw g) from the statistics the forward saved, x̂ never formed.
 
+- ``Linear`` on sequences (B, L, in), ``Embedding`` and ``LayerNorm`` (last dimension): per-sample
+  gradients summed over positions, materialised (B, ·) by one batched product each (a small
+  Transformer's layers), then their norms and Σ_i c_i·g_i.
+
 Supported: models whose trainable parameters all belong to such modules, each called once per
 forward and its output not modified in place, with the default cross-entropy loss. :func:`supported`
 tells; anything else raises ``NotImplementedError`` before the backward and
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_LAYERS = (nn.Linear, nn.Conv2d, nn.GroupNorm)
+_LAYERS = (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.Embedding, nn.LayerNorm)
 
 MATERIALISE_COST = 40.0
 """Cost of one element of a materialised per-sample weight gradient (the batch folded into the groups
@@ -81,7 +85,8 @@ Finish = Callable[[torch.Tensor], dict[int, torch.Tensor]]
 
 
 def supported(model: nn.Module) -> bool:
-    """Whether every trainable parameter is owned by a Linear, Conv2d or GroupNorm module."""
+    """Whether every trainable parameter is owned by a Linear, Conv2d, GroupNorm, Embedding or
+    LayerNorm module."""
     owned = 0
     for m in model.modules():
         mine = [p for p in m.parameters(recurse=False) if p.requires_grad]
@@ -217,8 +222,10 @@ def _per_sample_weight_grad(
 def _linear(m: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, Finish]:
     """A Linear layer's squared per-sample norms (B,) from input a (B, in) and output gradient g
     (B, out), ‖g_i‖²‖a_i‖² (+ ‖g_i‖² for the bias), and its clipped sums (c∘G)ᵀA and Σ_i c_i g_i."""
+    if a.dim() == 3:
+        return _sequence_linear(m, a, g)
     if a.dim() != 2:
-        raise NotImplementedError("Linear on more than 2-D input")
+        raise NotImplementedError("Linear on more than 3-D input")
     w, b = _trainable(m, "weight"), _trainable(m, "bias")
     gg = _rowsq(g)  # (B,)
     sq = torch.zeros_like(gg)
@@ -359,6 +366,61 @@ def _group_norm(
     return sq, finish
 
 
+def _materialised(per: dict[int, torch.Tensor], B: int, g: torch.Tensor) -> tuple[torch.Tensor, Finish]:
+    """Squared norms and clipped sums of per-sample gradients held whole (``per``: id → (B, ...))."""
+    sq = sum((_rowsq(v) for v in per.values()), g.new_zeros(B))
+
+    def finish(c: torch.Tensor) -> dict[int, torch.Tensor]:
+        return {k: torch.tensordot(c, v, dims=1) for k, v in per.items()}
+
+    return sq, finish
+
+
+def _sequence_linear(m: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, Finish]:
+    """A Linear on sequences, a (B, L, in) and g (B, L, out) (attention's projections, a
+    Transformer's MLP): per-sample gradients summed over positions, the weight's G_iᵀA_i by one
+    batched product (B, out, in), the bias's Σ_pos g_i."""
+    w, b = _trainable(m, "weight"), _trainable(m, "bias")
+    per = {}
+    if w is not None:
+        per[id(w)] = torch.bmm(g.transpose(1, 2), a)  # (B, out, in)
+    if b is not None:
+        per[id(b)] = g.sum(1)  # (B, out)
+    return _materialised(per, a.shape[0], g)
+
+
+def _embedding(m: nn.Embedding, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, Finish]:
+    """An Embedding's per-sample weight gradient Σ_pos onehot(a_i,pos) ⊗ g_i,pos (B, V, D), by one
+    batched product of the one-hot rows with g."""
+    if m.max_norm is not None or m.sparse:
+        raise NotImplementedError("Embedding with max_norm or sparse gradients")
+    w = _trainable(m, "weight")
+    B = a.shape[0]
+    idx = a.reshape(B, -1).long()  # (B, L)
+    onehot = F.one_hot(idx, m.num_embeddings).to(g.dtype)  # (B, L, V)
+    if m.padding_idx is not None:
+        onehot[..., m.padding_idx] = 0
+    per = {} if w is None else {id(w): torch.bmm(onehot.transpose(1, 2), g.reshape(B, idx.shape[1], -1))}
+    return _materialised(per, B, g)
+
+
+def _layer_norm(m: nn.LayerNorm, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, Finish]:
+    """An affine LayerNorm over the last dimension: per-sample Σ_pos x̂·g (weight) and Σ_pos g (bias)."""
+    if len(m.normalized_shape) != 1:
+        raise NotImplementedError("LayerNorm over more than the last dimension")
+    w, b = _trainable(m, "weight"), _trainable(m, "bias")
+    B, D = a.shape[0], a.shape[-1]
+    g3 = g.reshape(B, -1, D)
+    per = {}
+    if w is not None:
+        x = a.reshape(B, -1, D)
+        var, mean = torch.var_mean(x, dim=-1, keepdim=True, unbiased=False)
+        per[id(w)] = (g3 * (x - mean) * torch.rsqrt(var + m.eps)).sum(1)  # (B, D)
+    if b is not None:
+        per[id(b)] = g3.sum(1)
+    return _materialised(per, B, g)
+
+
 @dataclass(frozen=True)
 class LayerGrad:
     """One trained layer after the book-keeping backward: its input, its output's gradient and, for a
@@ -411,6 +473,10 @@ def layer_part(layer: LayerGrad, conv_form: ConvForm | None = None) -> tuple[tor
         return _linear(m, a, g)
     if isinstance(m, nn.Conv2d):
         return _conv(m, a, g, conv_form)
+    if isinstance(m, nn.Embedding):
+        return _embedding(m, a, g)
+    if isinstance(m, nn.LayerNorm):
+        return _layer_norm(m, a, g)
     assert isinstance(m, nn.GroupNorm) and layer.stats is not None
     return _group_norm(m, a, g, layer.stats)
 

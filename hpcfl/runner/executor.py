@@ -77,6 +77,9 @@ class ClientExecutor:
     ) -> Iterator[Outcome]:
         """Each participant's outcome, in ``mine`` order (``get`` reads a client state)."""
         batched = bool(mine) and self.setting != 1 and trainer is not None
+        if batched and trainer is not None and (why := unbatchable(trainer.flat.model)) is not None:
+            self._say(f"client_batch: the model trains its clients one by one ({why})")
+            batched = False
         size = self.group_size(algo, trainer, data(mine[0])) if batched else 1
         if size == 1 or trainer is None:
             for k in mine:
@@ -170,6 +173,17 @@ def resolve_client_batch(
     if rank == 0 and size > 1:
         log.warning("hpcfl: client_batch auto: groups of %d (%s)", size, why)
     return size
+
+
+def unbatchable(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot train clients as one vectorised group, or None when it can."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.RNNBase):
+            return (
+                f"{name} is an {type(module).__name__}: torch.func.vmap has no batching rule for "
+                "aten::lstm/gru/rnn and cannot loop over per-client weights"
+            )
+    return None
 
 
 def auto_client_batch(

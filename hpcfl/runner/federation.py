@@ -108,7 +108,13 @@ class Federation:
     def build_model(self, input_shape: tuple[int, int, int]) -> torch.nn.Module:
         """The configured model for ``input_shape``, initialised from the run's seed, on the device."""
         torch.manual_seed(self.cfg.seed)
-        model = build_model(self.cfg.model, input_shape, self.dataset.num_classes, **self.cfg.model_options)
+        model = build_model(
+            self.cfg.model,
+            input_shape,
+            self.dataset.num_classes,
+            vocab_size=self.dataset.vocab_size,
+            **self.cfg.model_options,
+        )
         return model.to(self.device)
 
     def model_plan(self) -> RoundPlan:
@@ -336,7 +342,13 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         parts, client_eval = split_clients(parts, cfg.client_eval, cfg.seed, salt=CLIENT_EVAL_SALT)
     owned = place_clients([int(p.numel()) for p in parts], comm.size)[comm.rank]
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, dataset.input_shape, dataset.num_classes, **cfg.model_options).to(device)
+    model = build_model(
+        cfg.model,
+        dataset.input_shape,
+        dataset.num_classes,
+        vocab_size=dataset.vocab_size,
+        **cfg.model_options,
+    ).to(device)
     flat = FlatModel(model)
     schedule = schedule_of(cfg)
     population = Population(tuple(int(p.numel()) for p in parts))
