@@ -87,13 +87,18 @@ Finish = Callable[[torch.Tensor], dict[int, torch.Tensor]]
 def supported(model: nn.Module) -> bool:
     """Whether every trainable parameter is owned by a Linear, Conv2d, GroupNorm, Embedding or
     LayerNorm module."""
-    owned = 0
-    for m in model.modules():
-        mine = [p for p in m.parameters(recurse=False) if p.requires_grad]
-        if mine and not isinstance(m, _LAYERS):
-            return False
-        owned += len(mine)
-    return owned == sum(1 for p in model.parameters() if p.requires_grad)
+    return not unsupported_layers(model)
+
+
+def unsupported_layers(model: nn.Module) -> list[str]:
+    """The type names of the modules owning trainable parameters that this path does not cover
+    (sorted, each once): what the fallback's note names."""
+    names = {type(m).__name__ for m in model.modules() if _owns_trainable(m) and not isinstance(m, _LAYERS)}
+    return sorted(names)
+
+
+def _owns_trainable(m: nn.Module) -> bool:
+    return any(p.requires_grad for p in m.parameters(recurse=False))
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

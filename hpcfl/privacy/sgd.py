@@ -18,6 +18,7 @@ layer) where the model allows, else from ``vmap`` per-sample gradients, chunk by
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ from hpcfl.training.sgd import (
 )
 
 OPACUS_EPS = 1e-6  # the constant Opacus adds to per-sample norms in its clip factor
+log = logging.getLogger("hpcfl.privacy")
 
 
 def clipped_grad_sum(
@@ -57,12 +59,26 @@ def clipped_grad_sum(
     maps) for Linear/Conv2d/GroupNorm models with the default loss (its losses come back as the batch
     mean repeated: the same sum), ``vmap`` per-sample gradients otherwise.
     """
-    if loss_fn is cross_entropy_loss and x.shape[0] and ghost.supported(model):
-        try:
-            return ghost.hooked_clipped_grad_sum(model, x, y, clip, out, OPACUS_EPS)
-        except NotImplementedError:
-            pass
+    if loss_fn is cross_entropy_loss and x.shape[0]:
+        uncovered = ghost.unsupported_layers(model)
+        if not uncovered:
+            try:
+                return ghost.hooked_clipped_grad_sum(model, x, y, clip, out, OPACUS_EPS)
+            except NotImplementedError:
+                pass
+        elif type(model) not in _NOTED:  # once per model class and process: the run's log says it
+            _NOTED.add(type(model))
+            recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+            log.warning(
+                "DP-SGD: the book-keeping per-sample path does not cover %s layers; computing per-sample "
+                "gradients with %s for the whole model (slower, same result)",
+                ", ".join(uncovered),
+                "a per-sample loop (vmap cannot batch recurrent layers)" if recurrent else "vmap",
+            )
     return vmap_clipped_grad_sum(model, loss_fn, x, y, clip, out)
+
+
+_NOTED: set[type] = set()
 
 
 def vmap_clipped_grad_sum(
@@ -97,6 +113,8 @@ def joint_clipped_grad_sums(
         return functional_call(wrapped, {**prm, **buffers}, (xi[None], yi[None]))
 
     per_sample = vmap(grad_and_value(one), in_dims=(None, 0, 0))
+    if any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        per_sample = _looped(grad_and_value(one))  # vmap has no batching rule for recurrent layers
     prefixed = [{f"model.{n}": p for n, p in prm.items()} for prm in params]
     for out in outs:
         out.zero_()
@@ -121,6 +139,17 @@ def joint_clipped_grad_sums(
     if not losses:
         return outs[0].new_zeros(0), outs[0].new_zeros(0)
     return torch.cat(losses), torch.cat(norms)
+
+
+def _looped(fn):  # noqa: ANN001, ANN202 - the per-sample function's shape, without vmap
+    """``vmap(fn, in_dims=(None, 0, 0))``'s result computed one sample at a time (stacked)."""
+
+    def run(prm: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor):  # noqa: ANN202
+        each = [fn(prm, xi, yi) for xi, yi in zip(xs, ys, strict=True)]
+        grads = {n: torch.stack([g[n] for g, _ in each]) for n in each[0][0]}
+        return grads, torch.stack([v for _, v in each])
+
+    return run
 
 
 def parameters_of(flat: FlatModel, state: torch.Tensor) -> dict[str, torch.Tensor]:
