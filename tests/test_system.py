@@ -231,6 +231,58 @@ def test_fednova_is_not_fedavg_under_unequal_work_but_is_under_equal_work(tmp_pa
     assert (runs["fedavg", "unequal"] - runs["fednova", "unequal"]).abs().max() > 1e-4
 
 
+def test_fednova_uploads_sum_to_the_same_bits_on_one_rank_and_on_two() -> None:
+    """Unequal work (issue 51): the round's float64 sum of FedNova's uploads, rounded once, does not
+    depend on how the participants are split over ranks. 8 participants of 1-5 plain SGD steps and
+    unequal sizes, 200,000 parameters of either sign, all added on one rank or 4 + 4 on two (each
+    rank's running sum, then the allreduce's addition): every sum equal bit for bit. With the weight
+    n_k/‖a_k‖₁ (before issue 51) the products rounded in float64, and where the terms nearly cancel
+    the rounded sums differed (3 parameters here, a third of an MLP's after a few rounds)."""
+    from torch import nn
+
+    from hpcfl.algorithms import FedNova, Trainer
+    from hpcfl.algorithms.base import ClientData, ClientState, ServerState
+    from hpcfl.runner.buffer import BufferLayout
+    from hpcfl.runner.rounds import _accumulate
+    from hpcfl.training import FlatModel
+    from hpcfl.training.layout import StateLayout
+    from hpcfl.training.sgd import LocalResult
+    from tests.helpers import client_ctx
+
+    model = nn.Linear(1000, 200)
+    algo = FedNova(FedNova.Params(), layout=StateLayout.of_model(model))
+    trainer = Trainer(FlatModel(model), LocalSchedule(lr=0.1, batch_size=8, steps=1, momentum=0.0))
+    ex = algo.exchange(torch.float32)
+    layout = BufferLayout.of([(f"sum:{s.name}", s.length) for s in ex.sums] + [("weight", 1), ("count", 1)])
+    g = torch.Generator().manual_seed(0)
+    server = ServerState(x=torch.zeros(algo.state_size))
+    uploads = []
+    for k, (n, steps) in enumerate(
+        zip((37, 50, 61, 23, 90, 45, 77, 30), (1, 3, 5, 2, 3, 5, 1, 3), strict=True)
+    ):
+        data = ClientData(k, torch.zeros(n, 1000), torch.zeros(n, dtype=torch.long))
+        task = algo.local_task(server, ClientState(), data, client_ctx(trainer))
+        y = 0.1 * torch.randn(algo.state_size, generator=g)
+        uploads.append(task.finish(y, LocalResult(loss=0.0, steps=steps, finite=True))[0])
+
+    def summed(groups: list[list[int]]) -> torch.Tensor:
+        bufs = [layout.allocate(torch.float64, torch.device("cpu")) for _ in groups]
+        for buf, group in zip(bufs, groups, strict=True):
+            for i in group:
+                _accumulate(uploads[i], layout, buf, ex, torch.float64, i, frozenset())
+        total = bufs[0]
+        for buf in bufs[1:]:
+            total = total + buf
+        return total
+
+    one, two = summed([list(range(8))]), summed([[0, 2, 4, 6], [1, 3, 5, 7]])
+    for s in ex.sums:
+        assert torch.equal(
+            layout.view(one, f"sum:{s.name}").float(), layout.view(two, f"sum:{s.name}").float()
+        )
+    assert float(layout.view(one, "weight")) == float(layout.view(two, "weight"))
+
+
 @pytest.mark.parametrize("algorithm", ["fedprox", "scaffold", "fednova"])
 def test_client_batch_under_unequal_work_equals_one_by_one(tmp_path: Path, algorithm: str) -> None:
     system = {"work": {"kind": "uniform", "low": 1, "high": 3}, "dropout": {"probability": 0.2}}

@@ -5,7 +5,8 @@ The algorithm declares its round (:meth:`~hpcfl.algorithms.Algorithm.exchange`,
 algorithm:
 
 1. the participants are drawn from a generator that depends only on (seed, stage, round) and placed
-   on ranks balanced by sample count (any rank can train any client);
+   on ranks balanced by sample count (any rank can train any client; participants that drop out
+   under ``system.dropout`` are placed too, then left out, so a client keeps its rank);
 2. each rank runs its participants' local updates (one by one, or ``client_batch`` at a time as one
    vectorised step: :mod:`hpcfl.runner.executor`) and adds their uploads into one buffer
    (:class:`~hpcfl.runner.buffer.BufferLayout`); with ``reduction: float64`` it accumulates in
@@ -256,7 +257,7 @@ def run_rounds(
         t0 = time.perf_counter()
         # 1. who trains (the drawn participants but those that drop out this round), and where
         who, system = _draw_round(plan, rnd, round_offset)
-        mine = place_round(who, [plan.population.sizes[k] for k in who], comm.size)[comm.rank]
+        mine = _placed(plan, who, system, comm.rank, comm.size)
         layout = round_layout(plan, len(who), dtype, observers)
         buf = layout.allocate(bdtype, server.x.device)
         writes_row = (rnd + 1) % plan.eval_every == 0 or rnd + 1 == stop
@@ -376,6 +377,19 @@ def _draw_round(plan: RoundPlan, rnd: int, round_offset: int) -> tuple[tuple[int
             "section (dropout probability, trace or dropped stragglers); lower the dropout or fix the trace"
         )
     return who, system
+
+
+def _placed(
+    plan: RoundPlan, who: tuple[int, ...], system: RoundSystem | None, rank: int, size: int
+) -> list[int]:
+    """The participants ``rank`` trains this round (sorted ids): every DRAWN participant is placed
+    (balanced by sample count), then the dropped ones are taken out. Placing only those that arrived
+    would move a client to another rank whenever someone else drops out, and a client whose state is
+    held in memory (full participation) would then train on a rank that does not hold its state."""
+    dropped = system.dropped if system is not None else ()
+    drawn = who + dropped
+    placed = place_round(drawn, [plan.population.sizes[k] for k in drawn], size)[rank]
+    return [k for k in placed if k not in dropped] if dropped else placed
 
 
 def _client_context(
