@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from hpcfl.algorithms.base import Algorithm, HyperParams
+from hpcfl.algorithms.base import HyperParams
 from hpcfl.algorithms.system import SystemSection, validate_system
 from hpcfl.errors import ConfigError, suggest
 from hpcfl.files import read_yaml as read_yaml  # where it lives (light); named here for callers
@@ -436,7 +436,6 @@ def validate(cfg: Config) -> None:
         num_clients=cfg.num_clients,
         local_epochs=cfg.local_epochs,
         local_steps=cfg.local_steps,
-        rounds=cfg.rounds if ALGORITHMS[cfg.algorithm].stages is Algorithm.stages else None,
         private=cfg.privacy.enabled,
     )
     _validate_evaluation(cfg)

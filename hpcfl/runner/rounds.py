@@ -251,8 +251,8 @@ def run_rounds(
         plan.client_batch, rank=comm.rank, largest=max(plan.population.sizes, default=1)
     )
     done = start
-    for rnd in range(start, stop) if plan.system is not None else ():
-        _draw_round(plan, rnd, round_offset)  # dropouts are known up front: refuse before any work
+    for rnd in _drawn_up_front(plan, start, stop, round_offset):
+        _draw_round(plan, rnd, round_offset)  # refuses a round whose every participant drops out
     for rnd in range(start, stop):
         t0 = time.perf_counter()
         # 1. who trains (the drawn participants but those that drop out this round), and where
@@ -358,6 +358,17 @@ def _finite(state: ClientState) -> bool:
         for f in fields(state)
         if isinstance(v := getattr(state, f.name), torch.Tensor) and v.is_floating_point()
     )
+
+
+def _drawn_up_front(plan: RoundPlan, start: int, stop: int, round_offset: int) -> list[int]:
+    """The rounds whose ``system`` draw is made before any work, so that a round in which every
+    participant drops out is refused before the first round: the first one (stragglers all dropped)
+    and those the dropout trace names (a trace that empties a round). The others are drawn as they
+    come: drawing 10,000 rounds of 100 participants up front took 30 s, deaf to SIGTERM."""
+    if plan.system is None or start >= stop:
+        return []
+    named = {r - round_offset - 1 for r, _ in plan.system.trace}
+    return sorted({start} | {r for r in named if start <= r < stop})
 
 
 def _draw_round(plan: RoundPlan, rnd: int, round_offset: int) -> tuple[tuple[int, ...], RoundSystem | None]:
