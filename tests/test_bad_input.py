@@ -42,6 +42,7 @@ def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
         ("stage2.solverr=primal", ("stage2.solverr", "stage2.solver")),
         ("client_batch=0", ("client_batch", "auto or a positive integer")),
         ("client_batch=all", ("client_batch", "auto or a positive integer")),
+        ("client_batch=2.5", ("client_batch", "auto or a positive integer")),
         ("params=[1]", ("config key 'params' must be a mapping of scaffold hyper-parameters, got [1]",)),
         ("params=5", ("config key 'params' must be a mapping of scaffold hyper-parameters, got 5",)),
         ("seed=1e30", ("config key 'seed' must be an integer in [0, 2**63 - 1], got 1e+30",)),
@@ -82,6 +83,18 @@ def test_synthetic_sizes_from_yaml_strings_and_beyond_memory(tmp_path, capsys, m
         "synthetic n_train=1000000, n_test=400 of 784 features need at least 5.8 GiB, more than the 1.0 GiB",
         "use smaller dataset_options sizes",
     )
+
+
+def test_client_batch_reads_an_integer_in_any_spelling(tmp_path):
+    """``client_batch: 2e3`` (a string to YAML 1.1) is the group size 2000, as every other integer
+    key reads it (issue 51: it alone refused it)."""
+    from hpcfl.config import load_config
+    from hpcfl.units import parse_client_batch
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(synthetic_config(tmp_path).read_text() + "client_batch: 2e3\n")
+    assert parse_client_batch(load_config(cfg).client_batch) == 2000
+    assert parse_client_batch(" AUTO ") == "auto" and parse_client_batch(3) == 3
 
 
 def test_malformed_yaml(tmp_path, capsys):
