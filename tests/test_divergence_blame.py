@@ -81,7 +81,7 @@ def test_a_plugin_server_step_making_nan_is_named_not_the_learning_rate(tmp_path
         ),
         (["algorithm=feddyn", "params.alpha=1e30"], "lower the learning rate (lr is 0.05), or params.alpha (1e+30)"),
         # issue 51: a huge proximal or regulariser weight diverges the local steps as a huge lr does
-        (["algorithm=ditto", "params.lam=1e6"], "lower the learning rate (lr is 0.05), or params.lam (1e+06)"),
+        (["algorithm=ditto", "params.lam=1e6", "client_eval=0.2"], "lower the learning rate (lr is 0.05), or params.lam (1e+06)"),
         (["algorithm=fedprox", "params.mu=1e6"], "lower the learning rate (lr is 0.05), or params.mu (1e+06)"),
         (
             ["algorithm=feduv", "params.variance_weight=1e30", "params.uniformity_weight=1e30"],

@@ -374,6 +374,23 @@ def test_a_personalised_search_is_chosen_by_the_clients_own_models_on_their_vali
     assert {float(r["lr"]): float(r["val_last2_mean"]) for r in selection} == pytest.approx(val, abs=1e-12)
 
 
+def test_a_personalised_search_without_client_eval_says_what_it_is_chosen_by(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``client_eval`` a personalised method's clients' own models are never scored, so its
+    search is chosen by the server model's ``val_accuracy`` (issue 51: silently); one note per such
+    method says so when the sweep is planned, none where client_eval is set or for FedAvg."""
+    cfg = synthetic_config(tmp_path, rounds=1, num_clients=4)
+    argv = ["sweep", str(cfg), "--search", "lr=0.01,0.1", "--dry-run"]
+    grid = ["--grid", "algorithm=fedper,ditto,fedavg"]
+    assert main([*argv, "--out", str(tmp_path / "a"), *grid]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hpcfl: note: --search")]
+    assert [n.split()[4] for n in notes] == ["ditto's", "fedper's"]
+    assert all("add --set client_eval=0.2 to choose by personal_val_acc_mean" in n for n in notes)
+    assert main([*argv, "--out", str(tmp_path / "b"), *grid, "--set", "client_eval=0.2"]) == 0
+    assert "hpcfl: note: --search" not in capsys.readouterr().err
+
+
 def _all(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
