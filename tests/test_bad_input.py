@@ -97,6 +97,45 @@ def test_client_batch_reads_an_integer_in_any_spelling(tmp_path):
     assert parse_client_batch(" AUTO ") == "auto" and parse_client_batch(3) == 3
 
 
+def test_params_and_a_section_of_the_algorithm_setting_one_key_twice_are_refused(tmp_path, capsys):
+    """Issue 51: ``params:`` silently overrode the same key in the algorithm's own section (or a
+    legacy one, TCT's ``stage2:``) of the same file. Both given with different values is one line;
+    the same value, or different keys, is no conflict; ``--set`` still overrides the file."""
+    from hpcfl.config import load_config
+
+    cfg = synthetic_config(tmp_path, algorithm="fedprox", fedprox={"mu": 0.3}, params={"mu": 0.1})
+    argv = ["run", str(cfg), "--run-dir", str(tmp_path / "r")]
+    _fails_cleanly(capsys, argv, "config sets params.mu both in params: and in the fedprox: section")
+    tct = synthetic_config(
+        tmp_path, algorithm="tct", stage2={"lr": 0.001, "p": 50}, params={"stage2": {"lr": 0.002}}
+    )
+    _fails_cleanly(
+        capsys, ["run", str(tct)], "config sets params.stage2.lr both in params: and in the stage2:"
+    )
+    same = synthetic_config(
+        tmp_path, algorithm="fedprox", fedprox={"mu": 0.3, "weighting": "uniform"}, params={"mu": 0.3}
+    )
+    assert (load_config(same).params.mu, load_config(same).params.weighting) == (0.3, "uniform")
+    assert load_config(same, ["params.mu=0.2"]).params.mu == 0.2
+
+
+@pytest.mark.parametrize(
+    ("section", "fragment"),
+    [
+        ({"algorithm": "fedprox", "fedprox": {"muu": 1}}, "unknown config key 'fedprox.muu' (did you mean 'fedprox.mu'?)"),
+        ({"algorithm": "ditto", "ditto": {"lam": -1}}, "config key 'ditto.lam' (Ditto's λ) must be >= 0"),
+        ({"algorithm": "tct", "stage2": {"pp": 1}}, "unknown config key 'stage2.pp' (did you mean 'stage2.p'?)"),
+        ({"algorithm": "fedprox", "params": {"muu": 1}}, "unknown config key 'params.muu'"),
+    ],
+)  # fmt: skip
+def test_an_error_in_the_algorithms_own_section_names_that_section(tmp_path, capsys, section, fragment):
+    """Issue 51: an error in ``fedprox: {muu: 1}`` was reported as ``params.muu``, a key the user
+    never wrote; it names the section written (``params:`` errors stay ``params.``)."""
+    cfg = synthetic_config(tmp_path, **section)
+    line = _fails_cleanly(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r")], fragment)
+    assert ("'params." in line) == ("params" in section)
+
+
 def test_malformed_yaml(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rounds: [1, 2\nlr: 0.1\n")
