@@ -360,6 +360,25 @@ def test_a_personalised_run_without_client_eval_says_it_judges_the_server_model(
     )
 
 
+def test_status_of_a_personalised_run_shows_its_clients_own_models(tmp_path, capsys):
+    """``hpcfl status`` showed only the server model's test accuracy, which for FedPer is the shared
+    body with the initial head (issue 51); it shows the personal mean beside it (and in ``--json``)."""
+    rows, _ = _personal_run(tmp_path, "fedper", rounds=2)
+    capsys.readouterr()
+    assert main(["status", str(tmp_path / "fedper")]) == 0
+    progress = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("rounds"))
+    assert progress.startswith(
+        f"rounds   2/2  test accuracy {rows[-1]['test_accuracy']:.4f}  "
+        f"personal accuracy {rows[-1]['personal_acc_mean']:.4f} (client mean)"
+    )
+    assert main(["status", str(tmp_path / "fedper"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["personal_accuracy"] == rows[-1]["personal_acc_mean"]
+    _personal_run(tmp_path, "fedavg", rounds=1)
+    capsys.readouterr()
+    assert main(["status", str(tmp_path / "fedavg")]) == 0
+    assert "personal accuracy" not in capsys.readouterr().out
+
+
 def test_global_algorithms_have_no_personal_columns(tmp_path):
     rows, clients = _personal_run(tmp_path, "fedavg")
     assert "personal_acc_mean" not in rows[-1]
