@@ -264,6 +264,30 @@ def test_rerunning_a_finished_sweep_runs_nothing(
 # failures, status, extension
 
 
+def test_report_of_a_sweep_stopped_before_a_whole_column_ran_warns_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sweep killed mid-way can leave a column of the table with no finished point: its panel of
+    curves.png had no lines and matplotlib warned "No artists with labels found to put in legend"
+    (issue 51). The panel says so, the legend holds every method drawn, and nothing is warned."""
+    import warnings
+
+    cfg = synthetic_config(tmp_path, rounds=2, algorithm="fedavg", num_clients=4)
+    out = tmp_path / "sweep"
+    assert (
+        main(["sweep", str(cfg), "--out", str(out), "--grid", "lr=0.01,0.05", "partition=iid,dir:0.5"]) == 0
+    )
+    for run in (out / "runs").glob("*partition=dir-0.5*"):  # as if killed before these began
+        (run / "DONE").unlink()
+        (run / "metrics.jsonl").unlink()
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["report", str(out)]) == 0
+    assert (out / "report" / "curves.png").stat().st_size > 0
+    assert "| 0.05 | " in capsys.readouterr().out
+
+
 def test_failed_point_is_recorded_and_the_sweep_goes_on(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
