@@ -10,13 +10,14 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from hpcfl.algorithms.base import Algorithm, HyperParams
+from hpcfl.algorithms.base import HyperParams
 from hpcfl.algorithms.system import SystemSection, validate_system
 from hpcfl.errors import ConfigError, suggest
 from hpcfl.files import read_yaml as read_yaml  # where it lives (light); named here for callers
@@ -145,6 +146,35 @@ def _validate_legacy(owner: str, key: str, value: Any) -> None:
     _build(cls, value, prefix=f"{key}.")
 
 
+def _both_set(section: Any, params: Any, prefix: str = "") -> list[str]:
+    """The dotted keys a legacy section and ``params`` both set, to different values."""
+    if not isinstance(section, dict) or not isinstance(params, dict):
+        return [] if section is None or params is None or section == params else [prefix.rstrip(".")]
+    out = []
+    for key in section.keys() & params.keys():
+        a, b = section[key], params[key]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _both_set(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return sorted(out)
+
+
+def params_prefix(sources: Sequence[dict[str, Any]], algorithm: str) -> str:
+    """How the user named the running algorithm's hyper-parameters, for error messages: ``params.``
+    unless every source gives them through one legacy section alone (``fedprox: {mu: ..}`` →
+    ``fedprox.``; a section that is a params field, TCT's ``stage2:``, → no prefix), so an error in
+    that section names the key the user wrote."""
+    named = set()
+    for source in sources:
+        if "params" in source:
+            return "params."
+        for key, owner in legacy_sections().items():
+            if owner == algorithm and key in source:
+                named.add("" if _legacy_target(owner, key)[1] else f"{key}.")
+    return named.pop() if len(named) == 1 else "params."
+
+
 def migrate(data: dict[str, Any], algorithm: str | None = None) -> dict[str, Any]:
     """Move the legacy per-algorithm sections into ``params`` (those of other algorithms are
     dropped: older run directories saved every section, used or not)."""
@@ -162,7 +192,15 @@ def migrate(data: dict[str, Any], algorithm: str | None = None) -> dict[str, Any
         if algorithm != owner:
             _validate_legacy(owner, key, value)  # unused here, but a typo is still named
             continue
-        if _legacy_target(owner, key)[1]:
+        field = _legacy_target(owner, key)[1]
+        both = _both_set(value, params.get(key) if field else params)
+        if both:
+            shown = ", ".join(f"params.{key + '.' if field else ''}{k}" for k in both)
+            raise ConfigError(
+                f"config sets {shown} both in params: and in the {key}: section, with different values; "
+                f"give each once (the {key}: section's value would be silently overridden)"
+            )
+        if field:
             params[key] = merge(value or {}, params.get(key) or {}) if isinstance(value, dict) else value
         elif isinstance(value, dict):
             params = merge(value, params)
@@ -306,7 +344,12 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     closest valid one; wrong type: one line); legacy sections are migrated first.
     """
     import_modules(data.get("imports"))
-    data = migrate(data)
+    prefix = params_prefix([data], str(data.get("algorithm", Config.algorithm)))
+    return _config_from(migrate(data), prefix)
+
+
+def _config_from(data: dict[str, Any], prefix: str) -> Config:
+    """:func:`config_from_dict` of a migrated dict; ``prefix``: :func:`params_prefix`."""
     cfg = _build(Config, data)
     if cfg.algorithm not in ALGORITHMS:
         from hpcfl.errors import unknown
@@ -320,7 +363,14 @@ def config_from_dict(data: dict[str, Any]) -> Config:
             f"config key 'params' must be empty: {cfg.algorithm} takes no hyper-parameters, got "
             f"{', '.join(map(str, raw))} (--set params={{}} clears a config file's params)"
         )
-    cfg.params = _build(ALGORITHMS[cfg.algorithm].Params, raw, prefix="params.")
+    try:
+        cfg.params = _build(ALGORITHMS[cfg.algorithm].Params, raw, prefix="params.")
+    except ConfigError as err:
+        if prefix == "params.":
+            raise
+        raise ConfigError(
+            str(err).replace("'params.", f"'{prefix}").replace(" params.", f" {prefix}")
+        ) from None
     validate(cfg)
     return cfg
 
@@ -349,7 +399,9 @@ def load_config(
         data["name"] = Path(path).stem
     extra = merge(parse_overrides(overrides), nest(values or {}))
     algorithm = str(extra.get("algorithm", data.get("algorithm", Config.algorithm)))
-    return config_from_dict(merge(migrate(data, algorithm), migrate(extra, algorithm)))
+    merged = merge(migrate(data, algorithm), migrate(extra, algorithm))
+    import_modules(merged.get("imports"))
+    return _config_from(migrate(merged), params_prefix([data, extra], algorithm))
 
 
 def load_cli_config(
@@ -446,7 +498,6 @@ def validate(cfg: Config) -> None:
         num_clients=cfg.num_clients,
         local_epochs=cfg.local_epochs,
         local_steps=cfg.local_steps,
-        rounds=cfg.rounds if ALGORITHMS[cfg.algorithm].stages is Algorithm.stages else None,
         private=cfg.privacy.enabled,
         asynchronous=ALGORITHMS[cfg.algorithm].asynchronous,
     )

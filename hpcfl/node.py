@@ -72,20 +72,27 @@ def allowed_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def _cpu_ticks(cores: list[int]) -> tuple[int, int] | None:
-    """(busy, total) clock ticks of ``cores`` so far, from /proc/stat's per-CPU lines (None: unreadable)."""
+def _cpu_ticks(cores: list[int], stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(busy, total) clock ticks of ``cores`` so far, from /proc/stat's per-CPU lines (None:
+    unreadable, or a wanted line without the four numbers user, nice, system and idle: a sandbox's
+    or an emulator's /proc/stat is no measurement, and this runs before any command)."""
     wanted = {f"cpu{c}" for c in cores}
     busy = total = 0
     try:
-        lines = Path("/proc/stat").read_text().splitlines()
-    except OSError:
+        lines = stat.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
         return None
     for line in lines:
         name, _, rest = line.partition(" ")
         if name in wanted:
-            ticks = [int(v) for v in rest.split()]
+            try:
+                ticks = [int(v) for v in rest.split()[:8]]
+            except ValueError:
+                return None
+            if len(ticks) < 4:
+                return None
             idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-            busy, total = busy + sum(ticks[:8]) - idle, total + sum(ticks[:8])
+            busy, total = busy + sum(ticks) - idle, total + sum(ticks)
     return (busy, total) if total else None
 
 

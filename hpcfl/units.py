@@ -51,15 +51,12 @@ def parse_memory_budget(value: Any, key: str = "client_state_memory") -> int | s
 
 
 def parse_client_batch(value: Any, key: str = "client_batch") -> int | str:
-    """``auto`` or a positive group size."""
+    """``auto`` or a positive group size, in any spelling :func:`as_integer` reads (``2e3``)."""
     text = str(value).strip().lower()
     if text == "auto":
         return "auto"
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != text:
+    n = as_integer(text)
+    if n is None or n < 1:
         raise ConfigError(f"config key {key!r} must be auto or a positive integer, got {value!r}")
     return n
 

@@ -42,6 +42,7 @@ def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
         ("stage2.solverr=primal", ("stage2.solverr", "stage2.solver")),
         ("client_batch=0", ("client_batch", "auto or a positive integer")),
         ("client_batch=all", ("client_batch", "auto or a positive integer")),
+        ("client_batch=2.5", ("client_batch", "auto or a positive integer")),
         ("params=[1]", ("config key 'params' must be a mapping of scaffold hyper-parameters, got [1]",)),
         ("params=5", ("config key 'params' must be a mapping of scaffold hyper-parameters, got 5",)),
         ("seed=1e30", ("config key 'seed' must be an integer in [0, 2**63 - 1], got 1e+30",)),
@@ -82,6 +83,57 @@ def test_synthetic_sizes_from_yaml_strings_and_beyond_memory(tmp_path, capsys, m
         "synthetic n_train=1000000, n_test=400 of 784 features need at least 5.8 GiB, more than the 1.0 GiB",
         "use smaller dataset_options sizes",
     )
+
+
+def test_client_batch_reads_an_integer_in_any_spelling(tmp_path):
+    """``client_batch: 2e3`` (a string to YAML 1.1) is the group size 2000, as every other integer
+    key reads it (issue 51: it alone refused it)."""
+    from hpcfl.config import load_config
+    from hpcfl.units import parse_client_batch
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(synthetic_config(tmp_path).read_text() + "client_batch: 2e3\n")
+    assert parse_client_batch(load_config(cfg).client_batch) == 2000
+    assert parse_client_batch(" AUTO ") == "auto" and parse_client_batch(3) == 3
+
+
+def test_params_and_a_section_of_the_algorithm_setting_one_key_twice_are_refused(tmp_path, capsys):
+    """Issue 51: ``params:`` silently overrode the same key in the algorithm's own section (or a
+    legacy one, TCT's ``stage2:``) of the same file. Both given with different values is one line;
+    the same value, or different keys, is no conflict; ``--set`` still overrides the file."""
+    from hpcfl.config import load_config
+
+    cfg = synthetic_config(tmp_path, algorithm="fedprox", fedprox={"mu": 0.3}, params={"mu": 0.1})
+    argv = ["run", str(cfg), "--run-dir", str(tmp_path / "r")]
+    _fails_cleanly(capsys, argv, "config sets params.mu both in params: and in the fedprox: section")
+    tct = synthetic_config(
+        tmp_path, algorithm="tct", stage2={"lr": 0.001, "p": 50}, params={"stage2": {"lr": 0.002}}
+    )
+    _fails_cleanly(
+        capsys, ["run", str(tct)], "config sets params.stage2.lr both in params: and in the stage2:"
+    )
+    same = synthetic_config(
+        tmp_path, algorithm="fedprox", fedprox={"mu": 0.3, "weighting": "uniform"}, params={"mu": 0.3}
+    )
+    assert (load_config(same).params.mu, load_config(same).params.weighting) == (0.3, "uniform")
+    assert load_config(same, ["params.mu=0.2"]).params.mu == 0.2
+
+
+@pytest.mark.parametrize(
+    ("section", "fragment"),
+    [
+        ({"algorithm": "fedprox", "fedprox": {"muu": 1}}, "unknown config key 'fedprox.muu' (did you mean 'fedprox.mu'?)"),
+        ({"algorithm": "ditto", "ditto": {"lam": -1}}, "config key 'ditto.lam' (Ditto's λ) must be >= 0"),
+        ({"algorithm": "tct", "stage2": {"pp": 1}}, "unknown config key 'stage2.pp' (did you mean 'stage2.p'?)"),
+        ({"algorithm": "fedprox", "params": {"muu": 1}}, "unknown config key 'params.muu'"),
+    ],
+)  # fmt: skip
+def test_an_error_in_the_algorithms_own_section_names_that_section(tmp_path, capsys, section, fragment):
+    """Issue 51: an error in ``fedprox: {muu: 1}`` was reported as ``params.muu``, a key the user
+    never wrote; it names the section written (``params:`` errors stay ``params.``)."""
+    cfg = synthetic_config(tmp_path, **section)
+    line = _fails_cleanly(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r")], fragment)
+    assert ("'params." in line) == ("params" in section)
 
 
 def test_malformed_yaml(tmp_path, capsys):

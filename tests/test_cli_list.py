@@ -47,3 +47,29 @@ def test_schema_of_an_unknown_algorithm_is_one_line(capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("hpcfl: error: unknown algorithm 'fedprx'")
     assert "did you mean 'fedprox'" in err[0]
+
+
+def test_schema_of_a_plugin_registered_through_imports(capsys, tmp_path, monkeypatch) -> None:
+    """Issue 51: a plugin registered by a module (a config's ``imports:``) had no schema; ``--imports
+    MODULE`` imports it first, from the working directory as a run does, and the printed config
+    keeps the import, so it runs as it is. Without it, the unknown name says how."""
+    import sys
+
+    (tmp_path / "mine_51.py").write_text(
+        "import dataclasses\n\nimport hpcfl\nfrom hpcfl.algorithms import FedAvg\n\n\n"
+        "@dataclasses.dataclass(frozen=True)\nclass P(FedAvg.Params):\n    boost: float = 1.5\n\n\n"
+        "@hpcfl.register_algorithm\nclass Mine(FedAvg):\n    name = 'mine_51'\n    Params = P\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["list", "--schema", "mine_51"]) != 0
+    assert "--imports MODULE" in capsys.readouterr().err
+    try:
+        assert main(["list", "--schema", "mine_51", "--imports", "mine_51"]) == 0
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["imports"] == ["mine_51"] and printed["params"]["boost"] == 1.5
+        assert config_from_dict(printed).to_dict() == printed
+        assert main(["list", "--imports", "mine_51"]) == 0
+        assert "mine_51" in capsys.readouterr().out
+    finally:
+        ALGORITHMS._registered.pop("mine_51", None)
+        sys.modules.pop("mine_51", None)

@@ -19,6 +19,12 @@ plugged in, is checked without its author editing this file:
 - with system heterogeneity on (:data:`SYSTEM`: local steps drawn per participant and round, a
   quarter of the participants dropping out), a stopped and resumed run is bit-identical to an
   uninterrupted one, 1 and 2 ranks agree bit for bit, and the bytes are those of what arrived;
+- under FULL participation with the same system section (:func:`full_config`: 12 clients, so the
+  arrivals change how the round would be balanced over ranks; client states held in memory, as
+  ``auto`` keeps them when each client keeps its rank), 1 and 2 ranks agree bit for bit: the final
+  state, the clients' own models and every client state in the last checkpoint (a client trained
+  on a rank that does not hold its state would silently start from a fresh one), and FedNova's sum
+  of unequal-work uploads does not depend on the placement;
 - a personalised algorithm's run evaluates each client's own model on its held-out share
   (``client_eval``), and those per-client accuracies are bit-identical across the resumes and ranks
   above as well;
@@ -81,6 +87,7 @@ BASE: dict[str, Any] = dict(
 #: each participant dropping out with probability 1/4 (seed 5: rounds 1 and 2 both lose participants)
 SYSTEM: dict[str, Any] = {"work": {"kind": "uniform", "low": 1, "high": 3}, "dropout": {"probability": 0.25}}
 HETERO = "+system"  # the suffix of a heterogeneous run's name
+FULL = "+full"  # the suffix of a heterogeneous run under full participation (:func:`full_config`)
 
 
 def example_params(cls: type[Algorithm]) -> Any:
@@ -142,18 +149,40 @@ def hetero_config(name: str, **extra: Any) -> dict[str, Any]:
     return contract_config(name, system=SYSTEM, **extra)
 
 
+def full_config(name: str, **extra: Any) -> dict[str, Any]:
+    """The run of ``name`` with :data:`SYSTEM` under FULL participation: 12 clients (480 samples),
+    every one drawn each round, a quarter dropping out, plain local SGD (momentum 0: FedNova's
+    step norms ‖a_k‖₁ are then the step counts 1-3, and the sums of its weighted uploads on 1 and 2
+    ranks differed on this seed before issue 51). Which clients arrive changes every round, so a
+    placement of the arrivals alone would move clients between ranks."""
+    options = {**BASE["dataset_options"], "n_train": 480}
+    return contract_config(
+        name,
+        system=SYSTEM,
+        clients_per_round=None,
+        num_clients=12,
+        momentum=0.0,
+        dataset_options=options,
+        **extra,
+    )
+
+
+#: the config of each variant of the contract run, by its run-name suffix
+VARIANTS = {"": contract_config, HETERO: hetero_config, FULL: full_config}
+
+
 class Runs:
     """The reference run of every algorithm (in this process, memory store), computed once; with
-    ``hetero``, its run with system heterogeneity on."""
+    ``hetero``, its run with system heterogeneity on; with ``variant``, that of :data:`VARIANTS`."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self._done: dict[str, RunResult] = {}
 
-    def reference(self, name: str, *, hetero: bool = False) -> RunResult:
-        key = name + HETERO if hetero else name
+    def reference(self, name: str, *, hetero: bool = False, variant: str = "") -> RunResult:
+        key = name + (HETERO if hetero else variant)
         if key not in self._done:
-            cfg = hetero_config(name) if hetero else contract_config(name)
+            cfg = VARIANTS[HETERO if hetero else variant](name)
             self._done[key] = run_experiment(config_from_dict(cfg), self.root / key)
         return self._done[key]
 
@@ -460,8 +489,7 @@ def test_kill_9_with_states_on_disk_resumes_bit_identically(runs: Runs, killed, 
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every algorithm's run on 2 MPI ranks (one mpiexec for all of them)."""
     tmp = tmp_path_factory.mktemp("contract_ranks")
-    runs = {name: contract_config(name) for name in NAMES}
-    runs.update({name + HETERO: hetero_config(name) for name in NAMES})
+    runs = {name + suffix: config(name) for suffix, config in VARIANTS.items() for name in NAMES}
     (tmp / "runs.json").write_text(json.dumps(runs))
     argv = [
         MPIEXEC,
@@ -494,6 +522,32 @@ def test_heterogeneous_one_rank_and_two_ranks_are_bit_identical(
     reference = runs.reference(name, hetero=True)
     assert torch.equal(final_state(two_ranks / (name + HETERO)), reference.server.x)
     assert _rows_without_timing(_rows(two_ranks / (name + HETERO))) == _rows_without_timing(reference.metrics)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", NAMES)
+def test_full_participation_with_dropout_one_rank_and_two_ranks_are_bit_identical(
+    runs: Runs, two_ranks: Path, name: str
+) -> None:
+    """Dropouts under full participation (:func:`full_config`): the same final state, clients' own
+    models, rows and client states on 1 and 2 ranks."""
+    reference = runs.reference(name, variant=FULL)
+    assert any(r.get("dropped") for r in reference.metrics), "full_config drops no one: change its seed"
+    run_dir = two_ranks / (name + FULL)
+    assert torch.equal(final_state(run_dir), reference.server.x)
+    assert _personal(run_dir) == _personal(reference.run_dir)
+    assert _rows_without_timing(_rows(run_dir)) == _rows_without_timing(reference.metrics)
+    assert _client_files(run_dir).keys() == _client_files(reference.run_dir).keys()
+    for k, saved in _client_files(reference.run_dir).items():
+        assert _same(_client_files(run_dir)[k], saved), f"{name}: client {k}'s state differs on 2 ranks"
+
+
+def _client_files(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Every client state the newest checkpoint of ``run_dir`` holds, by client id."""
+    ckpt = run_dir / "checkpoints"
+    folder = ckpt / (ckpt / "LATEST").read_text().strip() / "clients"
+    files = sorted(folder.glob("client_*.pt")) if folder.is_dir() else []
+    return {int(p.stem.split("_")[1]): torch.load(p, weights_only=True) for p in files}
 
 
 @pytest.mark.parametrize("name", NAMES)

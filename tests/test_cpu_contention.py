@@ -35,6 +35,26 @@ def test_oversubscription_note(threads, ranks, cores, busy, says):
         assert note.endswith("set threads: 1 (--set threads=1) while the node is shared")
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        "cpu0 5 1 2\n",  # short: no idle column (an IndexError before issue 51)
+        "cpu0 5 x 2 90 1 0 0 0\n",  # not a number (a ValueError)
+        "cpu0\n",
+    ],
+)
+def test_a_short_or_garbled_proc_stat_reads_as_unknown(tmp_path, line):
+    """/proc/stat is read before any command runs: a line it cannot parse means "unknown" (no
+    contention measured, nothing changed), never a traceback."""
+    stat = tmp_path / "stat"
+    good = "cpu1 10 0 5 100 1 0 0 0 0 0\n"
+    stat.write_text(f"cpu  1 2 3 4\n{line}{good}")
+    assert node._cpu_ticks([0, 1], stat) is None
+    assert node._cpu_ticks([1], stat) == (15, 116)  # busy: 116 ticks but idle 100 and iowait 1
+    stat.write_bytes(b"cpu0 \xff\xfe\n")
+    assert node._cpu_ticks([0], stat) is None
+
+
 def _choose(busy: float | None, environ: dict[str, str]) -> dict:
     """choose_wait_policy in a fresh interpreter (torch not loaded yet, as in the hpcfl command)."""
     code = (

@@ -118,3 +118,33 @@ def test_threads_beyond_the_machine_are_bounded_with_a_note(tmp_path):
         f"hpcfl: note: threads: 100000 is more than the {cores} cores this process may use; using {cores}"
     ]
     assert read_record(run)["threads_per_rank"] == [cores]
+
+
+def test_the_entk_costs_a_run_is_given_are_recorded_and_bad_ones_refused(tmp_path, capsys, monkeypatch):
+    """``$HPCFL_ENTK_COSTS`` chooses each layer's eNTK form, so it changes TCT's stage 2 (issue 51):
+    the run's record holds the file and its constants, a resume without it says so, and a NaN or
+    negative constant is one line before any work (it was accepted)."""
+    from hpcfl.entk import costs
+    from tests.helpers import one_line_error
+
+    fitted = {**costs.CPU_COSTS, "mac": 0.05}
+    good = tmp_path / "costs.json"
+    good.write_text(json.dumps({"device": "cpu", "fitted": fitted}))
+    monkeypatch.setenv(costs.COSTS_ENV, str(good))
+    costs._fitted_file.cache_clear()
+    cfg = synthetic_config(tmp_path, rounds=2, algorithm="fedavg")
+    run = tmp_path / "run"
+    assert main(["run", str(cfg), "--run-dir", str(run), "--set", "rounds=1"]) == 0
+    assert read_record(run)["entk_costs"] == {"file": str(good), "device_type": "cpu", "fitted": fitted}
+    monkeypatch.delenv(costs.COSTS_ENV)
+    capsys.readouterr()
+    assert main(["run", str(cfg), "--run-dir", str(run), "--resume"]) == 0
+    assert f"HPCFL_ENTK_COSTS unset, the run began with {good}" in capsys.readouterr().err
+    for i, value in enumerate((float("nan"), -1.0)):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(json.dumps({"device": "cuda", "fitted": {**costs.CUDA_COSTS, "mac": value}}))
+        monkeypatch.setenv(costs.COSTS_ENV, str(bad))
+        line = one_line_error(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / f"r{i}")])
+        assert f"fitted constant 'mac' is {value}" in line and "entk_layer_costs.py" in line
+        assert not (tmp_path / f"r{i}" / "metrics.jsonl").exists()
+    costs._fitted_file.cache_clear()

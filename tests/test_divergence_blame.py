@@ -80,6 +80,13 @@ def test_a_plugin_server_step_making_nan_is_named_not_the_learning_rate(tmp_path
             "lower the learning rate (lr is 0.05), or params.server_lr (1e+30)",
         ),
         (["algorithm=feddyn", "params.alpha=1e30"], "lower the learning rate (lr is 0.05), or params.alpha (1e+30)"),
+        # issue 51: a huge proximal or regulariser weight diverges the local steps as a huge lr does
+        (["algorithm=ditto", "params.lam=1e6", "client_eval=0.2"], "lower the learning rate (lr is 0.05), or params.lam (1e+06)"),
+        (["algorithm=fedprox", "params.mu=1e6"], "lower the learning rate (lr is 0.05), or params.mu (1e+06)"),
+        (
+            ["algorithm=feduv", "params.variance_weight=1e30", "params.uniformity_weight=1e30"],
+            "or params.variance_weight (1e+30), params.uniformity_weight (1e+30)",
+        ),
         (
             ["algorithm=fedavg", "clients_per_round=2", "privacy.level=client", "privacy.noise_multiplier=1",
              "privacy.clip=1e38"],
@@ -89,7 +96,8 @@ def test_a_plugin_server_step_making_nan_is_named_not_the_learning_rate(tmp_path
 )  # fmt: skip
 def test_a_nan_model_names_the_hyper_parameter_that_can_make_it(tmp_path: Path, capsys, sets, words) -> None:
     """Issue 44: "lower the learning rate" for a NaN made by FedAdam's server rate, FedDyn's α or
-    the DP clip; now the message names them (the clip alone when the server step made the NaN)."""
+    the DP clip; now the message names them (the clip alone when the server step made the NaN), and
+    (issue 51) Ditto's λ, FedProx's μ and FedUV's weights."""
     from hpcfl.cli.main import main
 
     if "privacy.level=client" in sets:

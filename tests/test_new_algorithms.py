@@ -391,8 +391,8 @@ def test_fedpvr_counted_bytes_are_model_plus_masked_slice(tmp_path: Path):
     assert row["bytes_down"] == 5 * (L + v) * 4
 
 
-def test_fednova_uploads_its_two_scalars_beside_the_model(tmp_path: Path):
-    """FedAvg's traffic plus FedNova's two scalars up; only the model down. (Every algorithm's
+def test_fednova_uploads_its_three_scalars_beside_the_model(tmp_path: Path):
+    """FedAvg's traffic plus FedNova's three scalars up; only the model down. (Every algorithm's
     bytes_down, weights-only checkpoint and stop/resume are checked by tests/test_contract.py.)"""
     from hpcfl.config import load_config
     from hpcfl.runner import run_experiment
@@ -400,7 +400,7 @@ def test_fednova_uploads_its_two_scalars_beside_the_model(tmp_path: Path):
     res = run_experiment(load_config(_partial_cfg(tmp_path, "fednova", rounds=1)), tmp_path / "fednova")
     L = res.server.x.numel()
     row = res.metrics[-1]
-    assert row["bytes_up"] == 5 * (L + 2) * 4
+    assert row["bytes_up"] == 5 * (L + 3) * 4
     assert row["bytes_down"] == 5 * L * 4
 
 

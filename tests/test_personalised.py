@@ -11,6 +11,7 @@ the contract suite's (tests/test_contract.py), which runs every personalised alg
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from hpcfl.runner import run_experiment
 from hpcfl.training import FlatModel, LocalSchedule
 from hpcfl.training.layout import StateLayout
 from hpcfl.training.sgd import batch_indices
-from tests.helpers import simulate, synthetic_config
+from tests.helpers import simulate, synthetic_config, write_config
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 LR, MOMENTUM, WD = 0.05, 0.5, 1e-3
@@ -313,6 +314,69 @@ def test_with_validation_personal_models_are_also_scored_on_each_clients_validat
     assert rows[-1]["personal_val_acc_mean"] == pytest.approx(sum(vals) / len(vals), rel=1e-12)
     assert rows[-1]["personal_val_acc_min"] == min(vals)
     assert rows[-1]["personal_val_acc_mean"] > rows[-1]["client_val_acc_mean"]  # own heads on label skew
+
+
+def test_clients_too_small_to_hold_a_sample_out_are_named_in_a_note(tmp_path, capsys):
+    """A client of one training sample holds none out (it keeps its sample to train on), so its
+    per-client figures are NaN; with many such clients the columns were NaN without a word (issue
+    51). One note now says how many and why; the summaries are over the others."""
+    from hpcfl.comm import LocalComm
+    from hpcfl.runner.federation import build_federation
+
+    extra = {"partition": "iid", "num_clients": 12, "rounds": 1, "local_steps": 1}
+    extra["dataset_options"] = {**_PERSONAL_RUN["dataset_options"], "n_train": 18}
+    cfg = config_from_dict({**_PERSONAL_RUN, "name": "tiny", "algorithm": "fedavg", **extra})
+    empty = [k for k, share in enumerate(build_federation(cfg, LocalComm()).client_eval) if not share.numel()]
+    assert 0 < len(empty) < 12
+    capsys.readouterr()
+    rows, clients = _personal_run(tmp_path, "fedavg", **extra)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "client_eval:" in line]
+    assert len(notes) == 1 and notes[0].startswith(f"hpcfl: note: client_eval: {len(empty)} of 12 clients")
+    last = clients[-1]["clients"]
+    assert [k for k in range(12) if math.isnan(last[str(k)]["accuracy"])] == empty
+    assert not math.isnan(rows[-1]["client_acc_mean"])
+
+
+@pytest.mark.parametrize(
+    ("name", "client_eval", "says"), [("fedper", 0.0, True), ("fedper", 0.25, False), ("fedavg", 0.0, False)]
+)
+def test_a_personalised_run_without_client_eval_says_it_judges_the_server_model(
+    tmp_path, capsys, name, client_eval, says
+):
+    """Without ``client_eval`` a personalised method's own models are never scored and every figure
+    is the server model's (FedPer's: the shared body with the initial head); that was silent (issue
+    51). One note says so when the run starts."""
+    cfg = {**_PERSONAL_RUN, "name": name, "algorithm": name, "client_eval": client_eval, "rounds": 1}
+    assert main(["run", str(write_config(tmp_path / "c.yaml", **cfg)), "--run-dir", str(tmp_path / "r")]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if "without client_eval" in ln]
+    assert notes == (
+        [
+            f"hpcfl: note: {name} is personalised, but without client_eval every figure judges the server "
+            "model, not the clients' own models; set client_eval: 0.2 to score each client's model on its "
+            "held-out share (personal_acc_*)"
+        ]
+        if says
+        else []
+    )
+
+
+def test_status_of_a_personalised_run_shows_its_clients_own_models(tmp_path, capsys):
+    """``hpcfl status`` showed only the server model's test accuracy, which for FedPer is the shared
+    body with the initial head (issue 51); it shows the personal mean beside it (and in ``--json``)."""
+    rows, _ = _personal_run(tmp_path, "fedper", rounds=2)
+    capsys.readouterr()
+    assert main(["status", str(tmp_path / "fedper")]) == 0
+    progress = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("rounds"))
+    assert progress.startswith(
+        f"rounds   2/2  test accuracy {rows[-1]['test_accuracy']:.4f}  "
+        f"personal accuracy {rows[-1]['personal_acc_mean']:.4f} (client mean)"
+    )
+    assert main(["status", str(tmp_path / "fedper"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["personal_accuracy"] == rows[-1]["personal_acc_mean"]
+    _personal_run(tmp_path, "fedavg", rounds=1)
+    capsys.readouterr()
+    assert main(["status", str(tmp_path / "fedavg")]) == 0
+    assert "personal accuracy" not in capsys.readouterr().out
 
 
 def test_global_algorithms_have_no_personal_columns(tmp_path):

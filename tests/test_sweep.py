@@ -264,6 +264,30 @@ def test_rerunning_a_finished_sweep_runs_nothing(
 # failures, status, extension
 
 
+def test_report_of_a_sweep_stopped_before_a_whole_column_ran_warns_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sweep killed mid-way can leave a column of the table with no finished point: its panel of
+    curves.png had no lines and matplotlib warned "No artists with labels found to put in legend"
+    (issue 51). The panel says so, the legend holds every method drawn, and nothing is warned."""
+    import warnings
+
+    cfg = synthetic_config(tmp_path, rounds=2, algorithm="fedavg", num_clients=4)
+    out = tmp_path / "sweep"
+    assert (
+        main(["sweep", str(cfg), "--out", str(out), "--grid", "lr=0.01,0.05", "partition=iid,dir:0.5"]) == 0
+    )
+    for run in (out / "runs").glob("*partition=dir-0.5*"):  # as if killed before these began
+        (run / "DONE").unlink()
+        (run / "metrics.jsonl").unlink()
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["report", str(out)]) == 0
+    assert (out / "report" / "curves.png").stat().st_size > 0
+    assert "| 0.05 | " in capsys.readouterr().out
+
+
 def test_failed_point_is_recorded_and_the_sweep_goes_on(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -372,6 +396,23 @@ def test_a_personalised_search_is_chosen_by_the_clients_own_models_on_their_vali
     assert {r["metric"] for r in selection} == {"personal_val_acc_mean"}
     assert [float(r["lr"]) for r in selection if r["chosen"] == "True"] == [chosen]
     assert {float(r["lr"]): float(r["val_last2_mean"]) for r in selection} == pytest.approx(val, abs=1e-12)
+
+
+def test_a_personalised_search_without_client_eval_says_what_it_is_chosen_by(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``client_eval`` a personalised method's clients' own models are never scored, so its
+    search is chosen by the server model's ``val_accuracy`` (issue 51: silently); one note per such
+    method says so when the sweep is planned, none where client_eval is set or for FedAvg."""
+    cfg = synthetic_config(tmp_path, rounds=1, num_clients=4)
+    argv = ["sweep", str(cfg), "--search", "lr=0.01,0.1", "--dry-run"]
+    grid = ["--grid", "algorithm=fedper,ditto,fedavg"]
+    assert main([*argv, "--out", str(tmp_path / "a"), *grid]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hpcfl: note: --search")]
+    assert [n.split()[4] for n in notes] == ["ditto's", "fedper's"]
+    assert all("add --set client_eval=0.2 to choose by personal_val_acc_mean" in n for n in notes)
+    assert main([*argv, "--out", str(tmp_path / "b"), *grid, "--set", "client_eval=0.2"]) == 0
+    assert "hpcfl: note: --search" not in capsys.readouterr().err
 
 
 def _all(run_dir: Path) -> list[dict]:

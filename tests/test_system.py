@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from hpcfl.algorithms.system import SystemModel, SystemSection, WorkSection
+from hpcfl.algorithms.system import SystemModel, SystemSection, WorkSection, read_trace
 from hpcfl.cli.main import main
 from hpcfl.comm import LocalComm
 from hpcfl.config import config_from_dict
@@ -102,6 +102,12 @@ def test_dropout_probability_and_trace(tmp_path: Path) -> None:
         (["system.work.kind=stragglers", "system.work.fraction=1.2"], ("'system.work.fraction'",)),
         (["system.work.kind=stragglers", "system.work.fraction=0.5"], ("local_epochs >= 2",)),
         (["system.work.unit=epochs", "local_steps=3"], ("unit' is epochs but local_steps is set",)),
+        # issue 51: beyond numpy's int64 bound of the draw (a ValueError traceback before)
+        (["system.work.kind=uniform", f"system.work.high={2**63}"], ("'system.work.high' must be <= 2^62",)),
+        (
+            ["system.work.kind=lognormal", f"system.work.high={2**64}"],
+            ("'system.work.high' must be <= 2^62",),
+        ),
         (["system.work.kind=uniform", "system.work.high=3", "params.form=one_model"], ("one_model",)),
         (
             [
@@ -126,8 +132,7 @@ def test_bad_system_settings_fail_in_one_line(tmp_path: Path, capsys, overrides,
     ("text", "fragment"),
     [
         ("round,client\n2,9\n", "names client 9, but the run has clients 0..3"),
-        ("round,client\n5,1\n", "names round 5, but the run has rounds 1..4"),
-        ("round,client\n0,1\n", "names round 0"),
+        ("round,client\n0,1\n", "names round 0, but rounds start at 1"),
         ("client,round\n1,2\n", "must start with the header line 'round,client'"),
         ("round,client\n1,x\n", "line 2: expected two integers"),
         (None, "cannot be read"),
@@ -139,6 +144,94 @@ def test_bad_trace_fails_in_one_line(tmp_path: Path, capsys, text: str | None, f
         trace.write_text(text)
     cfg = synthetic_config(tmp_path, system={"dropout": {"trace": str(trace)}})
     _fails_cleanly(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r")], fragment)
+
+
+def test_lognormal_work_with_a_huge_mean_or_spread_is_clipped_to_high(tmp_path: Path) -> None:
+    """exp(N(mu, sigma²)) overflows a float for mu = 1000 (an ``OverflowError`` traceback before
+    issue 51); the draw is clipped to ``high`` as the section says, whatever its size."""
+    for work in ({"mu": 1000.0, "sigma": 1.0}, {"mu": 0.0, "sigma": 1e6}):
+        m = _model(kind="lognormal", low=1, high=3, **work)
+        seen = {m.draw(0, r, r + 1, (0, 1, 2)).work[k] for r in range(40) for k in (0, 1, 2)}
+        assert seen == {3} if work["mu"] else seen == {1, 3}  # sigma 1e6: exp(z) is 0 or huge
+    system = {"work": {"kind": "lognormal", "mu": 1000.0, "sigma": 1.0, "low": 1, "high": 2}}
+    result = run_experiment(
+        config_from_dict(_tiny(algorithm="fedavg", rounds=2, system=system)), tmp_path / "r"
+    )
+    assert result.finished and all(r["work_steps"] == [2, 2, 2, 2] for r in result.metrics)
+
+
+def test_a_trace_with_a_byte_order_mark_reads_as_without(tmp_path: Path) -> None:
+    """Spreadsheet programs save CSV with a UTF-8 byte-order mark; its header was refused."""
+    plain, marked = tmp_path / "plain.csv", tmp_path / "marked.csv"
+    plain.write_text("round,client\n2,1\n3,0\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    cfg = config_from_dict(_tiny(algorithm="fedavg", system={"dropout": {"trace": str(marked)}}))
+    model = build_federation(cfg, LocalComm()).system
+    assert model is not None and model.trace == read_trace(plain, 4) == {(2, 1), (3, 0)}
+
+
+def _trace_run(trace: Path, **extra: Any) -> dict[str, Any]:
+    return _tiny(algorithm="scaffold", system={"dropout": {"trace": str(trace)}}, **extra)
+
+
+def test_a_run_in_legs_reads_one_trace_and_ends_as_one_run(tmp_path: Path) -> None:
+    """A trace naming rounds beyond this invocation's ``rounds`` is accepted (it was refused, so a
+    run could not be done in legs with one trace): 2 rounds, then ``--resume`` with 4, equal bit for
+    bit to 4 rounds at once, the trace's round-3 failure included."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("round,client\n1,2\n3,1\n")
+    whole = run_experiment(config_from_dict(_trace_run(trace, rounds=4)), tmp_path / "whole")
+    first = run_experiment(config_from_dict(_trace_run(trace, rounds=2)), tmp_path / "legs")
+    assert first.finished and [r["dropped"] for r in first.metrics] == [[2], []]
+    second = run_experiment(config_from_dict(_trace_run(trace, rounds=4)), tmp_path / "legs", resume=True)
+    assert [r["dropped"] for r in whole.metrics] == [[2], [], [1], []]
+    assert torch.equal(second.server.x, whole.server.x)
+    assert (tmp_path / "legs" / "dropout_trace.csv").read_bytes() == trace.read_bytes()
+
+
+def test_a_trace_changed_before_a_resume_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    """The trace is read again on every start: an edit between a kill and ``--resume`` silently
+    changed the resumed rounds. The run keeps the trace it started with and refuses another one;
+    the same trace resumes, and ``--overwrite`` starts over with the new one."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("round,client\n1,2\n")
+    path = write_config(tmp_path / "c.yaml", **_trace_run(trace, rounds=2))
+    run = ["run", str(path), "--run-dir", str(tmp_path / "r")]
+    assert main([*run, "--set", "rounds=1"]) == 0
+    trace.write_text("round,client\n1,2\n2,0\n")
+    line = _fails_cleanly(capsys, [*run, "--resume"], "system.dropout.trace", "changed since the run started")
+    assert "--overwrite" in line and len(_rows(tmp_path / "r")) == 1
+    trace.write_text("round,client\n1,2\n")
+    assert main([*run, "--resume"]) == 0 and len(_rows(tmp_path / "r")) == 2
+    trace.write_text("round,client\n2,0\n")
+    assert main([*run, "--overwrite"]) == 0
+    assert [r["dropped"] for r in _rows(tmp_path / "r")] == [[], [0]]
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def test_the_draws_are_made_round_by_round_not_all_up_front(tmp_path: Path, monkeypatch) -> None:
+    """Every round's draw was made before round 1 (30 s for 10,000 rounds of 100 participants,
+    deaf to SIGTERM meanwhile): a run of 500 rounds stopped after its first draws only the rounds it
+    reaches (the first one twice: once up front, to refuse a round without arrivals)."""
+    from hpcfl.runner import StopRequest
+
+    draws: list[int] = []
+    real = SystemModel.draw
+
+    def counted(self: SystemModel, stage: int, rnd: int, row_round: int, who: tuple[int, ...]) -> Any:
+        draws.append(rnd)
+        return real(self, stage, rnd, row_round, who)
+
+    monkeypatch.setattr(SystemModel, "draw", counted)
+    stop = StopRequest()
+    stop.requested = True  # as a SIGTERM arriving before round 1 ends
+    system = {"dropout": {"probability": 0.1}}
+    cfg = config_from_dict(_tiny(algorithm="fedavg", rounds=500, system=system))
+    result = run_experiment(cfg, tmp_path / "r", stop=stop)
+    assert result.rounds_done == 1 and draws == [0, 0]
 
 
 def test_a_round_without_arrivals_is_refused_by_name_before_any_round(tmp_path: Path, capsys) -> None:
@@ -229,6 +322,58 @@ def test_fednova_is_not_fedavg_under_unequal_work_but_is_under_equal_work(tmp_pa
             runs[algo, label] = run_experiment(cfg, tmp_path / f"{algo}-{label}").server.x
     assert torch.equal(runs["fedavg", "equal"], runs["fednova", "equal"])
     assert (runs["fedavg", "unequal"] - runs["fednova", "unequal"]).abs().max() > 1e-4
+
+
+def test_fednova_uploads_sum_to_the_same_bits_on_one_rank_and_on_two() -> None:
+    """Unequal work (issue 51): the round's float64 sum of FedNova's uploads, rounded once, does not
+    depend on how the participants are split over ranks. 8 participants of 1-5 plain SGD steps and
+    unequal sizes, 200,000 parameters of either sign, all added on one rank or 4 + 4 on two (each
+    rank's running sum, then the allreduce's addition): every sum equal bit for bit. With the weight
+    n_k/‖a_k‖₁ (before issue 51) the products rounded in float64, and where the terms nearly cancel
+    the rounded sums differed (3 parameters here, a third of an MLP's after a few rounds)."""
+    from torch import nn
+
+    from hpcfl.algorithms import FedNova, Trainer
+    from hpcfl.algorithms.base import ClientData, ClientState, ServerState
+    from hpcfl.runner.buffer import BufferLayout
+    from hpcfl.runner.rounds import _accumulate
+    from hpcfl.training import FlatModel
+    from hpcfl.training.layout import StateLayout
+    from hpcfl.training.sgd import LocalResult
+    from tests.helpers import client_ctx
+
+    model = nn.Linear(1000, 200)
+    algo = FedNova(FedNova.Params(), layout=StateLayout.of_model(model))
+    trainer = Trainer(FlatModel(model), LocalSchedule(lr=0.1, batch_size=8, steps=1, momentum=0.0))
+    ex = algo.exchange(torch.float32)
+    layout = BufferLayout.of([(f"sum:{s.name}", s.length) for s in ex.sums] + [("weight", 1), ("count", 1)])
+    g = torch.Generator().manual_seed(0)
+    server = ServerState(x=torch.zeros(algo.state_size))
+    uploads = []
+    for k, (n, steps) in enumerate(
+        zip((37, 50, 61, 23, 90, 45, 77, 30), (1, 3, 5, 2, 3, 5, 1, 3), strict=True)
+    ):
+        data = ClientData(k, torch.zeros(n, 1000), torch.zeros(n, dtype=torch.long))
+        task = algo.local_task(server, ClientState(), data, client_ctx(trainer))
+        y = 0.1 * torch.randn(algo.state_size, generator=g)
+        uploads.append(task.finish(y, LocalResult(loss=0.0, steps=steps, finite=True))[0])
+
+    def summed(groups: list[list[int]]) -> torch.Tensor:
+        bufs = [layout.allocate(torch.float64, torch.device("cpu")) for _ in groups]
+        for buf, group in zip(bufs, groups, strict=True):
+            for i in group:
+                _accumulate(uploads[i], layout, buf, ex, torch.float64, i, frozenset())
+        total = bufs[0]
+        for buf in bufs[1:]:
+            total = total + buf
+        return total
+
+    one, two = summed([list(range(8))]), summed([[0, 2, 4, 6], [1, 3, 5, 7]])
+    for s in ex.sums:
+        assert torch.equal(
+            layout.view(one, f"sum:{s.name}").float(), layout.view(two, f"sum:{s.name}").float()
+        )
+    assert float(layout.view(one, "weight")) == float(layout.view(two, "weight"))
 
 
 @pytest.mark.parametrize("algorithm", ["fedprox", "scaffold", "fednova"])

@@ -81,6 +81,7 @@ class Ditto(Algorithm[DittoParams, ServerState, DittoClientState]):
     name = "ditto"
     dp_refusal = "its personal models train outside the clipped update (not analysed for DP)"
     Params = DittoParams
+    divergence_params = ("lam",)  # a huge λ diverges the personal step as a huge lr does
     personalised = True
     unbatched_reason = "each participant trains the global model, then its personal model"
 

@@ -12,14 +12,19 @@ no dampening, as ``torch.optim.SGD``) the coefficient of the s-th gradient is (1
 so ‖a_k‖₁ = (τ_k − ρ(1 − ρ^{τ_k})/(1 − ρ))/(1 − ρ) (the paper's local-momentum case;
 :func:`hpcfl.training.sgd.local_norm`, shared with SCAFFOLD's and FedPVR's control variates).
 
-The exchange: each participant uploads its model y_k with the weight n_k/‖a_k‖₁ (so the summed
-model is Σ_S n_k y_k/‖a_k‖₁ and the total weight Σ_S n_k/‖a_k‖₁) beside two plain scalars, n_k‖a_k‖₁
-and n_k: FedAvg's traffic plus two numbers. The server step is the paper's update written as
+The exchange: each participant uploads its model divided by its step norm, y_k/‖a_k‖₁ (rounded
+once, on the client), with the weight n_k (so the summed model is Σ_S n_k y_k/‖a_k‖₁) beside three
+plain scalars, n_k‖a_k‖₁, n_k and n_k/‖a_k‖₁: FedAvg's traffic plus three numbers. The weight is
+the integer n_k, as FedAvg's, and not n_k/‖a_k‖₁: the runner's float64 sum of n_k times a float32
+vector is exact, so it does not depend on how the participants are placed on ranks, where a sum of
+products with a full-precision weight n_k/‖a_k‖₁ rounds differently on 1 and 2 ranks (issue 51:
+under unequal work a third of an MLP's parameters differed by an ulp). The server step is the
+paper's update written as
 
     x⁺ = (1 − τ_eff·Σ_S p_k/‖a_k‖₁)·x + τ_eff·Σ_S p_k y_k/‖a_k‖₁
 
 on the parameters; the float buffers (BatchNorm statistics take no SGD steps) take the summed
-model's own weighted mean. This equals FedAvg bit for bit when every client takes the same
+model's own weighted mean, Σ_S (n_k/‖a_k‖₁)·y_k / Σ_S n_k/‖a_k‖₁. This equals FedAvg bit for bit when every client takes the same
 power-of-two number of plain SGD steps (division and multiplication by a power of two are exact and
 commute with rounding; the coefficient of x is then exactly 0), and FedAvg up to rounding for any
 other equal step count. Partial participation: p_k over the round's participants, as FedAvg here.
@@ -68,8 +73,8 @@ class FedNova(Algorithm[FedNovaParams, ServerState, ClientState]):
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
         return Exchange(
             sums=(
-                SumSpec("x", self.state_size, dtype),  # y_k, weighted by n_k/‖a_k‖₁
-                SumSpec("steps", 2, dtype, weighted=False),  # (n_k‖a_k‖₁, n_k)
+                SumSpec("x", self.state_size, dtype),  # y_k/‖a_k‖₁, weighted by n_k
+                SumSpec("steps", 3, dtype, weighted=False),  # (n_k‖a_k‖₁, n_k, n_k/‖a_k‖₁)
             )
         )
 
@@ -84,8 +89,8 @@ class FedNova(Algorithm[FedNovaParams, ServerState, ClientState]):
             a = local_norm(result.steps, momentum)
             n = float(data.n)
             upload = Upload(
-                sums={"x": y, "steps": y.new_tensor([n * a, n])},
-                weight=n / a,
+                sums={"x": y / a, "steps": y.new_tensor([n * a, n, n / a])},
+                weight=n,
                 metrics={"loss": result.loss, "tau": float(result.steps)},
             )
             return upload, client
@@ -95,10 +100,10 @@ class FedNova(Algorithm[FedNovaParams, ServerState, ClientState]):
     def server_update(
         self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
     ) -> tuple[ServerState, dict[str, float]]:
-        na, n = (float(v) for v in aggregate.sums["steps"])
+        na, n, n_over_a = (float(v) for v in aggregate.sums["steps"])
         tau_eff = na / n  # Σ p_k ‖a_k‖₁
-        keep = 1.0 - tau_eff * (aggregate.weight / n)  # 1 − τ_eff Σ p_k/‖a_k‖₁
+        keep = 1.0 - tau_eff * (n_over_a / n)  # 1 − τ_eff Σ p_k/‖a_k‖₁
         P = self.num_params
-        x = aggregate.sums["x"] / aggregate.weight  # buffers: the summed model's weighted mean
+        x = aggregate.sums["x"] / n_over_a  # buffers: the summed model's weighted mean
         x[:P] = keep * server.x[:P] + tau_eff * (aggregate.sums["x"][:P] / n)
         return ServerState(x=x), {"tau_eff": tau_eff}

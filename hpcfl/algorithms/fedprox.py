@@ -40,6 +40,7 @@ class FedProx(Algorithm[FedProxParams, ServerState, ClientState]):
     dp_levels = ("client", "sample")  # the upload is the model and the server step reads its mean
     legacy_sections = ("fedprox",)
     Params = FedProxParams
+    divergence_params = ("mu",)  # lr·μ > 2 diverges the proximal pull
 
     def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext

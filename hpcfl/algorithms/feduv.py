@@ -130,6 +130,7 @@ class FedUV(Algorithm[FedUVParams, ServerState, ClientState]):
     name = "feduv"
     dp_refusal = "its regularised local objective is not the one DP-FedAvg/DP-SGD analyse"
     Params = FedUVParams
+    divergence_params = ("variance_weight", "uniformity_weight")  # scale the local loss
     unbatched_reason = "its local loss reads the classifier's input and output through hooks"
 
     def __init__(self, params: FedUVParams, **kwargs: Any) -> None:

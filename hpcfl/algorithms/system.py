@@ -24,7 +24,10 @@ participants), so it is the same on any number of ranks and after a resume:
 - ``dropout``: a participant fails mid-round: with ``probability`` (drawn per participant and
   round), or where the ``trace`` file says so (a CSV with a ``round,client`` header and one line
   per failure; rounds are 1-based, as in ``metrics.jsonl``). Its upload never arrives and its
-  client state stays as it was.
+  client state stays as it was. A trace may name rounds beyond this invocation's ``rounds``, so a
+  run done in legs (``--resume`` with more ``rounds``) reads one trace; the run directory keeps a
+  copy of the trace it started with, and a resume whose trace differs from it is refused
+  (:func:`hpcfl.runner.rundir.keep_trace`).
 
 The runner removes the dropped participants from the round right after the draw, so everything
 after it (placement, the sums, ``aggregate.weight`` and ``count``, ``ServerContext.participants``,
@@ -105,19 +108,21 @@ def work_unit(section: SystemSection, local_steps: int | None) -> str:
     return unit
 
 
+#: the largest work a draw may produce: numpy's integer draws (``uniform``) take an int64 bound
+MAX_WORK = 2**62
+
+
 def validate_system(
     section: SystemSection,
     *,
     num_clients: int,
     local_epochs: int,
     local_steps: int | None,
-    rounds: int | None,
     private: bool,
     asynchronous: bool = False,
 ) -> None:
     """Every check of the ``system`` section that needs no data (one :class:`ConfigError` line).
 
-    ``rounds``: the run's round count a trace may name (None: not known here, not checked);
     ``asynchronous``: the algorithm runs on the virtual clock (:mod:`hpcfl.runner.asynchronous`),
     which draws each update's work alone, so work that depends on a round's other participants
     (``stragglers``) is refused."""
@@ -139,6 +144,11 @@ def validate_system(
         if w.low > w.high:
             raise ConfigError(
                 f"config keys 'system.work.low' and 'system.work.high' are reversed: low {w.low} > high {w.high}"
+            )
+        if w.high > MAX_WORK:
+            raise ConfigError(
+                f"config key 'system.work.high' must be <= 2^62 local {work_unit(section, local_steps)}, "
+                f"got {w.high}"
             )
     if w.kind == "lognormal" and not w.sigma > 0:
         raise ConfigError(f"config key 'system.work.sigma' must be > 0, got {w.sigma}")
@@ -172,7 +182,7 @@ def validate_system(
             "use a probability < 1"
         )
     if d.trace is not None:
-        read_trace(d.trace, num_clients, rounds)
+        read_trace(d.trace, num_clients)
     validate_clock(section.clock, num_clients)
     if asynchronous and w.kind == "stragglers":
         raise ConfigError(
@@ -186,15 +196,22 @@ def validate_system(
         )
 
 
-def read_trace(path: str | Path, num_clients: int, rounds: int | None) -> frozenset[tuple[int, int]]:
+def read_trace(path: str | Path, num_clients: int) -> frozenset[tuple[int, int]]:
     """The (round, client) failures of a dropout trace (CSV with a ``round,client`` header, 1-based
-    rounds); a missing file, a bad line, an unknown client or round is one :class:`ConfigError`."""
+    rounds; a UTF-8 byte-order mark, as spreadsheet programs write, is skipped); a missing file, a bad
+    line, an unknown client or a round below 1 is one :class:`ConfigError`. Rounds beyond the run's
+    are kept: a resume with more ``rounds`` reaches them (a run done in legs)."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8-sig")
     except OSError as err:
         raise ConfigError(
             f"system.dropout.trace {str(p)!r} cannot be read ({err.strerror}); fix the path"
+        ) from None
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"system.dropout.trace {str(p)!r} is not UTF-8 text: write it as a CSV with the header "
+            "'round,client'"
         ) from None
     rows = list(csv.reader(line for line in text.splitlines() if line.strip()))
     if not rows or [c.strip() for c in rows[0]] != ["round", "client"]:
@@ -213,10 +230,10 @@ def read_trace(path: str | Path, num_clients: int, rounds: int | None) -> frozen
                 f"system.dropout.trace {str(p)!r} line {lineno} names client {k}, but the run has clients "
                 f"0..{num_clients - 1}"
             )
-        if rnd < 1 or (rounds is not None and rnd > rounds):
+        if rnd < 1:
             raise ConfigError(
-                f"system.dropout.trace {str(p)!r} line {lineno} names round {rnd}, but the run has rounds "
-                f"1..{rounds if rounds is not None else 'N'}"
+                f"system.dropout.trace {str(p)!r} line {lineno} names round {rnd}, but rounds start at 1 "
+                "(as in metrics.jsonl)"
             )
         out.add((rnd, k))
     return frozenset(out)
@@ -265,7 +282,7 @@ class SystemModel:
         """The model of an enabled section (None when off); reads the dropout trace."""
         if not section.enabled:
             return None
-        trace = read_trace(section.dropout.trace, len(sizes), None) if section.dropout.trace else frozenset()
+        trace = read_trace(section.dropout.trace, len(sizes)) if section.dropout.trace else frozenset()
         return SystemModel(section, seed, work_unit(section, base.steps), base, sizes, trace)
 
     def full_work(self, k: int) -> int:
@@ -281,8 +298,10 @@ class SystemModel:
         if w.kind == "uniform":
             return int(_rng(self.seed, _WORK_SALT, stage, rnd, k).integers(w.low, w.high + 1))
         if w.kind == "lognormal":
-            drawn = math.exp(float(_rng(self.seed, _WORK_SALT, stage, rnd, k).normal(w.mu, w.sigma)))
-            return int(min(w.high, max(w.low, round(drawn))))
+            z = float(_rng(self.seed, _WORK_SALT, stage, rnd, k).normal(w.mu, w.sigma))
+            if z > math.log(w.high) + 1:  # exp(z) > high: clipped to it (exp(z) may overflow a float)
+                return int(w.high)
+            return int(min(w.high, max(w.low, round(math.exp(z)))))
         return None
 
     def draw(self, stage: int, rnd: int, row_round: int, who: tuple[int, ...]) -> RoundSystem:

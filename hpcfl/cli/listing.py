@@ -3,7 +3,8 @@ with its default.
 
 The names come from :mod:`hpcfl.registry` without importing any algorithm, model or dataset: the
 built-ins, the names of installed plugins' entry points (with their distribution) and those
-registered in this process. The schema is :class:`hpcfl.config.Config`'s defaults with ``params``
+registered in this process (``--imports MODULE``: a plugin registered by a module, as a config's
+``imports:`` names it). The schema is :class:`hpcfl.config.Config`'s defaults with ``params``
 those of the algorithm, printed as YAML a config file can start from (each key's comment is the one
 beside its field in ``hpcfl/config.py``).
 """
@@ -14,6 +15,7 @@ import argparse
 import dataclasses
 import inspect
 import re
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -31,12 +33,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="examples: hpcfl list; hpcfl list --schema fedprox > my_run.yaml",
     )
     p.add_argument("--schema", metavar="ALGORITHM", help="print the config keys and defaults for ALGORITHM")
+    p.add_argument(
+        "--imports",
+        nargs="+",
+        metavar="MODULE",
+        default=[],
+        help="import these modules first, as a config's imports: does (plugins they register are listed)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the names, or the schema of one algorithm's config."""
-    print(schema_yaml(args.schema) if args.schema is not None else names_text(), end="")
+    """Print the names, or the schema of one algorithm's config (after the ``--imports``)."""
+    from hpcfl.registry import import_modules
+
+    import_modules(args.imports, key="--imports")
+    print(schema_yaml(args.schema, args.imports) if args.schema is not None else names_text(), end="")
     return 0
 
 
@@ -61,18 +73,22 @@ def names_text() -> str:
     return "\n".join(blocks) + "\n"
 
 
-def schema_yaml(algorithm: str) -> str:
+def schema_yaml(algorithm: str, imports: Sequence[str] = ()) -> str:
     """The default config of a run of ``algorithm``, as commented YAML (a one-line error for an
-    unknown name)."""
+    unknown name); ``imports``: the modules imported to register it, kept in the config's
+    ``imports:`` so that the printed file runs as it is."""
     import yaml
 
     from hpcfl.config import Config
-    from hpcfl.errors import unknown
+    from hpcfl.errors import ConfigError, unknown
     from hpcfl.registry import ALGORITHMS
 
     if algorithm not in ALGORITHMS:
-        raise unknown("algorithm", algorithm, ALGORITHMS)
-    values = Config(algorithm=algorithm).to_dict()
+        err = unknown("algorithm", algorithm, ALGORITHMS)
+        if imports:
+            raise err
+        raise ConfigError(f"{err} (a plugin registered by a module: --imports MODULE)") from None
+    values = Config(algorithm=algorithm, imports=list(imports)).to_dict()
     comments = _field_comments(Config)
     lines = [f"# hpcfl config keys with their defaults; params: those of {algorithm}"]
     for key, value in values.items():

@@ -128,7 +128,15 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
     if "/" in name or name in (".", "..") or not name.strip():
         raise ConfigError(f"--name {name!r} must be a plain file name")
     out = args.out or Path("runs") / name
-    return plan_sweep(args.config, args.set, args.data_root, axes, out, name=name, search=search, extra=extra)
+    sweep = plan_sweep(
+        args.config, args.set, args.data_root, axes, out, name=name, search=search, extra=extra
+    )
+    if search is not None:
+        from hpcfl.sweep.select import personal_search_notes
+
+        for note in personal_search_notes([p.cfg for p in sweep.points if p.cfg is not None]):
+            print(note, file=sys.stderr)
+    return sweep
 
 
 def run(args: argparse.Namespace) -> int:

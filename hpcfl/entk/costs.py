@@ -12,11 +12,12 @@ constants of a device are a non-negative least-squares fit on per-layer timings.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -97,7 +98,26 @@ def _fitted_file(path: str) -> tuple[str, dict[str, float]]:
         raise ConfigError(
             f"{COSTS_ENV}={path}: not a fitted-constants report of entk_layer_costs.py ({err})"
         ) from None
+    bad = {name: v for name, v in fitted.items() if not (math.isfinite(v) and v >= 0)}
+    if bad:
+        name, value = next(iter(bad.items()))
+        raise ConfigError(
+            f"{COSTS_ENV}={path}: fitted constant {name!r} is {value}, but the constants are times (finite, "
+            ">= 0); fit them again with benchmarks/entk_layer_costs.py or unset the variable"
+        )
     return device_type, fitted
+
+
+def fitted_record() -> dict[str, Any] | None:
+    """What ``$HPCFL_ENTK_COSTS`` gives a run, for its record (None when unset): the file, the device
+    type it was fitted on and its constants. They choose each layer's eNTK form, and the forms round
+    differently, so TCT's stage 2 depends on them; read when the run starts, so a bad file is one
+    :class:`ConfigError` line before any work rather than when stage 2 begins."""
+    path = os.environ.get(COSTS_ENV)
+    if not path:
+        return None
+    device_type, fitted = _fitted_file(path)
+    return {"file": path, "device_type": device_type, "fitted": fitted}
 
 
 def constants(device_type: str) -> dict[str, float]:

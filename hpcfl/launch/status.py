@@ -60,6 +60,7 @@ class RunStatus:
     rounds_done: int = 0
     rounds_total: int | None = None
     test_accuracy: float | None = None
+    personal_accuracy: float | None = None  # a personalised run's personal_acc_mean (client_eval)
     finished: bool = False
     budget_stop: bool = False  # finished because the next round would exceed the privacy budget
     error: str | None = None
@@ -210,12 +211,16 @@ def _job_error(folder: Path, job_id: str) -> str | None:
 
 
 def _run_progress(run_dir: Path, status: RunStatus) -> None:
-    """Rounds done, total and the last accuracy from the run's own files."""
+    """Rounds done, total and the last accuracy from the run's own files: the server model's, and a
+    personalised run's mean over its clients' own models (what it deploys; the server model of
+    FedPer is the shared body with the initial head)."""
     from hpcfl.rows import read_metrics_rows
 
     for row in read_metrics_rows(run_dir / "metrics.jsonl"):
         status.rounds_done = max(status.rounds_done, row["round"])
         status.test_accuracy = float(row["test_accuracy"])
+        if isinstance(row.get("personal_acc_mean"), int | float):
+            status.personal_accuracy = float(row["personal_acc_mean"])
     config = run_dir / "config.yaml"
     if config.exists():
         from hpcfl.files import read_yaml
@@ -314,6 +319,8 @@ def format_status(status: RunStatus) -> str:
     progress = f"rounds   {status.rounds_done}{total}"
     if status.test_accuracy is not None:
         progress += f"  test accuracy {status.test_accuracy:.4f}"
+    if status.personal_accuracy is not None:
+        progress += f"  personal accuracy {status.personal_accuracy:.4f} (client mean)"
     if status.budget_stop:
         progress += "  (finished: stopped by its privacy budget, privacy.epsilon_budget or privacy.epsilon)"
     elif status.finished:

@@ -4,7 +4,8 @@ hpcfl's results are a pure function of the config *and* of a few settings of the
 config does not fix: the torch threads each rank used (a CPU kernel's reduction order follows its
 thread count, so 1 process with 2 threads and 2 ranks with 1 thread each differ in the last bits),
 the ``reduction`` (with ``float32`` the round's sum also depends on the rank count), ``client_batch``
-(the vectorised step rounds differently from the one-by-one loop) and the device. ``threads`` is
+(the vectorised step rounds differently from the one-by-one loop), the device, and the eNTK cost
+constants ``$HPCFL_ENTK_COSTS`` names (they choose each layer's form of TCT's features). ``threads`` is
 resumable and may be left unset (then it is the node's cores shared by its ranks), so the config
 alone cannot tell whether two runs should agree: every run writes what it actually used here, a
 resume that uses something else says so in one note, and ``hpcfl report`` of runs with the same
@@ -60,6 +61,11 @@ def collect(
     }
     if client_batch_used is not None:
         record["client_batch_used"] = int(client_batch_used)
+    from hpcfl.entk.costs import fitted_record
+
+    costs = fitted_record()  # a bad file: one line before any work
+    if costs is not None:
+        record["entk_costs"] = costs
     return record
 
 
@@ -99,7 +105,14 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
                 out.append(f"client_batch {_client_batch(a)} vs {_client_batch(b)}")
         elif a.get(key) != b.get(key):
             out.append(f"{key} {a.get(key)} vs {b.get(key)}")
+    ca, cb = a.get("entk_costs"), b.get("entk_costs")
+    if (ca or {}).get("fitted") != (cb or {}).get("fitted"):
+        out.append(f"HPCFL_ENTK_COSTS {_costs(ca)} vs {_costs(cb)}")
     return out
+
+
+def _costs(record: dict[str, Any] | None) -> str:
+    return "unset" if not record else str(record.get("file"))
 
 
 def _client_batch(record: dict[str, Any]) -> str:

@@ -34,7 +34,7 @@ from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, placed_state, s
 from hpcfl.runner.checkpoint_check import expected_states
 from hpcfl.runner.client_eval import CLIENT_ROWS
 from hpcfl.runner.client_states import ClientStates
-from hpcfl.runner.federation import Federation, build_federation, model_plan
+from hpcfl.runner.federation import Federation, build_federation, evaluation_notes, model_plan
 from hpcfl.runner.lock import RunLock
 from hpcfl.runner.loggers import Loggers, check_loggers, open_loggers
 from hpcfl.runner.progress import Progress
@@ -342,6 +342,8 @@ def _run_locked(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)
     )
     fed = build_federation(cfg, comm)
+    for note in evaluation_notes(fed) if comm.rank == 0 else ():
+        print(note, file=sys.stderr)
     if has_state:
         _collective_check(comm, lambda: _check_same_partition(fed, run_dir))
     stages = run_stages(cfg)

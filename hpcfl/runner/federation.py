@@ -317,6 +317,41 @@ def split_clients(
     return kept, held
 
 
+def evaluation_notes(fed: Federation) -> list[str]:
+    """What the run's evaluation cannot show that a user would expect it to (one line each, printed
+    when the run starts): a personalised algorithm judged by the server model only, and clients too
+    small to hold a sample out (:func:`held_out_note`)."""
+    notes = []
+    algo = fed.algorithm
+    if algo.personalised and fed.client_eval is None:
+        notes.append(
+            f"hpcfl: note: {algo.name} is personalised, but without client_eval every figure judges the "
+            "server model, not the clients' own models; set client_eval: 0.2 to score each client's "
+            "model on its held-out share (personal_acc_*)"
+        )
+    held = held_out_note(fed)
+    return [*notes, held] if held is not None else notes
+
+
+def held_out_note(fed: Federation) -> str | None:
+    """The note for ``client_eval`` clients too small to hold a sample out (:func:`split_clients`
+    never takes a client's last training sample): their per-client figures are NaN and the
+    summaries leave them out, which a table of NaN columns alone does not say. None when every
+    evaluated client holds one out."""
+    if fed.client_eval is None:
+        return None
+    empty = [k for k, share in enumerate(fed.client_eval) if share.numel() == 0]
+    if not empty:
+        return None
+    shown = ",".join(map(str, empty[:8])) + (",..." if len(empty) > 8 else "")
+    return (
+        f"hpcfl: note: client_eval: {len(empty)} of {len(fed.client_eval)} clients have one training "
+        f"sample and hold none out (clients {shown}): their per-client figures are NaN and the "
+        "client_acc_*/personal_acc_* summaries leave them out; use fewer clients or a partition "
+        "that gives each client at least 2 samples"
+    )
+
+
 def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = None) -> Federation:
     """Load, partition and place; build the model from the seed (identical on every rank)."""
     device = resolve_device(cfg, comm)

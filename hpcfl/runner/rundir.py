@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcfl.errors import RunDirError
-from hpcfl.files import read_yaml
+from hpcfl.files import atomic_write, read_yaml
 
 if TYPE_CHECKING:  # the config imports every algorithm (torch); the markers here are read by `status`
     from hpcfl.config import Config
@@ -56,7 +56,9 @@ RUN_ENTRIES = (
     "determinism.json",  # the threads per rank etc. the run used (hpcfl.runner.determinism)
     "client_metrics.jsonl",  # per-client evaluation (client_eval), one line per evaluated round
     "loggers.json",  # the loggers' runs and last rounds written (hpcfl.runner.loggers)
+    "dropout_trace.csv",  # the system.dropout.trace the run started with (keep_trace)
 )
+TRACE_COPY = "dropout_trace.csv"
 LOGGER_DIRS = ("tensorboard", "mlflow", "wandb")  # hpcfl.runner.loggers' folders, where it made them
 LOGGER_MARKER = ".hpcfl-logger"  # left by hpcfl in a logger folder it creates
 _RUN_SIGNS = ("config.yaml", "checkpoints", DONE)
@@ -137,7 +139,31 @@ def prepare_run_dir(run_dir: Path, cfg: Config, *, resume: bool, overwrite: bool
     run_dir.mkdir(parents=True, exist_ok=True)
     if not has_run and not (run_dir / MARKER).exists():
         (run_dir / MARKER).write_text("hpcfl run directory: --overwrite deletes only what hpcfl wrote here\n")
+    if cfg.system.dropout.trace is not None:
+        keep_trace(run_dir, Path(cfg.system.dropout.trace), resumed=has_run)
     return has_run
+
+
+def keep_trace(run_dir: Path, trace: Path, *, resumed: bool) -> None:
+    """Keep a copy of the dropout trace the run started with (:data:`TRACE_COPY`), and refuse a
+    resume whose trace differs from it: the trace is read again on every start, and an edit between
+    a kill and ``--resume`` would silently change the resumed rounds. A run directory made before
+    the copy was kept takes one now."""
+    copy = run_dir / TRACE_COPY
+    try:
+        data = trace.read_bytes()
+    except OSError as err:
+        raise RunDirError(
+            f"system.dropout.trace {str(trace)!r} cannot be read ({err.strerror}); fix the path"
+        ) from None
+    if resumed and copy.is_file():
+        if copy.read_bytes() != data:
+            raise RunDirError(
+                f"cannot resume {run_dir}: system.dropout.trace {str(trace)!r} changed since the run started "
+                f"(the run's copy is {copy}); restore it (cp {copy} {trace}) or start over with --overwrite"
+            )
+        return
+    atomic_write(copy, lambda f: f.write(data))
 
 
 def check_resumable(run_dir: Path, cfg: Config) -> None:

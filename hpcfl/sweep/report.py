@@ -326,6 +326,8 @@ def plot_bands(cells: list[Cell], path: Path) -> Path:
     rows = list(dict.fromkeys(c.row for c in cells))
     fig, axes = plt.subplots(1, len(cols), figsize=(4.6 * len(cols) + 0.6, 3.8), squeeze=False, sharey=True)
     for ax, col in zip(axes[0], cols, strict=True):
+        if not any(c.runs for c in cells if c.column == col):  # a sweep stopped before these ran
+            ax.text(0.5, 0.5, "no finished run yet", transform=ax.transAxes, ha="center", color="0.5")
         for i, cell in enumerate(c for c in cells if c.column == col):
             if not cell.runs:
                 continue
@@ -342,6 +344,10 @@ def plot_bands(cells: list[Cell], path: Path) -> Path:
         ax.set_xlabel("communication round")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("test accuracy (%), mean ± std over seeds")
-    axes[0][-1].legend(fontsize=7)
+    labelled: dict[str, Any] = {}  # every panel's lines: the last panel may have none
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            labelled.setdefault(label, handle)
+    axes[0][-1].legend(list(labelled.values()), list(labelled), fontsize=7)
     fig.tight_layout()
     return save_figure(fig, path, dpi=120)

@@ -53,6 +53,24 @@ def check_searchable(algorithm: str, point: str) -> None:
         )
 
 
+def personal_search_notes(configs: Sequence[Any]) -> list[str]:
+    """One note per personalised algorithm a ``--search`` chooses for without ``client_eval``: its
+    choice then reads the server model's ``val_accuracy`` (the shared body with the initial head,
+    FedAvg's w), because its clients' own models are scored only with ``client_eval``."""
+    from hpcfl.registry import ALGORITHMS
+
+    names = sorted(
+        {c.algorithm for c in configs if c.algorithm in ALGORITHMS and ALGORITHMS[c.algorithm].personalised}
+        & {c.algorithm for c in configs if not c.client_eval}
+    )
+    return [
+        f"hpcfl: note: --search chooses {name}'s value by the server model's val_accuracy, not by its "
+        "clients' own models, because they are scored only with client_eval; add --set client_eval=0.2 "
+        "to choose by personal_val_acc_mean"
+        for name in names
+    ]
+
+
 @dataclass(frozen=True)
 class Choice:
     """The chosen value of one group: its mean validation accuracy and the candidates' means."""
