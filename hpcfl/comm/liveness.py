@@ -6,10 +6,14 @@ with MPICH's OFI/TCP netmod: still blocked 6 s after a node was killed (the conn
 reset), and minutes behind a cut link (TCP's SYN retries). A plain socket with a non-blocking
 connect gives a bounded answer: accepted, refused, or silent until the time is up.
 
-Each rank listens on an ephemeral port on every interface; the ranks exchange their addresses once
-at start-up (through the communicator, while everyone is alive). When a collective's deadline
-passes, a rank connects to the ranks it must tell and sends its rank number (4 bytes); a listener
-collects the numbers it receives. Nothing else ever travels on these sockets. Standard library only.
+Each rank listens on an ephemeral port on every interface, served by a daemon thread; the ranks
+exchange their addresses once at start-up (through the communicator, while everyone is alive).
+When a collective's deadline passes, a rank knocks on the beacons of the ranks it must tell (its
+rank number, 4 bytes, and a kind byte); the serving thread of a knocked rank records the knock and
+knocks back at once with a reply. So a rank answers whatever its main thread is doing — computing a
+long local update included — as long as its process runs and its host is reachable; a stopped
+process or a vanished host stays silent. Nothing else ever travels on these sockets. Standard
+library only.
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ import fcntl
 import selectors
 import socket
 import struct
+import threading
 import time
 
 Address = tuple[tuple[str, ...], int]  # (the host's IPv4 addresses, the port)
 
+KNOCK, REPLY = 0, 1
+_MESSAGE = struct.Struct("!iB")  # the sender's rank, the kind
 _SIOCGIFADDR = 0x8915
 _BATCH = 256  # connections in flight at once (file descriptors are finite)
+REPLY_S = 1.0  # how long a serving thread tries to reach a knocker with its reply
 
 
 def host_addresses() -> tuple[str, ...]:
@@ -45,33 +53,54 @@ def host_addresses() -> tuple[str, ...]:
 
 
 class Beacon:
-    """This rank's listener: ranks whose deadline passed connect to it and send their number."""
+    """This rank's listener and the daemon thread that serves it: records who knocked and
+    answers every knock with a reply (once :meth:`set_peers` has told it where the ranks are)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("0.0.0.0", 0))
         self._sock.listen(1024)
         self._sock.setblocking(False)
         self.address: Address = (host_addresses(), int(self._sock.getsockname()[1]))
+        self._peers: dict[int, Address] = {}
+        self._knocked: set[int] = set()  # ranks whose knock or reply arrived
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="hpcfl-beacon", daemon=True)
+        self._thread.start()
+
+    def set_peers(self, peers: dict[int, Address]) -> None:
+        """Where every rank's beacon listens (from the start-up exchange): replies go there."""
+        self._peers = dict(peers)
 
     def waiting(self) -> bool:
-        """Whether some rank has knocked (without taking its number): cheap enough to poll."""
-        sel = selectors.DefaultSelector()
-        try:
-            sel.register(self._sock, selectors.EVENT_READ)
-            return bool(sel.select(timeout=0))
-        finally:
-            sel.close()
+        """Whether some rank has knocked: cheap enough to poll between MPI tests."""
+        with self._lock:
+            return bool(self._knocked)
 
     def heard(self, seconds: float, *, enough: int | None = None) -> set[int]:
-        """The rank numbers received within ``seconds`` (stops early once ``enough`` are in)."""
-        ranks: set[int] = set()
+        """The ranks heard from (knocks and replies) after waiting up to ``seconds``, or as soon
+        as ``enough`` of them are in."""
         until = time.monotonic() + seconds
+        while True:
+            with self._lock:
+                got = set(self._knocked)
+            if (enough is not None and len(got) >= enough) or time.monotonic() >= until:
+                return got
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
+
+    def _serve(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self._sock, selectors.EVENT_READ, None)
         try:
-            while (enough is None or len(ranks) < enough) and (left := until - time.monotonic()) > 0:
-                for key, _ in sel.select(timeout=min(left, 0.05)):
+            while not self._closed.is_set():
+                for key, _ in sel.select(timeout=0.2):
                     if key.data is None:
                         try:
                             conn, _ = self._sock.accept()
@@ -82,24 +111,27 @@ class Beacon:
                         continue
                     conn, buf = key.fileobj, key.data
                     try:
-                        chunk = conn.recv(4 - len(buf))  # type: ignore[union-attr]
+                        chunk = conn.recv(_MESSAGE.size - len(buf))  # type: ignore[union-attr]
                     except OSError:
                         chunk = b""
                     buf += chunk
-                    if len(buf) == 4 or not chunk:
-                        if len(buf) == 4:
-                            ranks.add(struct.unpack("!i", bytes(buf))[0])
+                    if len(buf) == _MESSAGE.size or not chunk:
                         sel.unregister(conn)
                         conn.close()  # type: ignore[union-attr]
+                        if len(buf) == _MESSAGE.size:
+                            self._received(*_MESSAGE.unpack(bytes(buf)))
+        except (OSError, ValueError):  # closed under us at shutdown
+            return
         finally:
-            for key in list(sel.get_map().values()):
-                if key.fileobj is not self._sock:
-                    key.fileobj.close()  # type: ignore[union-attr]
             sel.close()
-        return ranks
 
-    def close(self) -> None:
-        self._sock.close()
+    def _received(self, sender: int, kind: int) -> None:
+        if sender not in self._peers:
+            return  # not a rank of this job
+        with self._lock:
+            self._knocked.add(sender)
+        if kind == KNOCK:
+            knock({sender: self._peers[sender]}, self.rank, REPLY_S, kind=REPLY)
 
 
 def _connect(sel: selectors.BaseSelector, rank: int, addresses: list[str], port: int) -> socket.socket | None:
@@ -115,14 +147,15 @@ def _connect(sel: selectors.BaseSelector, rank: int, addresses: list[str], port:
     return None
 
 
-def knock(targets: dict[int, Address], me: int, seconds: float) -> set[int]:
-    """Tell each target rank ``me``'s number; return the ranks that took it within ``seconds``.
+def knock(targets: dict[int, Address], me: int, seconds: float, *, kind: int = KNOCK) -> set[int]:
+    """Send ``me``'s number to each target rank's beacon; return the ranks that took it within
+    ``seconds`` (a beacon that takes a knock answers with a reply of its own).
 
     Non-blocking connects, in batches; a target's addresses are tried in order (a refused or
     unreachable one moves on to the next)."""
     told: set[int] = set()
     until = time.monotonic() + seconds
-    payload = struct.pack("!i", me)
+    payload = _MESSAGE.pack(me, kind)
     items = list(targets.items())
     for start in range(0, len(items), _BATCH):
         batch = dict(items[start : start + _BATCH])

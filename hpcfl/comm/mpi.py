@@ -160,10 +160,11 @@ class MPIComm:
         node.Free()
         self._cuda_aware = _cuda_aware(self._mpi)
         self.deadline = Deadline(timeout)
-        self._beacon = Beacon()  # the liveness side channel (hpcfl.comm.liveness)
+        self._beacon = Beacon(self.rank)  # the liveness side channel (hpcfl.comm.liveness)
         every = self._comm.allgather((socket.gethostname(), self._beacon.address))
         self.hosts: list[str] = [str(h) for h, _ in every]
         self._beacons: dict[int, Address] = {r: a for r, (_, a) in enumerate(every)}
+        self._beacon.set_peers(self._beacons)
         self._lost: PeerLostError | None = None
         self._coordinators = coordinators(self.hosts)
         if not _ACTIVE:  # runs before mpi4py's own finalize at exit (registered after it)
@@ -273,21 +274,18 @@ class MPIComm:
         os._exit(EXIT_PEER_LOST)
 
     def _reachable(self, window: float) -> tuple[set[int], bool]:
-        """Knock for at most half the ``window``, listen for the rest: (the ranks heard, with this
-        one; whether a coordinator was among them). A coordinator knocks on every rank, every other
-        rank on the coordinators."""
+        """(The ranks heard within ``window`` seconds, with this one; whether a coordinator was
+        among them.) A coordinator knocks on every rank, every other rank on the coordinators;
+        each knocked rank's beacon thread replies at once, whatever its main thread is doing."""
         until = time.monotonic() + window
         if self.rank in self._coordinators:
             targets = {r: a for r, a in self._beacons.items() if r != self.rank}
         else:
-            targets = {c: self._beacons[c] for c in self._coordinators if c is not None}
+            targets = {c: self._beacons[c] for c in self._coordinators if c is not None and c != self.rank}
         knock(targets, self.rank, window / 2)
-        others = {c for c in self._coordinators if c is not None and c != self.rank}
-        if self.rank in self._coordinators:
-            heard = self._beacon.heard(max(0.0, until - time.monotonic()), enough=self.size - 1)
-        else:  # a non-coordinator only needs to know whether a coordinator is on its side
-            heard = self._beacon.heard(max(0.0, until - time.monotonic()), enough=len(others))
+        heard = self._beacon.heard(max(0.0, until - time.monotonic()), enough=len(targets))
         reachable = {self.rank} | {r for r in heard if 0 <= r < self.size}
+        others = {c for c in self._coordinators if c is not None and c != self.rank}
         return reachable, bool(reachable & others)
 
     def __repr__(self) -> str:

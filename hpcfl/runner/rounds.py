@@ -252,15 +252,11 @@ def run_rounds(
     ordered = ordered_sums(plan, ex)
     # an asynchronous algorithm's steps come from the virtual clock (hpcfl.runner.asynchronous)
     steps = async_schedule(plan, stop, round_offset) if algo.asynchronous else None
-    # every round's draw up front: dropouts refused before any work, and the simulated time of the
-    # rounds before ``start`` (a pure function of the seed) for the clock's columns
+    # with a virtual clock, every round's draw up front: the simulated time of the rounds before
+    # ``start`` (a pure function of the seed) for the clock's columns. Without one, the draws are
+    # made round by round (below), the first and the trace's rounds up front (_drawn_up_front).
     timed = steps is None and plan.clock is not None and plan.trainer is not None
-    first = 0 if timed else start
-    draws = (
-        [_draw_round(plan, r, round_offset, steps) for r in range(first, stop)]
-        if (timed or plan.system is not None)
-        else []
-    )
+    draws = [_draw_round(plan, r, round_offset, steps) for r in range(0, stop)] if timed else []
     observers = round_observers(plan, clock_record(plan, start, stop, draws if timed else [], steps))
     executor = ClientExecutor(
         plan.client_batch, rank=comm.rank, largest=max(plan.population.sizes, default=1)
