@@ -8,8 +8,10 @@ one network + UTS + mount namespace and one ``slurmd`` per node, links shaped wi
 Every point with ≥ 2 ranks also runs the allreduce probe (float32, 8 B … 32 MiB) across its hosts.
 
 Then, per profile:
-- α, β of the ring-allreduce model fitted to every cross-node probe of that profile (all rank
-  counts together; α from the small messages, β from the large ones: :func:`fit_latency_bandwidth`);
+- α, β of the ring-allreduce model fitted to the cross-node probes of that profile whose ranks each
+  have a core of the machine (2 here: every emulated node shares the machine's cores, and a rank
+  waiting for a core adds milliseconds to a small message; the other probes are reported, not
+  fitted); α from the small messages, β from the large ones (:func:`fit_latency_bandwidth`);
 - the measured points' allreduce time against that model's prediction for the round buffer
   (error stated per point and as the median);
 - the projection to 16 … 1,024 nodes (one rank per node) for simplecnn, resnet8 and resnet18 at a
@@ -37,6 +39,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -56,6 +59,7 @@ from tests.helpers import repo_env  # noqa: E402
 from tests.slurm_cluster import start_cluster  # noqa: E402
 
 SAMPLES = 50
+FIT_RANKS = os.cpu_count() or 1  # probes with at most this many ranks feed the α-β fit
 CLIENTS = 16
 PROJECT_NODES = [16, 32, 64, 128, 256, 512, 1024]
 # GPU per-sample throughput measured on one H200 (benchmarks/results), one client at a time
@@ -144,9 +148,12 @@ def analyse(out: Path, profiles: list[str]) -> dict:
         probes = [
             p for p in _jsonl(sorted((out / profile).rglob("allreduce_probe.jsonl"))) if p.get("nodes", 1) > 1
         ]
+        # the fit uses the probes whose ranks each have a core of the machine (all emulated nodes
+        # share its cores: with more ranks, a rank waiting for its turn on a core adds ms)
+        own_core = [p for p in probes if p["ranks"] <= FIT_RANKS] or probes
         samples = [
             (p["ranks"], n, t)
-            for p in probes
+            for p in own_core
             for n, t in zip(p["sizes_bytes"], p["seconds_best"], strict=True)
         ]
         alpha, beta = fit_latency_bandwidth(samples) if samples else (math.nan, math.nan)
@@ -178,6 +185,7 @@ def analyse(out: Path, profiles: list[str]) -> dict:
             "source": link.source if link else "",
             "alpha_s": alpha,
             "beta_Bps": beta,
+            "fit_from": f"probes with <= {FIT_RANKS} ranks (one core each on this {FIT_RANKS}-core machine)",
             "probes": [
                 {
                     "ranks": p["ranks"],
@@ -326,7 +334,7 @@ def main() -> None:
     if args.deadline_overhead:
         DEADLINE_OVERHEAD.append(True)
     points = [tuple(int(v) for v in s.split("x")) for s in args.points.split(",")]
-    work = Path(args.work)
+    work = Path(args.work).resolve()  # the jobs run in the cluster's own directory
     if not args.analyse_only:
         for profile in profiles:
             print(f"profile {profile}: {args.nodes} emulated nodes", flush=True)
