@@ -157,6 +157,33 @@ def test_leaf_rules_on_a_handmade_archive(small_root: Path) -> None:
         assert capped.train_idx[k].size + capped.test_idx[k].size == n
 
 
+def test_sampled_roles_and_test_subset(small_root: Path) -> None:
+    """``sample_roles`` keeps a seeded draw of whole roles (their samples as in the full split) and
+    ``test_samples`` a seeded subset of the pooled test set, each role's share still its own."""
+    roles = shk.load_roles(small_root)
+    full = shk.build_split(roles, min_lines=0, seq_len=12, seed=3)
+    sampled = shk.build_split(roles, min_lines=0, seq_len=12, sample_roles=2, seed=3)
+    assert len(sampled.roles) == 2 and set(sampled.roles) < set(full.roles)
+    assert sampled.roles == [r for r in full.roles if r in sampled.roles]  # text order kept
+    assert sampled.roles == shk.build_split(roles, min_lines=0, seq_len=12, sample_roles=2, seed=3).roles
+    draws = {
+        tuple(shk.build_split(roles, min_lines=0, seq_len=12, sample_roles=2, seed=s).roles) for s in range(8)
+    }
+    assert len(draws) > 1  # the seed draws the roles
+    for k, role in enumerate(sampled.roles):
+        j = full.roles.index(role)
+        n = full.train_idx[j].size + full.test_idx[j].size
+        assert sampled.train_idx[k].size + sampled.test_idx[k].size == n
+    subset = shk.build_split(roles, min_lines=0, seq_len=12, test_samples=5, seed=3)
+    assert subset.y_test.size == 5 and sum(i.size for i in subset.test_idx) == 5
+    assert np.array_equal(subset.x_train, full.x_train)  # training data untouched
+    pooled = {(bytes(x), int(y)) for x, y in zip(full.x_test, full.y_test, strict=True)}
+    assert {(bytes(x), int(y)) for x, y in zip(subset.x_test, subset.y_test, strict=True)} <= pooled
+    for k in range(len(full.roles)):  # each kept test sample still belongs to its role
+        mine = {(bytes(full.x_test[i]), int(full.y_test[i])) for i in full.test_idx[k]}
+        assert {(bytes(subset.x_test[i]), int(subset.y_test[i])) for i in subset.test_idx[k]} <= mine
+
+
 def test_dataset_natural_and_iid_partitions(small_root: Path) -> None:
     ds = load_dataset("shakespeare", small_root, min_lines=0, seq_len=10)
     assert ds.num_classes == ds.vocab_size == 80 and ds.input_shape == (1, 1, 10)
@@ -219,6 +246,9 @@ def _run_config(tmp_path: Path, root: Path, **extra: object) -> list[str]:
         ({"dataset_options": {"min_lines": 4}}, ("min_lines 4 keeps no role", "0..3")),
         ({"dataset_options": {"seq_len": 0}}, ("'seq_len' must be a whole number >= 1",)),
         ({"dataset_options": {"seq_len": 500}}, ("seq_len 500 cannot be met", "1..80")),
+        ({"dataset_options": {"sample_roles": 99}}, ("sample_roles 99 cannot be met", "use 1..")),
+        ({"dataset_options": {"test_samples": 10**6}}, ("test_samples 1000000 cannot be met", "use 1..")),
+        ({"dataset_options": {"sample_roles": -1}}, ("'sample_roles' must be a whole number >= 0",)),
         ({"model_options": {"vocab": 64}}, ("vocabulary of 64 symbols does not match the dataset's 80",)),
         ({"model": "simplecnn", "model_options": {}}, ("reads images", "char-lstm or char-transformer")),
         ({"dataset": "synthetic", "partition": "iid"}, ("reads symbol codes", "shakespeare")),

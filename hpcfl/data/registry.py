@@ -127,17 +127,23 @@ def _load_shakespeare(
     seq_len: int = 80,
     roles: int = 0,
     lines: int = 0,
+    sample_roles: int = 0,
+    test_samples: int = 0,
     seed: int = 0,
 ) -> Dataset:
     """LEAF's Shakespeare (:mod:`hpcfl.data.shakespeare`); ``roles`` > 0 keeps the first ``roles``
-    roles only and ``lines`` > 0 the first ``lines`` lines of each (a small federation), ``seed``
-    draws each role's train/test split."""
+    roles only and ``lines`` > 0 the first ``lines`` lines of each (a small federation),
+    ``sample_roles`` > 0 that many roles drawn at random (LEAF's user sampling), ``test_samples`` > 0
+    a random subset of the test set of that size; ``seed`` draws each role's train/test split and
+    both samples."""
     split = build_split(
         load_roles(root),
         min_lines=_integer_option("min_lines", min_lines, 0),
         seq_len=_integer_option("seq_len", seq_len, 1),
         max_roles=_integer_option("roles", roles, 0) or None,
         max_lines=_integer_option("lines", lines, 0) or None,
+        sample_roles=_integer_option("sample_roles", sample_roles, 0) or None,
+        test_samples=_integer_option("test_samples", test_samples, 0) or None,
         seed=_integer_option("seed", seed, 0),
     )
     seq = split.x_train.shape[1]
@@ -167,7 +173,9 @@ BUILTIN_DATASETS: dict[str, DatasetSpec] = {
     "cifar10": DatasetSpec(_load_cifar, ("verify",)),
     "cifar100": DatasetSpec(_load_cifar, ("verify",)),
     "femnist": DatasetSpec(_load_femnist),
-    "shakespeare": DatasetSpec(_load_shakespeare, ("min_lines", "seq_len", "roles", "lines", "seed")),
+    "shakespeare": DatasetSpec(
+        _load_shakespeare, ("min_lines", "seq_len", "roles", "lines", "sample_roles", "test_samples", "seed")
+    ),
     "synthetic": DatasetSpec(_load_synthetic, _SYNTHETIC_OPTIONS),
 }
 

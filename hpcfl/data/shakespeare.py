@@ -266,11 +266,18 @@ def build_split(
     seq_len: int = SEQ_LEN,
     max_roles: int | None = None,
     max_lines: int | None = None,
+    sample_roles: int | None = None,
+    test_samples: int | None = None,
     seed: int = 0,
 ) -> ShakespeareSplit:
     """LEAF's split of ``roles`` (see the module docstring); ``max_roles`` keeps the first roles only
     and ``max_lines`` the first lines of each (a small federation for tests; a role is kept or
-    dropped by all its lines, as LEAF does). An impossible ``min_lines`` or ``seq_len`` is a DataError line."""
+    dropped by all its lines, as LEAF does). ``sample_roles`` keeps that many of the kept roles drawn
+    at random from ``seed`` (LEAF's user sampling, as FedProx ran Shakespeare on 143 roles), and
+    ``test_samples`` that many of the pooled test samples drawn from ``seed`` (roles keep their
+    order; an estimate of test accuracy whose cost a CPU can afford, its standard error at most
+    0.5/sqrt(n)). An impossible ``min_lines``, ``seq_len``, ``sample_roles`` or ``test_samples`` is a
+    DataError line."""
     # A context reaches back to the start of its line only, so past the longest line (and LEAF's 80)
     # a longer one adds padding and nothing else.
     longest = max(int(roles.line_lengths.max()), SEQ_LEN)
@@ -293,6 +300,14 @@ def build_split(
     char_used = np.repeat(used, roles.line_lengths)
     samples = np.bincount(role_of_char[char_used], minlength=len(roles.names))
     keep = np.flatnonzero((roles.lines_per_role > min_lines) & (samples >= 2))  # LEAF counts all lines
+    if sample_roles is not None:
+        if not 1 <= sample_roles <= keep.size:
+            raise DataError(
+                f"shakespeare: sample_roles {sample_roles} cannot be met: {keep.size} roles pass "
+                f"min_lines {min_lines}, so use 1..{keep.size}"
+            )
+        draw = np.random.default_rng([seed, 1])  # host: which roles, a stream apart from the split's
+        keep = np.sort(draw.choice(keep, sample_roles, replace=False))
     if max_roles is not None:
         keep = keep[:max_roles]
     lines = np.isin(role_of_line, keep) & used
@@ -308,6 +323,18 @@ def build_split(
         offset += n
     owner = role_of_char[chars]
     y = y.astype(np.int64)
+    test = ~train
+    n_test = int(test.sum())
+    if test_samples is not None:
+        if not 1 <= test_samples <= n_test:
+            raise DataError(
+                f"shakespeare: test_samples {test_samples} cannot be met: the kept roles hold {n_test} "
+                f"test samples, so use 1..{n_test}"
+            )
+        tested = np.flatnonzero(test)
+        draw = np.random.default_rng([seed, 2])  # host: which test samples, a stream of their own
+        test = np.zeros_like(test)
+        test[np.sort(draw.choice(tested, test_samples, replace=False))] = True
 
     def indices(sizes: list[int]) -> list[np.ndarray]:
         ends = np.cumsum(sizes, dtype=np.int64)
@@ -317,8 +344,8 @@ def build_split(
         roles=[roles.names[k] for k in keep],
         x_train=x[train],
         y_train=y[train],
-        x_test=x[~train],
-        y_test=y[~train],
+        x_test=x[test],
+        y_test=y[test],
         train_idx=indices([int(c) for c in np.bincount(owner[train], minlength=len(roles.names))[keep]]),
-        test_idx=indices([int(c) for c in np.bincount(owner[~train], minlength=len(roles.names))[keep]]),
+        test_idx=indices([int(c) for c in np.bincount(owner[test], minlength=len(roles.names))[keep]]),
     )
