@@ -1,8 +1,11 @@
 """FedAvg throughput in the setup BlazeFL and Flower publish, on one device, beside plain training.
 
-BlazeFL's README compares itself with Flower on 4 × Quadro RTX 6000 in this setup: CIFAR-10,
-100 clients × 500 samples, 5 local epochs at batch 50, FedAvg, a small CNN and ResNet-18; their
-figures (samples/s): BlazeFL ≈ 50k (CNN) and ≈ 9.8k (ResNet-18), Flower ≈ 19k and ≈ 8.5k. This
+BlazeFL's README compares itself with Flower in this setup: CIFAR-10, 100 clients × 500 samples,
+5 local epochs at batch 50, FedAvg, a small CNN and ResNet-18. Its current plots (replaced on
+2026-04-25, BlazeFL's PR #137; its paper is arXiv:2604.03606), read off by eye (samples/s): BlazeFL
+≈ 43k (CNN) and ≈ 11.0k (ResNet-18), Flower ≈ 13.6k and ≈ 7.9k; the hardware is not stated (the
+plots they replaced, on 4 × Quadro RTX 6000: BlazeFL ≈ 50k and ≈ 9.8k, Flower ≈ 19k and ≈ 8.5k).
+Their harness also evaluates the server model every round; this one times training only. This
 script runs the same work through hpcfl (``hpcfl run``'s in-process API, one rank, the default
 ``client_batch: auto``, and ``client_batch: 1`` beside it) and, as the yardstick of what the device
 can do, a plain PyTorch training loop of the same model at the same batch (forward, backward,
@@ -27,10 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-PUBLISHED = {  # samples/s on 4 × Quadro RTX 6000, from BlazeFL's README
-    "simplecnn": {"blazefl": 50_000, "flower": 19_000},
-    "resnet18": {"blazefl": 9_800, "flower": 8_500},
+PUBLISHED = {  # samples/s read off BlazeFL's README plots of 2026-04-25 (PR #137); hardware not stated
+    "simplecnn": {"blazefl": 43_000, "flower": 13_600},
+    "resnet18": {"blazefl": 11_000, "flower": 7_900},
 }
+PUBLISHED_ON = "BlazeFL README plots of 2026-04-25 (PR #137), hardware not stated"
 CLIENTS, PER_CLIENT, EPOCHS, BATCH = 100, 500, 5, 50
 
 
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{model} client_batch {batch} (groups of {r['group']}): {r['samples_per_s']:,.0f} samples/s, "
                     f"{row['vs_plain']:.2f}x plain training; BlazeFL published {PUBLISHED[model]['blazefl']:,}, "
-                    f"Flower {PUBLISHED[model]['flower']:,} (4 x Quadro RTX 6000)",
+                    f"Flower {PUBLISHED[model]['flower']:,} ({PUBLISHED_ON})",
                     flush=True,
                 )
     import torch
@@ -162,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     meta = {"device": device_name, "data": data_name, "clients": args.clients, "per_client": PER_CLIENT,
-            "epochs": EPOCHS, "batch": BATCH, "published": PUBLISHED}  # fmt: skip
+            "epochs": EPOCHS, "batch": BATCH, "published": PUBLISHED, "published_on": PUBLISHED_ON}  # fmt: skip
     (args.out / f"fl_frameworks_setup_{tag}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     lines = [
         f"FedAvg, {args.clients} clients x {PER_CLIENT} samples, {EPOCHS} local epochs at batch {BATCH}, "
-        f"{data_name}, one {device_name}. Published: 4 x Quadro RTX 6000.",
+        f"{data_name}, one {device_name}. Published: {PUBLISHED_ON}.",
         "",
         "| model | client_batch (group) | hpcfl samples/s | plain training | hpcfl / plain | BlazeFL (pub.) | Flower (pub.) |",
         "|---|---|---:|---:|---:|---:|---:|",
