@@ -54,16 +54,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--roles", type=int, default=0, help="keep the first N roles (0: all)")
     p.add_argument("--lines", type=int, default=0, help="keep each role's first N lines (0: all)")
-    p.add_argument("--clients", type=int, default=1165)
+    p.add_argument(
+        "--sample-roles", type=int, default=100, help="N roles drawn at random (LEAF's user sampling; 0: all)"
+    )
+    p.add_argument("--test-samples", type=int, default=4000, help="a random subset of the test set (0: all)")
+    p.add_argument("--clients", type=int, default=100, help="clients (the roles kept)")
     p.add_argument("--clients-per-round", type=int, default=10)
-    p.add_argument("--model", default="char-lstm", choices=["char-lstm", "char-transformer"])
+    p.add_argument("--model", default="char-transformer", choices=["char-lstm", "char-transformer"])
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--local-steps", type=int, default=50)
+    p.add_argument("--local-steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=10)
-    p.add_argument("--lrs", type=float, nargs="+", default=[0.4, 0.8, 1.6])
-    p.add_argument("--eval-every", type=int, default=2)
+    p.add_argument("--lrs", type=float, nargs="+", default=[0.1, 0.3])
+    p.add_argument("--validation", type=float, default=0.02, help="share of each role's train samples")
+    p.add_argument("--client-eval-clients", type=int, default=20, help="personalised rows: clients judged")
+    p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--last", type=int, default=5, help="k of the last-k mean (evaluated rounds)")
+    p.add_argument("--last", type=int, default=3, help="k of the last-k mean (evaluated rounds)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("bench-out/shakespeare"))
@@ -74,7 +80,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def config(args: argparse.Namespace, partition: str, row: str) -> dict[str, Any]:
     """The run of ``row`` on ``partition`` (without ``lr`` and ``seed``)."""
     algorithm, params = ROWS[row]
-    options = {k: v for k, v in (("roles", args.roles), ("lines", args.lines)) if v}
+    options = {
+        k: v
+        for k, v in (
+            ("roles", args.roles),
+            ("lines", args.lines),
+            ("sample_roles", args.sample_roles),
+            ("test_samples", args.test_samples),
+        )
+        if v
+    }
     cfg: dict[str, Any] = dict(
         dataset="shakespeare",
         dataset_options=options,
@@ -88,13 +103,14 @@ def config(args: argparse.Namespace, partition: str, row: str) -> dict[str, Any]
         batch_size=args.batch,
         momentum=0.0,
         eval_every=args.eval_every,
-        validation=0.1,
+        validation=args.validation,
         threads=args.threads,
         progress=False,
         params=params,
     )
     if row in PERSONALISED:  # each client's own model, judged on its own held-out share
         cfg["client_eval"] = 0.25
+        cfg["client_eval_clients"] = min(args.client_eval_clients, args.clients)
     if row == "tct":  # the rounds split in halves: FedAvg, then the convexified problem
         first = args.rounds // 2
         cfg["params"] = {
@@ -126,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     targets = column_targets(cells, args.partitions, protocol)
     roles = f"the first {args.roles} roles" if args.roles else "all 1,165 roles"
+    if args.sample_roles:
+        roles = f"{args.sample_roles} roles drawn at random (LEAF's user sampling, seed 0)"
+    if args.test_samples:
+        roles += f", test accuracy on {args.test_samples:,} test samples drawn at random"
     header = (
         "# LEAF's Shakespeare (next character)\n\n"
         f"**Budget.** {args.model}, {roles}"

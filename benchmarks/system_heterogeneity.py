@@ -53,6 +53,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", help="datasets directory (default: $HPCFL_DATA)")
+    p.add_argument("--dataset", default="fashion-mnist")
+    p.add_argument(
+        "--dataset-option",
+        nargs="+",
+        default=[],
+        metavar="KEY=INT",
+        help="dataset_options, e.g. sample_roles=100 test_samples=4000 (shakespeare)",
+    )
     p.add_argument("--partition", default="dir:0.1")
     p.add_argument("--model", default="mlp")
     p.add_argument("--clients", type=int, default=100)
@@ -64,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--epochs-high", type=int, default=5)
     p.add_argument("--straggler-epochs", type=int, default=5, help="experiment 2: E of the non-stragglers")
+    p.add_argument(
+        "--straggler-steps", type=int, default=0, help="experiment 2: E in local steps instead of epochs"
+    )
+    p.add_argument("--stem", default="system_heterogeneity", help="results file names' stem")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.5, 0.9], help="straggler shares")
     p.add_argument("--lrs", type=float, nargs="+", default=[0.03, 0.1], help="lr candidates")
     p.add_argument("--mus", type=float, nargs="+", default=[0.01, 0.1], help="FedProx μ candidates, exp. 1")
@@ -84,7 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def base_config(args: argparse.Namespace, algorithm: str, **extra: Any) -> dict[str, Any]:
     """A run of ``algorithm`` on the benchmark's federation (without lr and seed)."""
     cfg: dict[str, Any] = dict(
-        dataset="fashion-mnist",
+        dataset=args.dataset,
+        dataset_options={k: int(v) for k, v in (o.split("=", 1) for o in args.dataset_option)},
         partition=args.partition,
         num_clients=args.clients,
         clients_per_round=args.per_round,
@@ -162,7 +175,7 @@ def unequal_work(args: argparse.Namespace, protocol: Protocol) -> tuple[str, flo
         + ", ".join(f"μ={m:g}: {100 * v:.2f}%" for m, v in mu_scores.items())
         + f") → μ = {mu:g}."
     )
-    stem = args.results / "system_heterogeneity_work"
+    stem = args.results / f"{args.stem}_work"
     text = write_tables(reported, protocol, targets, stem, header)
     fedavg_lr = by_row["fedavg"].choice.value if by_row["fedavg"].choice else args.lrs[0]
     return text, fedavg_lr
@@ -173,10 +186,14 @@ def stragglers(args: argparse.Namespace, protocol: Protocol) -> str:
     seeds = list(range(args.seeds))
 
     def cfg(fraction: float, mu: float, drop: bool) -> dict[str, Any]:
-        system = {"work": {"kind": "stragglers", "unit": "epochs", "fraction": fraction, "drop": drop}}
-        return base_config(
-            args, "fedprox", local_epochs=args.straggler_epochs, system=system, params={"mu": mu}
+        unit = "steps" if args.straggler_steps else "epochs"
+        system = {"work": {"kind": "stragglers", "unit": unit, "fraction": fraction, "drop": drop}}
+        work = (
+            {"local_steps": args.straggler_steps}
+            if args.straggler_steps
+            else {"local_epochs": args.straggler_epochs}
         )
+        return base_config(args, "fedprox", system=system, params={"mu": mu}, **work)
 
     def column(fraction: float) -> str:
         return f"{100 * fraction:g}% stragglers"
@@ -211,18 +228,20 @@ def stragglers(args: argparse.Namespace, protocol: Protocol) -> str:
             renamed(best, f"FedProx μ>0 (keep; μ={mu:g})"),
         ]
     targets = column_targets(cells, [column(f) for f in args.fractions], protocol)
+    e, unit = (args.straggler_steps, "steps") if args.straggler_steps else (args.straggler_epochs, "epochs")
+    options = f" ({', '.join(args.dataset_option)})" if args.dataset_option else ""
     chosen_text = "; ".join(
         f"{col}: " + ", ".join(f"μ={m:g} {100 * v:.2f}%" for m, v in s.items()) for col, s in choices.items()
     )
     header = (
-        "# Stragglers: FedProx's Fig. 1 on Fashion-MNIST\n\n"
-        f"E = {args.straggler_epochs} local epochs; a share of each round's participants are stragglers "
-        f"doing [1, {args.straggler_epochs - 1}] epochs (`system.work: {{kind: stragglers, fraction: F, "
-        f"drop: true|false}}`), Fashion-MNIST `{args.partition}`; {budget(args)}. One lr for the "
+        f"# Stragglers: FedProx's Fig. 1 on {args.dataset}\n\n"
+        f"E = {e} local {unit}; a share of each round's participants are stragglers "
+        f"doing [1, {e - 1}] {unit} (`system.work: {{kind: stragglers, fraction: F, "
+        f"drop: true|false}}`), {args.dataset} `{args.partition}`{options}; {budget(args)}. One lr for the "
         f"experiment, {lr:g}, chosen from {args.lrs} on validation for μ = 0 at {column(first)}. μ > 0 "
         f"chosen from {args.prox_mus} per level on validation at seed 0 ({chosen_text})."
     )
-    stem = args.results / "system_heterogeneity_stragglers"
+    stem = args.results / f"{args.stem}_stragglers"
     text = write_tables(cells, protocol, targets, stem, header)
     plot_levels(cells, args.fractions, protocol, stem.with_name(stem.name + "_levels.png"))
     return text
@@ -282,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         parts.append(stragglers(args, protocol))
     wall = time.perf_counter() - t0
     summary = "\n\n".join(parts) + f"\nWall time of this invocation: {wall:.0f} s (finished runs count 0).\n"
-    (args.results / "system_heterogeneity.md").write_text(summary)
-    (args.results / "system_heterogeneity_args.json").write_text(
+    (args.results / f"{args.stem}.md").write_text(summary)
+    (args.results / f"{args.stem}_args.json").write_text(
         json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, indent=1)
     )
     print(summary)
