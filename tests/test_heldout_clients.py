@@ -5,6 +5,8 @@ line; a stopped and resumed run ends bit-identical."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from hpcfl.data import load_dataset, load_partition, partition
 from hpcfl.runner import StopRequest, run_experiment
 from hpcfl.runner.federation import build_federation, participation_of
 from hpcfl.training.evaluate import evaluate
-from tests.helpers import final_state, synthetic_config
+from tests.helpers import REPO, final_state, mpiexec_cmd, synthetic_config, write_config
 from tests.test_bad_input import _fails_cleanly
 
 
@@ -168,3 +170,23 @@ def test_heldout_run_stopped_and_resumed_is_bit_identical(ditto_run, tmp_path):
     for a, b in zip(_rows(run_dir), _rows(reference), strict=True):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
         assert a["participants"] == b["participants"]
+
+
+@pytest.mark.mpi
+def test_heldout_figures_on_two_ranks_equal_one_rank(ditto_run, tmp_path):
+    """The held-out clients are placed on ranks; each rank evaluates (and adapts) its clients whole,
+    so 2 ranks give the 1-rank run's state and figures bit for bit."""
+    cfg_dict, reference = ditto_run
+    cfg = write_config(tmp_path / "cfg.yaml", **cfg_dict)
+    proc = subprocess.run(
+        mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(tmp_path / "r2")),
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert torch.equal(final_state(tmp_path / "r2"), final_state(reference))
+    keys = ("heldout_accuracy", "heldout_loss", "heldout_personal_accuracy", "heldout_personal_loss")
+    for a, b in zip(_rows(tmp_path / "r2"), _rows(reference), strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
