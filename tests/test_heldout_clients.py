@@ -16,6 +16,7 @@ import torch
 from hpcfl.comm import LocalComm
 from hpcfl.config import config_from_dict
 from hpcfl.data import load_dataset, load_partition, partition
+from hpcfl.errors import ConfigError
 from hpcfl.runner import StopRequest, run_experiment
 from hpcfl.runner.federation import build_federation, participation_of
 from hpcfl.training.evaluate import evaluate
@@ -80,11 +81,27 @@ def test_bad_heldout_clients_is_one_line(tmp_path, capsys, override, fragment):
     _fails_cleanly(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", override], fragment)
 
 
+def test_more_ranks_than_training_clients_is_one_line(tmp_path, capsys, monkeypatch):
+    cfg = synthetic_config(tmp_path)  # 4 clients
+    monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.setenv("PMI_RANK", "0")
+    argv = ["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", "heldout_clients=1"]
+    _fails_cleanly(capsys, argv, "4 ranks but only 3 clients that train")
+
+
 def test_participation_counts_the_training_clients_only():
     cfg = config_from_dict(dict(num_clients=10, heldout_clients=4, participation=0.5))
     assert participation_of(cfg).count == 3  # half of the 6 that train
     cfg = config_from_dict(dict(num_clients=10, heldout_clients=4, clients_per_round=6))
     assert participation_of(cfg).count is None  # all 6 that train
+
+
+def test_client_level_dp_counts_only_the_training_clients_as_sampled():
+    """4 of 6 clients per round with 2 held out is everyone who trains: no sampling to amplify."""
+    keys = dict(num_clients=6, clients_per_round=4, privacy={"level": "client", "noise_multiplier": 1.0})
+    config_from_dict(keys)  # 4 of 6: sampled
+    with pytest.raises(ConfigError, match="privacy.level=client needs sampled participation"):
+        config_from_dict({**keys, "heldout_clients": 2})
 
 
 @pytest.fixture(scope="module")
