@@ -94,6 +94,10 @@ class Config:
     client_eval: float = 0.0  # share of each client's data held out (seeded) for per-client accuracy
     client_eval_clients: int | None = None  # evaluate a seeded sample of M clients per row (None: all)
     finetune_eval: FinetuneEval = field(default_factory=lambda: FinetuneEval())  # personalised accuracy
+    # N of the num_clients clients (seeded, listed in the run's record) never train nor take part: each
+    # evaluation scores the global model on their data (heldout_accuracy) and, for a personalised
+    # algorithm with client_eval, each one's own adaptation (heldout_personal_accuracy)
+    heldout_clients: int = 0
     loggers: list[str] = field(default_factory=list)  # tensorboard | mlflow | wandb: views of metrics.jsonl
     params: Any = None  # the algorithm's hyper-parameters (its frozen Params dataclass)
     privacy: PrivacySection = field(default_factory=PrivacySection)  # differential privacy (hpcfl.privacy)
@@ -544,7 +548,7 @@ LOGGERS = ("tensorboard", "mlflow", "wandb")
 
 
 def _validate_evaluation(cfg: Config) -> None:
-    """``loggers``, ``client_eval``, ``client_eval_clients`` and ``finetune_eval``."""
+    """``loggers``, ``client_eval``, ``client_eval_clients``, ``finetune_eval`` and ``heldout_clients``."""
     if not isinstance(cfg.loggers, list) or any(name not in LOGGERS for name in cfg.loggers):
         raise ConfigError(f"config key 'loggers' must be a list of {', '.join(LOGGERS)}, got {cfg.loggers!r}")
     if not 0 <= cfg.client_eval < 1:
@@ -563,6 +567,11 @@ def _validate_evaluation(cfg: Config) -> None:
         raise ConfigError(
             "client_eval_clients and finetune_eval evaluate on each client's held-out share: set "
             "client_eval (e.g. 0.1) too"
+        )
+    if not 0 <= cfg.heldout_clients < cfg.num_clients:
+        raise ConfigError(
+            f"config key 'heldout_clients' must be in [0, num_clients) (at least one client trains), got "
+            f"{cfg.heldout_clients} with num_clients {cfg.num_clients}"
         )
 
 

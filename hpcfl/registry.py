@@ -284,6 +284,8 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
             ("feddyn", "feddyn", "FedDyn"),
             ("fednova", "fednova", "FedNova"),
             ("fedadam", "fedadam", "FedAdam"),
+            ("fedyogi", "fedyogi", "FedYogi"),
+            ("fedadagrad", "fedadagrad", "FedAdagrad"),
             ("fedavgm", "fedavgm", "FedAvgM"),
             ("ntkfl", "ntkfl", "NTKFL"),
             ("cp-ntkfl", "cp_ntkfl", "CPNTKFL"),

@@ -193,7 +193,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
 
 def test_every_builtin_and_the_example_plugin_are_covered() -> None:
-    assert {"fedavg", "fedavgm", "fedadam", "scaffold", "tct", "cp-ntkfl", "example_slr"} <= set(NAMES)
+    assert {
+        "fedavg",
+        "fedavgm",
+        "fedadam",
+        "fedyogi",
+        "fedadagrad",
+        "scaffold",
+        "tct",
+        "cp-ntkfl",
+        "example_slr",
+    } <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)

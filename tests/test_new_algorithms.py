@@ -1,4 +1,4 @@
-"""FedPVR, FedDyn, FedNova and FedAdam against the algorithms they reduce to (bit for bit where the
+"""FedPVR, FedDyn, FedNova, FedAdam, FedYogi and FedAdagrad against the algorithms they reduce to (bit for bit where the
 arithmetic allows), against direct computations of their steps, on the heterogeneous least-squares
 problem, and through checkpoint / resume."""
 
@@ -298,6 +298,97 @@ def test_fedadam_server_step_is_adam_on_the_pseudo_gradients():
     torch.testing.assert_close(adam.x, x, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(adam.m, m, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(adam.v, v, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", ["fedyogi", "fedadagrad"])
+def test_fedyogi_and_fedadagrad_server_steps_are_algorithm_2_on_the_pseudo_gradients(name):
+    """As FedAdam's test: each round's Δ_t = FedAvg(x_t) − x_t from FedAvg's own round, and the
+    second moment of Reddi et al. (2021) Algorithm 2 applied by hand in float64 (v₋₁ = τ²)."""
+    from hpcfl.registry import ALGORITHMS
+
+    cls = ALGORITHMS[name]
+    clients = _least_squares_clients(K=3)
+    if name == "fedyogi":
+        params = cls.Params(server_lr=0.05, beta1=0.8, beta2=0.5, tau=1e-2)
+    else:
+        params = cls.Params(server_lr=0.05, beta1=0.8, tau=1e-2)
+
+    def setup(c, p):
+        model = nn.Linear(6, 1, bias=False).double()
+        nn.init.zeros_(model.weight)
+        flat = FlatModel(model)
+        sched = LocalSchedule(lr=0.01, batch_size=10_000, steps=5, weight_decay=0.0)
+        return c(p, layout=StateLayout.of_model(model)), Trainer(flat, sched, loss_fn=_mse), flat
+
+    algo, trainer, flat = setup(cls, params)
+    rounds = 6
+    opt, _ = simulate(algo, clients, trainer, rounds, reduction="float64")
+
+    avg, trainer, _ = setup(FedAvg, FedAvg.Params())
+    x = flat.vector.clone() * 0
+    m = torch.zeros_like(x)
+    v = torch.full_like(x, params.tau**2)
+    signs = set()
+    for _ in range(rounds):
+        averaged, _ = simulate(avg, clients, trainer, 1, server=ServerState(x=x.clone()), reduction="float64")
+        delta = averaged.x - x
+        m = params.beta1 * m + (1 - params.beta1) * delta
+        if name == "fedyogi":
+            sign = torch.sign(v - delta**2)
+            signs |= set(sign.tolist())
+            v = v - (1 - params.beta2) * delta**2 * sign
+        else:
+            v = v + delta**2
+        x = x + params.server_lr * m / (torch.sqrt(v) + params.tau)
+    if name == "fedyogi":
+        assert signs >= {-1.0, 1.0}  # both branches of Yogi's sign were taken
+    torch.testing.assert_close(opt.x, x, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(opt.m, m, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(opt.v, v, rtol=1e-12, atol=1e-14)
+
+
+def test_yogi_and_adagrad_steps_on_hand_computed_numbers():
+    """One step of each rule on three entries, worked out by hand (float64): Yogi's v moves up by
+    (1 − β2)Δ² where v < Δ², down where v > Δ², and not at all where v = Δ²."""
+    from hpcfl.algorithms.server_opt import adagrad_step, yogi_step
+
+    m = torch.tensor([0.5, -1.0, 0.0], dtype=torch.float64)
+    v = torch.tensor([1.0, 0.25, 4.0], dtype=torch.float64)
+    delta = torch.tensor([2.0, 1.0, -2.0], dtype=torch.float64)  # Δ² = 4, 1, 4
+    # m = 0.5·m + 0.5·Δ = [1.25, 0, -1]
+    step, m1, v1 = yogi_step(m, v, delta, lr=0.1, beta1=0.5, beta2=0.75, tau=1.0)
+    # v = v − 0.25·Δ²·sign(v − Δ²) = [1 + 1, 0.25 + 0.25, 4 − 0] = [2, 0.5, 4]
+    torch.testing.assert_close(m1, torch.tensor([1.25, 0.0, -1.0], dtype=torch.float64), rtol=0, atol=0)
+    torch.testing.assert_close(v1, torch.tensor([2.0, 0.5, 4.0], dtype=torch.float64), rtol=0, atol=0)
+    expected = 0.1 * torch.tensor([1.25 / (2**0.5 + 1), 0.0, -1.0 / 3], dtype=torch.float64)
+    torch.testing.assert_close(step, expected, rtol=1e-15, atol=0)
+    v = torch.tensor([5.0, 0.25, 5.0], dtype=torch.float64)  # now v > Δ² on the first and last
+    _, _, v2 = yogi_step(m, v, delta, lr=0.1, beta1=0.5, beta2=0.75, tau=1.0)
+    torch.testing.assert_close(v2, torch.tensor([4.0, 0.5, 4.0], dtype=torch.float64), rtol=0, atol=0)
+
+    step, m3, v3 = adagrad_step(m, v, delta, lr=0.1, beta1=0.5, tau=1.0)
+    # v = v + Δ² = [9, 1.25, 9]
+    torch.testing.assert_close(m3, torch.tensor([1.25, 0.0, -1.0], dtype=torch.float64), rtol=0, atol=0)
+    torch.testing.assert_close(v3, torch.tensor([9.0, 1.25, 9.0], dtype=torch.float64), rtol=0, atol=0)
+    expected = 0.1 * torch.tensor([1.25 / 4, 0.0, -1.0 / 4], dtype=torch.float64)
+    torch.testing.assert_close(step, expected, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value"),
+    [
+        ("fedyogi", "beta2", 1.0),
+        ("fedyogi", "server_lr", 0.0),
+        ("fedadagrad", "beta1", -0.1),
+        ("fedadagrad", "tau", 0.0),
+        ("fedadagrad", "server_lr", -1.0),
+    ],
+)
+def test_fedyogi_and_fedadagrad_refuse_bad_params_in_one_line(name, key, value):
+    from hpcfl.registry import ALGORITHMS
+
+    with pytest.raises(ConfigError, match=rf"^config key 'params\.{key}' must be"):
+        ALGORITHMS[name].Params(**{key: value})
 
 
 # -- FedDyn --------------------------------------------------------------------------------------

@@ -426,7 +426,14 @@ def test_every_builtin_declares_its_dp_support_in_its_own_class() -> None:
         assert "dp_levels" in vars(cls) or "dp_refusal" in vars(cls), name
         assert cls.dp_levels or cls.dp_refusal != Algorithm.dp_refusal, name
         supported[name] = cls.dp_levels
-    assert {n for n, levels in supported.items() if levels} == {"fedavg", "fedprox", "fedadam", "fedavgm"}
+    assert {n for n, levels in supported.items() if levels} == {
+        "fedavg",
+        "fedprox",
+        "fedadam",
+        "fedyogi",
+        "fedadagrad",
+        "fedavgm",
+    }
     assert {levels for levels in supported.values() if levels} == {("client", "sample")}
 
 

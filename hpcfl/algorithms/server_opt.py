@@ -4,8 +4,9 @@
 The round's pseudo-gradient is Δ = mean_S(y_k) − x over the trainable parameters (the n_k-weighted
 mean, as every algorithm here). The optimiser turns Δ into a step; the server takes
 x ← x + step on the trainable parameters, while the float buffers (BatchNorm statistics) take
-FedAvg's mean, since they have no gradient. FedAdam and FedAvgM differ only in the step; their
-optimiser buffers are ``server_only`` fields of the server state (checkpointed, never downloaded).
+FedAvg's mean, since they have no gradient. FedAdam, FedYogi, FedAdagrad and FedAvgM differ only in
+the step; their optimiser buffers are ``server_only`` fields of the server state (checkpointed,
+never downloaded).
 """
 
 from __future__ import annotations
@@ -55,4 +56,39 @@ def adam_step(
     v ← β2·v + (1 − β2)·Δ², step = η·m/(√v + τ); returns (step, m, v)."""
     m = beta1 * m + (1.0 - beta1) * delta
     v = beta2 * v + (1.0 - beta2) * delta * delta
+    return lr * m / (v.sqrt() + tau), m, v
+
+
+def yogi_step(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    tau: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Yogi on Δ (Reddi et al. 2021, Algorithm 2, FedYogi): m ← β1·m + (1 − β1)·Δ,
+    v ← v − (1 − β2)·Δ²·sign(v − Δ²), step = η·m/(√v + τ); returns (step, m, v). v only moves
+    towards Δ², by at most (1 − β2)·Δ², so it stays ≥ 0 where it starts ≥ 0."""
+    m = beta1 * m + (1.0 - beta1) * delta
+    d2 = delta * delta
+    v = v - (1.0 - beta2) * d2 * torch.sign(v - d2)
+    return lr * m / (v.sqrt() + tau), m, v
+
+
+def adagrad_step(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    tau: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adagrad on Δ (Reddi et al. 2021, Algorithm 2, FedAdagrad): m ← β1·m + (1 − β1)·Δ,
+    v ← v + Δ², step = η·m/(√v + τ); returns (step, m, v)."""
+    m = beta1 * m + (1.0 - beta1) * delta
+    v = v + delta * delta
     return lr * m / (v.sqrt() + tau), m, v

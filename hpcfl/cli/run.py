@@ -77,10 +77,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_cli_config(args.config, args.set, args.data_root)
     ranks = launched_world_size() if cfg.comm != "local" else 1
-    if ranks > cfg.num_clients:  # before any data is read or any rank waits on another
+    trained = cfg.num_clients - cfg.heldout_clients  # held-out clients train on no rank
+    if ranks > trained:  # before any data is read or any rank waits on another
         raise CommError(
-            f"{ranks} ranks but only {cfg.num_clients} clients: every rank needs at least one client; "
-            f"launch with at most {cfg.num_clients} ranks or raise num_clients"
+            f"{ranks} ranks but only {trained} clients that train: every rank needs at least one client; "
+            f"launch with at most {trained} ranks or raise num_clients"
         )
     run_dir = args.run_dir or default_run_dir(cfg)
     stop = StopRequest()

@@ -119,7 +119,8 @@ def validate_privacy(p: PrivacySection, cfg: Any) -> None:
         )
     if p.level == "client":
         sampled = cfg.participation is not None and cfg.participation < 1
-        sampled = sampled or (cfg.clients_per_round is not None and cfg.clients_per_round < cfg.num_clients)
+        trained = cfg.num_clients - cfg.heldout_clients  # the population that is sampled
+        sampled = sampled or (cfg.clients_per_round is not None and cfg.clients_per_round < trained)
         if not sampled:
             raise ConfigError(
                 "privacy.level=client needs sampled participation (the accountant's amplification by "

@@ -355,6 +355,8 @@ def _run_locked(
     record = determinism.collect(
         cfg, comm, client_batch_used=fed.client_batch, device=str(fed.device)
     )  # collective: the threads, host and device every rank uses
+    if fed.heldout is not None:
+        record["heldout_clients"] = list(fed.heldout.ids)  # partition ids, never trained on
     if comm.rank == 0 and has_state and (note := determinism.resume_note(run_dir, record)) is not None:
         print(note, file=sys.stderr)
     ckpt = (  # onto this rank's device, whichever device wrote it; another run's files fall back

@@ -29,6 +29,7 @@ from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.models import build_model
 from hpcfl.registry import MODEL_SPECS
 from hpcfl.runner.executor import resolve_client_batch
+from hpcfl.runner.heldout import HeldOut, HeldOutEval, hold_out
 from hpcfl.runner.observers import Drift, LayerCKA
 from hpcfl.training.evaluate import JointCounts, accuracy_loss, shard_counts, with_probs
 from hpcfl.training.flat import FlatModel
@@ -57,6 +58,7 @@ class Federation:
     client_batch: int = 1  # participants per vectorised group: ``client_batch`` with ``auto`` resolved
     system: SystemModel | None = None  # unequal work and dropped participants (``system``), None when off
     clock: VirtualClock | None = None  # simulated time (``system.clock``), None when off
+    heldout: HeldOut | None = None  # the clients that never train (``heldout_clients``), None when 0
     _cache: dict[int, ClientData] = field(default_factory=dict, repr=False)
 
     @property
@@ -250,10 +252,10 @@ def model_plan(fed: Federation) -> RoundPlan:
 
 def participation_of(cfg: Config) -> Participation:
     """The run's participation rule: ``clients_per_round``, or ``participation`` as a fraction."""
-    count = cfg.clients_per_round
+    count, trained = cfg.clients_per_round, cfg.num_clients - cfg.heldout_clients
     if cfg.participation is not None:
-        count = max(1, round(cfg.participation * cfg.num_clients))
-    if count is not None and count >= cfg.num_clients:
+        count = max(1, round(cfg.participation * trained))
+    if count is not None and count >= trained:
         count = None
     return Participation(count=count, weighting=cfg.participation_weighting)
 
@@ -269,6 +271,8 @@ def chosen_observers(fed: Federation) -> tuple[Observer, ...]:
         from hpcfl.runner.client_eval import ClientEval
 
         chosen.append(ClientEval.for_federation(fed))
+    if fed.heldout is not None:
+        chosen.append(HeldOutEval(fed))
     return tuple(chosen)
 
 
@@ -366,6 +370,7 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         natural=dataset.natural_clients,
         min_size=cfg.min_client_size,
     )
+    parts, heldout = hold_out(parts, cfg)  # first: the other clients are the run's population
     validation = validation_parts = None
     if cfg.validation > 0:
         # per client, so the validation set follows the clients' label skew (as FedPVR's 1 % split
@@ -416,4 +421,5 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         client_batch=client_batch,
         system=SystemModel.of(cfg.system, cfg.seed, schedule, population.sizes),
         clock=VirtualClock.of(cfg.system.clock, cfg.seed, population.size),
+        heldout=heldout,
     )

@@ -66,6 +66,7 @@ from typing import Any
 from hpcfl.errors import ConfigError
 from hpcfl.files import atomic_write_text
 from hpcfl.runner.client_eval import ClientEval
+from hpcfl.runner.heldout import HeldOutEval
 from hpcfl.runner.observers import ClientMetrics, Participants, RankLoad, Timing, Traffic
 from hpcfl.runner.rundir import (
     LOGGER_MARKER,
@@ -79,7 +80,9 @@ STATE = "loggers.json"  # per logger: the last round written and the id of its r
 _PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 _SPLITS = ("test", "val", "train")  # evaluator columns: test_accuracy -> test/accuracy
 _GROUPS = {
-    c: obs.group for obs in (Participants, RankLoad, Traffic, Timing, ClientEval) for c in obs.columns
+    c: obs.group
+    for obs in (Participants, RankLoad, Traffic, Timing, ClientEval, HeldOutEval)
+    for c in obs.columns
 } | {"cka": "representation", "drift_diversity": "representation", "wall_s": "time", "stage_setup_s": "time"}
 
 

@@ -1,0 +1,85 @@
+"""FedAdagrad (Reddi, Charles, Zaheer, Garrett, Rush, Konečný, Kumar & McMahan, ICLR 2021, "Adaptive
+Federated Optimization", Algorithm 2): FedAvg's clients, Adagrad on the server.
+
+With the pseudo-gradient Δ = mean_S(y_k) − x (the n_k-weighted mean, as every algorithm here), the
+server takes one step (:func:`hpcfl.algorithms.server_opt.adagrad_step`):
+
+    m ← β1·m + (1 − β1)·Δ,   v ← v + Δ²,   x ← x + η·m/(√v + τ),
+
+with m₋₁ = 0 and v₋₁ = τ² (FedAdam's conventions here; Algorithm 2 asks for v₋₁ ≥ τ²). Algorithm 2
+keeps the momentum m for all three adaptive methods; Flower's FedAdagrad has none, which is
+``beta1: 0`` here (m = Δ). v only grows, so the steps shrink over the rounds. As FedAdam: the float
+buffers (BatchNorm statistics) take FedAvg's mean; m and v are checkpointed ``server_only`` fields
+of FedAdam's server state, so a resumed run continues bit-identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hpcfl.algorithms.base import (
+    Aggregate,
+    Algorithm,
+    ClientContext,
+    ClientData,
+    ClientState,
+    HyperParams,
+    LocalTask,
+    ServerContext,
+)
+from hpcfl.algorithms.fedadam import FedAdamServerState
+from hpcfl.algorithms.fedavg import local_training
+from hpcfl.algorithms.server_opt import adagrad_step, apply_step, pseudo_gradient
+from hpcfl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FedAdagradParams(HyperParams):
+    """FedAdagrad's server optimiser (Reddi et al., ICLR 2021, Algorithm 2).
+
+    - ``server_lr`` η = 0.1: Flower's FedAdagrad default (the paper tunes η per task over a log
+      grid); larger than FedAdam's 0.01 since v accumulates every round's Δ² and never decays;
+    - ``beta1`` β1 = 0.9: the paper's momentum for its adaptive methods (0 is Flower's FedAdagrad);
+    - ``tau`` τ = 1e-3: the adaptivity term the paper fixes while tuning the rates (Flower's
+      current default too); it also sets v₋₁ = τ².
+    """
+
+    server_lr: float = 1e-1
+    beta1: float = 0.9
+    tau: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if not self.server_lr > 0:
+            raise ConfigError(f"config key 'params.server_lr' must be > 0, got {self.server_lr}")
+        if not 0.0 <= self.beta1 < 1.0:
+            raise ConfigError(f"config key 'params.beta1' must be in [0, 1), got {self.beta1}")
+        if not self.tau > 0:
+            raise ConfigError(f"config key 'params.tau' must be > 0, got {self.tau}")
+
+
+class FedAdagrad(Algorithm[FedAdagradParams, FedAdamServerState, ClientState]):
+    name = "fedadagrad"
+    dp_levels = ("client", "sample")  # the upload is the model and the server step reads its mean
+    Params = FedAdagradParams
+    divergence_params = ("server_lr",)
+
+    def init_server(self, x0: torch.Tensor) -> FedAdamServerState:
+        P = self.num_params
+        return FedAdamServerState(x=x0.clone(), m=x0.new_zeros(P), v=x0.new_full((P,), self.params.tau**2))
+
+    def local_task(
+        self, server: FedAdamServerState, client: ClientState, data: ClientData, ctx: ClientContext
+    ) -> LocalTask[ClientState]:
+        return local_training(server, client, data)
+
+    def server_update(
+        self, server: FedAdamServerState, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[FedAdamServerState, dict[str, float]]:
+        assert server.m is not None and server.v is not None
+        p = self.params
+        mean, delta = pseudo_gradient(server.x, aggregate, self.num_params)
+        step, m, v = adagrad_step(server.m, server.v, delta, lr=p.server_lr, beta1=p.beta1, tau=p.tau)
+        x = apply_step(server.x, mean, step)
+        return FedAdamServerState(x=x, m=m, v=v), {"pseudo_grad_norm": float(delta.norm())}
