@@ -487,6 +487,15 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
     return {"method": spec["method"], "status": "failed", "note": tail[:200]}
 
 
+def time_method(spec: dict[str, Any], *, in_process: bool = False) -> dict[str, Any]:
+    """One method timed as ``hpcfl bench entk`` times it → its result row (a failure is a row too):
+    a warm-up, then ``spec["repeats"]`` timed runs (best and median), in a fresh process (its
+    ``threads``, ``omp_wait_policy`` and ``keep_freed_memory`` environment) or, ``in_process``, here.
+    ``spec`` holds :func:`run_benchmark`'s config keys (model, input_shape, p, batch, device, seed,
+    repeats, loop_samples, threads, ...; optionally ``model_options``) and the ``method``."""
+    return (_run_here if in_process else _run_child)(spec)
+
+
 # --------------------------------------------------------------------------- report side
 
 
