@@ -40,10 +40,11 @@ expanded (stride-0) index: a forward pre-hook hands every Embedding a contiguous
 char-lstm: Opacus has no per-sample gradient for ``nn.LSTM``; ``opacus.layers.DPLSTM`` (its cells
 made of ``RNNLinear`` layers, nn.LSTM's parameter names) takes its place with the weights copied.
 
-Same work: before any timing, per model, hpcfl's clipped per-sample gradient sum (at C = the median
-per-sample norm, so some samples are clipped) equals each Opacus mode's (σ = 0, the optimiser's
-clipped sum), and hpcfl's eNTK features equal torch.func's, on one batch; otherwise one line and
-exit 1.
+Same work: before any timing, per model, on one batch of the largest size: hpcfl's per-sample
+gradient norms equal those of Opacus's per-sample gradients (hooks), hpcfl's clipped per-sample
+gradient sum (at C = the median norm, so some samples are clipped) equals each Opacus mode's (σ = 0:
+the optimiser's clipped sum), and hpcfl's eNTK features equal torch.func's (4 samples); otherwise
+one line and exit 1.
 
 Load: the figures are only as good as the host was quiet; the load average at the start and the
 end is printed beside them and recorded (run it alone). Results: ``<out>/text_per_sample_<device>.
@@ -237,7 +238,7 @@ def check_same_work(
         out = torch.empty(sum(t.numel() for t in model.parameters()), device=device)
         _, norms = clipped_grad_sum(model, cross_entropy_loss, x, y, 1.0, out)
         clip = float(norms.median())  # some samples clipped, some not
-        clipped_grad_sum(model, cross_entropy_loss, x, y, clip, out)
+        _, norms = clipped_grad_sum(model, cross_entropy_loss, x, y, clip, out)
         ours = dict(zip([n for n, _ in model.named_parameters()],
                         out.split([t.numel() for t in model.parameters()]), strict=True))  # fmt: skip
         for mode in ("opacus_hooks", "opacus_ghost"):
@@ -248,6 +249,9 @@ def check_same_work(
                 opt = DPOptimizer(sgd, noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=batch)
                 opt.zero_grad()
                 nn.functional.cross_entropy(hooked(x), y).backward()
+                # grad_sample: each sample's gradient of its own loss (Opacus undoes the mean)
+                each = torch.stack([t.grad_sample.flatten(1).norm(dim=1) for t in theirs.parameters()])
+                found["dp_opacus_hooks_norms"] = _differs(norms, each.norm(dim=0))
             else:
                 ghost = GradSampleModuleFastGradientClipping(
                     theirs, max_grad_norm=clip, use_ghost_clipping=True
