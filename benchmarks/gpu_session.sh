@@ -48,6 +48,9 @@
 #   profile     the fused eNTK batch's kernels (torch.profiler) beside plain training's: what a
 #               per-layer GPU cost model is fitted from
 #   dp          DP-SGD vs Opacus (hooks and ghost clipping) and non-private, simplecnn and resnet8-GN
+#   text        benchmarks/text_per_sample.py: char-transformer and char-lstm at batch 10 and 64, eNTK
+#               features (hpcfl fused / the LSTM's loop fallback vs torch.func vmap, in-process) and
+#               the DP-SGD step (hpcfl vs Opacus hooks and ghost clipping, DPLSTM for the LSTM)
 #   stage2      TCT stage 2's closed form on the GPU vs the same machine's CPU at n_k = 6,000,
 #               p = 100,000, M = 500 (the CPU run: one timed round, its primal extrapolated from 3
 #               steps; session 2's CPU run without that bound did not reach its timed round in 90 s)
@@ -62,12 +65,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUTDIR=benchmarks/out/gpu_session
-STEPS_ALL=(tests entk stage2 tcttable batched gathertune layercosts checkpoint entk18 main round profile dp frameworks)
+STEPS_ALL=(tests entk stage2 tcttable batched gathertune layercosts checkpoint entk18 main round profile dp text frameworks)
 
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
     [tests]="200 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="120 30" [main]="120 60" [round]="120 50"
-    [batched]="120 40" [entk]="200 40" [profile]="45 20" [dp]="90 40" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
+    [batched]="120 40" [entk]="200 40" [profile]="45 20" [dp]="90 40" [text]="180 60" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
     [tcttable]="200 90"
 )
 declare -A CMD=(
@@ -81,6 +84,7 @@ declare -A CMD=(
     [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_simplecnn_cuda ; python3 -m hpcfl bench entk --device cuda --model resnet8 --norm gn --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_resnet8_cuda ; python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_vgg11_cuda ; python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_resnet18_cuda"
     [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
+    [text]="python3 benchmarks/text_per_sample.py --device cuda --in-process --sessions 1 --threads 4 --rounds 2 --out $OUTDIR/text_per_sample_cuda"
     [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda && python3 benchmarks/stage2_solver.py --device cpu --n 6000 --p 100000 --classes 10 --local-steps 500 --rounds 1 --check-rounds 1 --check-steps 2 --max-primal-seconds 5 --out $OUTDIR/stage2_cpu_of_gpu_host"
     [gathertune]="python3 benchmarks/entk_layer_costs.py --device cuda --autotune --models simplecnn resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
     [tcttable]="python3 benchmarks/tct_fmnist_table.py --device cuda --jobs 2 --partitions classes:1 classes:2 --seeds 1 --lrs 0.05 --rounds 20 --local-steps 0 --local-epochs 1 --p 20000 --no-figure3 --out $OUTDIR/tct_fmnist --results $OUTDIR/tct_fmnist_results"

@@ -1,7 +1,8 @@
 """``hpcfl bench entk``: eNTK feature throughput of every method against one training step.
 
 For one model and batch, each method computes the (B, p) features of the same random batch
-(dataset-shaped: 1×28×28 for simplecnn/mlp, 3×32×32 for the CIFAR models, 10 classes) in a fresh
+(dataset-shaped: 1×28×28 for simplecnn/mlp, 3×32×32 for the CIFAR models, 10 classes; symbol codes
+of Shakespeare's 80-symbol vocabulary, L = 80, for the ``char-`` text models) in a fresh
 subprocess, so one method's allocations never colour another's memory figure (``--in-process``
 runs them all in this process instead: on a GPU each fresh process pays a CUDA start-up of ~4 s,
 which is most of a lent GPU session's eNTK step; CUDA peak memory is still reset per method):
@@ -84,7 +85,7 @@ from pathlib import Path
 from typing import Any
 
 HELP = "eNTK feature throughput: loop / vmap / fused / Opacus / BackPACK vs one training step"
-MODELS = ("simplecnn", "mlp", "resnet18", "resnet8", "vgg11")
+MODELS = ("simplecnn", "mlp", "resnet18", "resnet8", "vgg11", "char-transformer", "char-lstm")
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 """glibc allocator settings of ``--keep-freed-memory``."""
 METHODS = ("loop", "vmap", "fused", "fused-graph", "opacus", "opacus-functorch", "backpack")
@@ -103,6 +104,48 @@ BEST_OTHER = {
 OPACUS_MODES = {"opacus": "hooks", "opacus-functorch": "functorch"}
 INPUT_SHAPES = {"simplecnn": (1, 28, 28), "mlp": (1, 28, 28)}
 CIFAR_SHAPE = (3, 32, 32)
+
+
+def input_shape(model: str) -> tuple[int, int, int]:
+    """The input shape a model is timed on: Fashion-MNIST's, CIFAR's, or for a text model (``char-``)
+    Shakespeare's ``(1, 1, L)`` with LEAF's sequence length L = 80."""
+    from hpcfl.models import TEXT_MODELS
+
+    if model in TEXT_MODELS:
+        from hpcfl.data.shakespeare import SEQ_LEN
+
+        return (1, 1, SEQ_LEN)
+    return INPUT_SHAPES.get(model, CIFAR_SHAPE)
+
+
+def bench_model(name: str, shape: tuple[int, ...], options: dict[str, Any]) -> Any:
+    """Model ``name`` for inputs of ``shape``: 10 classes for images; a text model (``char-``) reads
+    symbol codes of Shakespeare's 80-symbol vocabulary and gives logits over it."""
+    from hpcfl.models import TEXT_MODELS, build_model
+
+    if name in TEXT_MODELS:
+        from hpcfl.data.shakespeare import VOCAB
+
+        return build_model(name, shape, len(VOCAB), vocab_size=len(VOCAB), **options)
+    return build_model(name, shape, 10, **options)
+
+
+def model_and_batch(spec: dict[str, Any]) -> tuple[Any, Any]:
+    """A spec's model (:func:`bench_model`, seeded with ``spec["seed"]``, on its device, eval mode) and
+    a random batch of ``spec["batch"]`` inputs of ``spec["input_shape"]``: images, or for a text model
+    symbol codes ``(B, L)`` (uint8, as the text datasets keep them)."""
+    import torch
+
+    from hpcfl.models import TEXT_MODELS
+
+    torch.manual_seed(spec["seed"])
+    shape = tuple(spec["input_shape"])
+    device = torch.device(spec["device"])
+    model = bench_model(spec["model"], shape, _model_options(spec)).to(device).eval()
+    if spec["model"] in TEXT_MODELS:
+        vocab = model.classifier.out_features
+        return model, torch.randint(0, vocab, (spec["batch"], shape[-1]), dtype=torch.uint8, device=device)
+    return model, torch.randn(spec["batch"], *shape, device=device)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,14 +265,10 @@ def _make_runner(spec: dict[str, Any]) -> tuple[Callable[[], None], int, str, An
 
     from hpcfl.entk import entk_features
     from hpcfl.entk.coords import coordinate_set, param_columns, scope_parameters
-    from hpcfl.models import build_model
 
-    torch.manual_seed(spec["seed"])
-    shape = tuple(spec["input_shape"])
-    device = torch.device(spec["device"])
-    model = build_model(spec["model"], shape, 10, **_model_options(spec)).to(device).eval()
+    model, x = model_and_batch(spec)
+    device = x.device
     batch, p, method = spec["batch"], spec["p"], spec["method"]
-    x = torch.randn(batch, *shape, device=device)
     named = scope_parameters(model, "all")
     columns = param_columns(named, coordinate_set(sum(t.numel() for _, t in named), p, spec["seed"]))
     out = torch.empty(batch, p, device=device)
@@ -346,8 +385,9 @@ def _graph_setup(run: Callable[[], None], device: Any) -> str:
 
 
 def _model_options(spec: dict[str, Any]) -> dict[str, Any]:
-    """``build_model`` options of a spec: ``norm`` where ``--norm`` was given."""
-    return {"norm": spec["norm"]} if spec.get("norm") else {}
+    """``build_model`` options of a spec: ``norm`` where ``--norm`` was given, and any ``model_options``
+    (a caller's own sizes, e.g. a tiny check's)."""
+    return {**({"norm": spec["norm"]} if spec.get("norm") else {}), **spec.get("model_options", {})}
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -445,6 +485,15 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
             return json.loads(line)
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     return {"method": spec["method"], "status": "failed", "note": tail[:200]}
+
+
+def time_method(spec: dict[str, Any], *, in_process: bool = False) -> dict[str, Any]:
+    """One method timed as ``hpcfl bench entk`` times it → its result row (a failure is a row too):
+    a warm-up, then ``spec["repeats"]`` timed runs (best and median), in a fresh process (its
+    ``threads``, ``omp_wait_policy`` and ``keep_freed_memory`` environment) or, ``in_process``, here.
+    ``spec`` holds :func:`run_benchmark`'s config keys (model, input_shape, p, batch, device, seed,
+    repeats, loop_samples, threads, ...; optionally ``model_options``) and the ``method``."""
+    return (_run_here if in_process else _run_child)(spec)
 
 
 # --------------------------------------------------------------------------- report side
@@ -558,13 +607,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError("--device cuda, but torch sees no CUDA device here; use --device cpu")
     if min(args.p, args.batch, args.repeats, args.loop_samples, args.rounds) < 1:
         raise ConfigError("--p, --batch, --repeats, --loop-samples and --rounds must be positive")
-    shape = INPUT_SHAPES.get(args.model, CIFAR_SHAPE)
+    shape = input_shape(args.model)
     if args.norm and args.model not in ("resnet8", "resnet18"):
         raise ConfigError(f"--norm applies to resnet8 and resnet18, not {args.model}")
     from hpcfl.entk import num_params
-    from hpcfl.models import build_model
 
-    total = num_params(build_model(args.model, shape, 10, **({"norm": args.norm} if args.norm else {})))
+    total = num_params(bench_model(args.model, shape, {"norm": args.norm} if args.norm else {}))
     if args.in_process and (args.keep_freed_memory or args.omp_wait_policy != "default"):
         raise ConfigError(
             "--keep-freed-memory and --omp-wait-policy set a fresh process's environment: not with --in-process"
