@@ -23,7 +23,7 @@ from hpcfl.runner.asynchronous import async_schedule
 from hpcfl.runner.federation import build_federation, model_plan
 from hpcfl.training.layout import StateLayout
 from tests.helpers import synthetic_config
-from tests.test_contract import BASE, _rows, _StopAfterRows
+from tests.test_contract import BASE, _rows, _StopAfterRows, two_rank_runs
 
 LOGNORMAL = {
     "speed": {"kind": "lognormal", "mu": 3.0, "sigma": 1.0},
@@ -192,30 +192,14 @@ def test_a_stopped_and_resumed_asynchronous_run_is_bit_identical(tmp_path: Path,
 
 @pytest.mark.mpi
 def test_one_rank_and_two_ranks_agree_under_a_heterogeneous_clock(tmp_path: Path) -> None:
-    import json
-    import subprocess
-    import sys
-
-    from tests.helpers import MPIEXEC, REPO, final_state, plugin_env
+    from tests.helpers import final_state
 
     runs = {name: _clocked(name) for name in ("fedbuff", "fedasync")}
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    program = REPO / "tests" / "contract_programs" / "ranks.py"
-    argv = [
-        MPIEXEC,
-        "-n",
-        "2",
-        sys.executable,
-        str(program),
-        str(tmp_path / "runs.json"),
-        str(tmp_path / "two"),
-    ]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=plugin_env(), timeout=600)
-    assert proc.returncode == 0 and proc.stdout.count(": OK") == 2, proc.stdout + proc.stderr
+    two = two_rank_runs(tmp_path, runs)
     for name, cfg in runs.items():
         one = run_experiment(config_from_dict(cfg), tmp_path / "one" / name)
-        assert torch.equal(final_state(tmp_path / "two" / name), one.server.x), name
-        assert _same_rows(_rows(tmp_path / "two" / name), one.metrics), name
+        assert torch.equal(final_state(two / name), one.server.x), name
+        assert _same_rows(_rows(two / name), one.metrics), name
 
 
 # -- the server steps -----------------------------------------------------------------------------

@@ -44,6 +44,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,17 +180,64 @@ class Runs:
         self.root = root
         self._done: dict[str, RunResult] = {}
 
-    def reference(self, name: str, *, hetero: bool = False, variant: str = "") -> RunResult:
-        key = name + (HETERO if hetero else variant)
+    def run(self, key: str, config: Callable[[], dict[str, Any]]) -> RunResult:
+        """The run named ``key`` of the config ``config()`` makes, run in ``root / key`` once."""
         if key not in self._done:
-            cfg = VARIANTS[HETERO if hetero else variant](name)
-            self._done[key] = run_experiment(config_from_dict(cfg), self.root / key)
+            self._done[key] = run_experiment(config_from_dict(config()), self.root / key)
         return self._done[key]
+
+    def reference(self, name: str, *, hetero: bool = False, variant: str = "") -> RunResult:
+        suffix = HETERO if hetero else variant
+        return self.run(name + suffix, lambda: VARIANTS[suffix](name))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(tmp_path_factory.mktemp("contract_reference"))
+
+
+def stopped_and_resumed(cfg: Config, run_dir: Path) -> RunResult:
+    """``cfg``'s run in ``run_dir`` stopped after its 2nd metrics row, then resumed to its end."""
+    stopped = run_experiment(cfg, run_dir, stop=_StopAfterRows(run_dir, 2))
+    assert (stopped.rounds_done, stopped.finished) == (2, False)
+    resumed = run_experiment(cfg, run_dir, resume=True)
+    assert resumed.finished
+    return resumed
+
+
+def assert_same_records(run_dir: Path, reference: RunResult) -> None:
+    """The run in ``run_dir`` logged ``reference``'s test accuracies and, for a personalised
+    algorithm, its per-client accuracies, bit for bit."""
+    assert _accuracies(_rows(run_dir)) == _accuracies(reference.metrics)
+    assert _personal(run_dir) == _personal(reference.run_dir)
+
+
+def assert_batched_matches(batched: torch.Tensor, reference: torch.Tensor, *, exact: bool) -> None:
+    """``client_batch``'s final state equals one-by-one training's: bit for bit where ``exact`` (the
+    participants were trained one by one anyway), else to 1e-5 relative."""
+    if exact:
+        assert torch.equal(batched, reference)
+    else:
+        rel = float((batched - reference).norm() / reference.norm())
+        assert rel < 1e-5, rel
+
+
+def two_rank_runs(tmp: Path, configs: dict[str, dict[str, Any]]) -> Path:
+    """Every config of ``configs`` (by run name) run on 2 MPI ranks, in one ``mpiexec``; returns
+    the folder holding their run directories (by name)."""
+    (tmp / "runs.json").write_text(json.dumps(configs))
+    argv = [
+        MPIEXEC,
+        "-n",
+        "2",
+        sys.executable,
+        str(PROGRAMS / "ranks.py"),
+        str(tmp / "runs.json"),
+        str(tmp / "runs"),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=plugin_env(), timeout=600)
+    assert proc.returncode == 0 and proc.stdout.count(": OK") == 2, proc.stdout + proc.stderr
+    return tmp / "runs"
 
 
 def test_every_builtin_and_the_example_plugin_are_covered() -> None:
@@ -302,14 +350,9 @@ def test_a_plugins_golden_hash_is_the_plugins_file_and_record_writes_only_there(
 @pytest.mark.parametrize("name", NAMES)
 def test_stopped_and_resumed_run_is_bit_identical(runs: Runs, tmp_path: Path, name: str) -> None:
     reference = runs.reference(name)
-    cfg = config_from_dict(contract_config(name))
-    run_dir = tmp_path / "stopped"
-    stopped = run_experiment(cfg, run_dir, stop=_StopAfterRows(run_dir, 2))
-    assert (stopped.rounds_done, stopped.finished) == (2, False)
-    resumed = run_experiment(cfg, run_dir, resume=True)
-    assert resumed.finished and torch.equal(resumed.server.x, reference.server.x)
-    assert _accuracies(_rows(run_dir)) == _accuracies(reference.metrics)
-    assert _personal(run_dir) == _personal(reference.run_dir)
+    resumed = stopped_and_resumed(config_from_dict(contract_config(name)), tmp_path / "stopped")
+    assert torch.equal(resumed.server.x, reference.server.x)
+    assert_same_records(tmp_path / "stopped", reference)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -317,13 +360,9 @@ def test_heterogeneous_stopped_and_resumed_run_is_bit_identical(
     runs: Runs, tmp_path: Path, name: str
 ) -> None:
     reference = runs.reference(name, hetero=True)
-    cfg = config_from_dict(hetero_config(name))
-    run_dir = tmp_path / "stopped"
-    stopped = run_experiment(cfg, run_dir, stop=_StopAfterRows(run_dir, 2))
-    assert (stopped.rounds_done, stopped.finished) == (2, False)
-    resumed = run_experiment(cfg, run_dir, resume=True)
-    assert resumed.finished and torch.equal(resumed.server.x, reference.server.x)
-    assert _rows_without_timing(_rows(run_dir)) == _rows_without_timing(reference.metrics)
+    resumed = stopped_and_resumed(config_from_dict(hetero_config(name)), tmp_path / "stopped")
+    assert torch.equal(resumed.server.x, reference.server.x)
+    assert _rows_without_timing(_rows(tmp_path / "stopped")) == _rows_without_timing(reference.metrics)
 
 
 def _rows_without_timing(rows: list[dict]) -> list[dict]:
@@ -374,6 +413,14 @@ def _download_nbytes(name: str, server: Any) -> int:
             f"{name}: received names {field_name!r}, not a downloaded tensor field of the server state"
         )
         assert 0 <= length <= v.numel(), f"{name}: received {length} of {field_name!r} ({v.numel()})"
+    return server_nbytes(server, partial)
+
+
+def server_nbytes(server: Any, partial: dict[str, int] | None = None) -> int:
+    """The bytes of ``server``'s tensor fields but the ``server_only`` ones: whole, or the first
+    ``partial[field]`` elements of a field named there."""
+    partial = partial or {}
+    fields = {f.name: getattr(server, f.name) for f in dataclasses.fields(server)}
     return sum(
         partial.get(f, v.numel()) * v.element_size()
         for f, v in fields.items()
@@ -491,28 +538,14 @@ def test_kill_9_with_states_on_disk_resumes_bit_identically(runs: Runs, killed, 
     resumed = run_experiment(cfg, run_dir, resume=True)
     reference = runs.reference(name)
     assert torch.equal(resumed.server.x, reference.server.x)
-    assert _accuracies(_rows(run_dir)) == _accuracies(reference.metrics)
-    assert _personal(run_dir) == _personal(reference.run_dir)
+    assert_same_records(run_dir, reference)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every algorithm's run on 2 MPI ranks (one mpiexec for all of them)."""
-    tmp = tmp_path_factory.mktemp("contract_ranks")
     runs = {name + suffix: config(name) for suffix, config in VARIANTS.items() for name in NAMES}
-    (tmp / "runs.json").write_text(json.dumps(runs))
-    argv = [
-        MPIEXEC,
-        "-n",
-        "2",
-        sys.executable,
-        str(PROGRAMS / "ranks.py"),
-        str(tmp / "runs.json"),
-        str(tmp / "runs"),
-    ]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=plugin_env(), timeout=600)
-    assert proc.returncode == 0 and proc.stdout.count(": OK") == 2, proc.stdout + proc.stderr
-    return tmp / "runs"
+    return two_rank_runs(tmp_path_factory.mktemp("contract_ranks"), runs)
 
 
 @pytest.mark.mpi
@@ -520,8 +553,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_one_rank_and_two_ranks_are_bit_identical(runs: Runs, two_ranks: Path, name: str) -> None:
     reference = runs.reference(name)
     assert torch.equal(final_state(two_ranks / name), reference.server.x)
-    assert _accuracies(_rows(two_ranks / name)) == _accuracies(reference.metrics)
-    assert _personal(two_ranks / name) == _personal(reference.run_dir)
+    assert_same_records(two_ranks / name, reference)
 
 
 @pytest.mark.mpi
@@ -562,16 +594,12 @@ def _client_files(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_client_batch_equals_one_by_one(runs: Runs, tmp_path: Path, name: str) -> None:
-    cls = ALGORITHMS[name]
     reference = runs.reference(name).server.x
     batched = run_experiment(
         config_from_dict(contract_config(name, client_batch="3")), tmp_path / "b"
     ).server.x
-    if cls.local_task is Algorithm.local_task:  # nothing declared: trained one by one, bit for bit
-        assert torch.equal(batched, reference)
-    else:
-        rel = float((batched - reference).norm() / reference.norm())
-        assert rel < 1e-5, rel
+    # nothing declared: trained one by one, bit for bit
+    assert_batched_matches(batched, reference, exact=ALGORITHMS[name].local_task is Algorithm.local_task)
 
 
 def _record(names: list[str]) -> None:

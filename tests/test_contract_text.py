@@ -17,9 +17,6 @@ inputs and says so in one line (tested below).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +28,17 @@ from hpcfl.config import config_from_dict
 from hpcfl.errors import ConfigError
 from hpcfl.registry import ALGORITHMS
 from hpcfl.runner import RunResult, run_experiment
-from tests.helpers import MPIEXEC, final_state, plugin_env
-from tests.test_contract import PROGRAMS, _accuracies, _personal, _rows, _StopAfterRows, contract_config
+from tests.helpers import final_state
+from tests.test_contract import (
+    Runs,
+    _accuracies,
+    assert_batched_matches,
+    assert_same_records,
+    contract_config,
+    server_nbytes,
+    stopped_and_resumed,
+    two_rank_runs,
+)
 
 MODELS: dict[str, dict[str, int]] = {
     "char-transformer": {"d_model": 8, "layers": 1, "heads": 2},
@@ -71,19 +77,15 @@ def text_config(root: Path, name: str, model: str, **extra: Any) -> dict[str, An
     )
 
 
-class TextRuns:
-    """The reference run of each (algorithm, model), computed once."""
+class TextRuns(Runs):
+    """The reference run of each (algorithm, model) on the text split, computed once."""
 
     def __init__(self, root: Path, data: Path) -> None:
-        self.root, self.data = root, data
-        self._done: dict[str, RunResult] = {}
+        super().__init__(root)
+        self.data = data
 
-    def reference(self, name: str, model: str) -> RunResult:
-        key = f"{name}-{model}"
-        if key not in self._done:
-            cfg = config_from_dict(text_config(self.data, name, model))
-            self._done[key] = run_experiment(cfg, self.root / key)
-        return self._done[key]
+    def text(self, name: str, model: str) -> RunResult:
+        return self.run(f"{name}-{model}", lambda: text_config(self.data, name, model))
 
 
 @pytest.fixture(scope="module")
@@ -95,16 +97,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, text_root: Path) -> TextRuns:
 def test_stopped_and_resumed_text_run_is_bit_identical(
     runs: TextRuns, tmp_path: Path, name: str, model: str
 ) -> None:
-    reference = runs.reference(name, model)
+    reference = runs.text(name, model)
     assert reference.finished and _accuracies(reference.metrics)
-    cfg = config_from_dict(text_config(runs.data, name, model))
-    run_dir = tmp_path / "stopped"
-    stopped = run_experiment(cfg, run_dir, stop=_StopAfterRows(run_dir, 2))
-    assert (stopped.rounds_done, stopped.finished) == (2, False)
-    resumed = run_experiment(cfg, run_dir, resume=True)
-    assert resumed.finished and torch.equal(resumed.server.x, reference.server.x)
-    assert _accuracies(_rows(run_dir)) == _accuracies(reference.metrics)
-    assert _personal(run_dir) == _personal(reference.run_dir)
+    resumed = stopped_and_resumed(config_from_dict(text_config(runs.data, name, model)), tmp_path / "stopped")
+    assert torch.equal(resumed.server.x, reference.server.x)
+    assert_same_records(tmp_path / "stopped", reference)
 
 
 @pytest.mark.parametrize(("name", "model"), RUNS, ids=IDS)
@@ -112,47 +109,24 @@ def test_text_bytes_down_are_the_server_fields_a_participant_receives(
     runs: TextRuns, name: str, model: str
 ) -> None:
     """Every algorithm of the subset downloads its whole non-``server_only`` server state."""
-    server = runs.reference(name, model).server
-    fields = {f: getattr(server, f) for f in server.__dataclass_fields__}
-    nbytes = sum(
-        v.numel() * v.element_size()
-        for f, v in fields.items()
-        if f not in type(server).server_only and isinstance(v, torch.Tensor)
-    )
-    row = runs.reference(name, model).metrics[-1]
-    assert row["bytes_down"] == len(row.get("participants", range(4))) * nbytes > 0
+    reference = runs.text(name, model)
+    row = reference.metrics[-1]
+    assert row["bytes_down"] == len(row.get("participants", range(4))) * server_nbytes(reference.server) > 0
 
 
 @pytest.mark.parametrize(("name", "model"), RUNS, ids=IDS)
 def test_text_client_batch_equals_one_by_one(runs: TextRuns, tmp_path: Path, name: str, model: str) -> None:
-    reference = runs.reference(name, model).server.x
     cfg = config_from_dict(text_config(runs.data, name, model, client_batch="3"))
     batched = run_experiment(cfg, tmp_path / "b").server.x
-    if model == "char-lstm" or ALGORITHMS[name].local_task is Algorithm.local_task:  # one by one
-        assert torch.equal(batched, reference)
-    else:
-        rel = float((batched - reference).norm() / reference.norm())
-        assert rel < 1e-5, rel
+    one_by_one = model == "char-lstm" or ALGORITHMS[name].local_task is Algorithm.local_task
+    assert_batched_matches(batched, runs.text(name, model).server.x, exact=one_by_one)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory, text_root: Path) -> Path:
     """Every run of the subset on 2 MPI ranks (one mpiexec for all of them)."""
-    tmp = tmp_path_factory.mktemp("contract_text_ranks")
     configs = {f"{a}-{m}": text_config(text_root, a, m) for a, m in RUNS}
-    (tmp / "runs.json").write_text(json.dumps(configs))
-    argv = [
-        MPIEXEC,
-        "-n",
-        "2",
-        sys.executable,
-        str(PROGRAMS / "ranks.py"),
-        str(tmp / "runs.json"),
-        str(tmp / "runs"),
-    ]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=plugin_env(), timeout=600)
-    assert proc.returncode == 0 and proc.stdout.count(": OK") == 2, proc.stdout + proc.stderr
-    return tmp / "runs"
+    return two_rank_runs(tmp_path_factory.mktemp("contract_text_ranks"), configs)
 
 
 @pytest.mark.mpi
@@ -160,11 +134,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory, text_root: Path) -> Path
 def test_text_one_rank_and_two_ranks_are_bit_identical(
     runs: TextRuns, two_ranks: Path, name: str, model: str
 ) -> None:
-    reference = runs.reference(name, model)
-    key = f"{name}-{model}"
-    assert torch.equal(final_state(two_ranks / key), reference.server.x)
-    assert _accuracies(_rows(two_ranks / key)) == _accuracies(reference.metrics)
-    assert _personal(two_ranks / key) == _personal(reference.run_dir)
+    reference = runs.text(name, model)
+    assert torch.equal(final_state(two_ranks / f"{name}-{model}"), reference.server.x)
+    assert_same_records(two_ranks / f"{name}-{model}", reference)
 
 
 def test_cp_ntkfl_projection_on_text_is_one_line(text_root: Path, tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcfl.errors import ConfigError
+from hpcfl.training.seeds import seeded_rng
 
 DISTRIBUTIONS = ("constant", "uniform", "lognormal")
 
@@ -149,11 +150,6 @@ def read_clock_trace(path: str | Path, num_clients: int) -> dict[int, tuple[floa
     return out
 
 
-def _rng(*key: int) -> np.random.Generator:
-    # host generator (deliberate): the clock depends on the seed, never on the device or the rank
-    return np.random.default_rng(np.random.SeedSequence(list(key)))
-
-
 #: the clock of a run without ``system.clock``: one sample per simulated second, no delay (an
 #: asynchronous run still orders its updates by how many samples each processes)
 UNIT_CLOCK = ClockSection(speed=Distribution(kind="constant", value=1.0))
@@ -181,8 +177,8 @@ class VirtualClock:
         if traced is not None:
             return traced
         key = (stage, rnd, k) if self.section.per_update else (k,)
-        speed = self.section.speed.draw(_rng(self.seed, _SPEED_SALT, *key))
-        delay = self.section.delay.draw(_rng(self.seed, _DELAY_SALT, *key))
+        speed = self.section.speed.draw(seeded_rng(self.seed, _SPEED_SALT, *key))
+        delay = self.section.delay.draw(seeded_rng(self.seed, _DELAY_SALT, *key))
         return speed, delay
 
     def seconds(self, stage: int, rnd: int, k: int, samples: int) -> float:

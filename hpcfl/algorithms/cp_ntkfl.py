@@ -26,7 +26,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -35,6 +34,7 @@ from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
 from hpcfl.entk.jacobian import FactoredJacobian
 from hpcfl.errors import ConfigError
 from hpcfl.ntk.evolution import Jacobian, Rows
+from hpcfl.training.seeds import seeded_generator
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,7 @@ def densify(sparse: dict[str, Any]) -> Tensor:
 
 def shuffle_generator(seed: int, rnd: int) -> torch.Generator:
     """The shuffling server's generator of round ``rnd``: a pure function of (seed, round)."""
-    state = np.random.SeedSequence([seed, 0x5F1, rnd]).generate_state(2, dtype=np.uint32)
-    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+    return seeded_generator(seed, 0x5F1, rnd)
 
 
 def permute_rows(rows: Rows, perm: Tensor) -> Rows:

@@ -29,30 +29,23 @@ a declared task (plain SGD with the head frozen), so ``client_batch`` trains par
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hpcfl.algorithms.base import (
-    Aggregate,
-    Algorithm,
     ClientContext,
     ClientData,
     ClientState,
-    Exchange,
     HyperParams,
     LocalTask,
-    ServerContext,
     ServerState,
     check_weighting,
-    model_upload,
 )
-from hpcfl.algorithms.participation import Population
-from hpcfl.algorithms.split import Freeze, Split, head_entries, module_names
+from hpcfl.algorithms.split import Freeze, SplitAlgorithm, head_entries, module_names
 from hpcfl.errors import ConfigError
-from hpcfl.training.sgd import LocalSchedule
+from hpcfl.training.layout import Entry
 
 FINETUNE_PARTS = ("full", "head")
 
@@ -79,36 +72,25 @@ class FedBABUParams(HyperParams):
             raise ConfigError(f"config key 'params.finetune' must be full or head, got {self.finetune!r}")
 
 
-class FedBABU(Algorithm[FedBABUParams, ServerState, ClientState]):
+class FedBABU(SplitAlgorithm[FedBABUParams, ClientState]):
     name = "fedbabu"
     dp_refusal = "its upload is the body alone and it fine-tunes on client data (not analysed for DP)"
     Params = FedBABUParams
     example_params = FedBABUParams(finetune_epochs=1)
     personalised = True
 
-    @functools.cached_property
-    def split(self) -> Split:
-        """The head's slices (kept at their initialisation) and the body (shared)."""
-        return Split.of(self.layout, head_entries(self.layout, self.params.head, self.name))
-
-    def resolved(
-        self, population: Population, schedule: LocalSchedule, *, heterogeneous: bool = False
-    ) -> FedBABU:
-        self.split  # noqa: B018 - refuses a head that names no layer or the whole model
-        return self
-
-    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
-        """The body: the state vector without the head's slices."""
-        return self.split.exchange(dtype)
+    def kept_entries(self) -> list[Entry]:
+        """The head's trainable entries (kept at their initialisation); a head that names no layer
+        or the whole model is refused."""
+        return head_entries(self.layout, self.params.head, self.name)
 
     def local_task(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
     ) -> LocalTask[ClientState]:
         body = Freeze(self.split.param_mask(server.x, kept=False))  # the head's lr is 0
-        weighting = self.params.weighting
 
         def finish(y: torch.Tensor, result: Any) -> tuple[Any, ClientState]:
-            return model_upload(self.split.shared_of(y), data, result, weighting=weighting), client
+            return self.shared_upload(y, data, result), client
 
         return LocalTask(server.x, finish, body)
 
@@ -127,8 +109,3 @@ class FedBABU(Algorithm[FedBABUParams, ServerState, ClientState]):
         # not read here: the evaluation checks the tuned model and scores it (one read)
         tuned, _ = trainer.train_tallies(server.x, data, ctx.generator, correction=freeze, schedule=schedule)
         return tuned
-
-    def server_update(
-        self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
-    ) -> tuple[ServerState, dict[str, float]]:
-        return self.split.averaged(server, aggregate), {}

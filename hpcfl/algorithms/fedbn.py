@@ -29,27 +29,22 @@ kept; it matters only to a BN with ``momentum=None``, which no hpcfl model build
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hpcfl.algorithms.base import (
-    Aggregate,
-    Algorithm,
     ClientContext,
     ClientData,
     ClientState,
-    Exchange,
     HyperParams,
     LocalTask,
-    ServerContext,
     ServerState,
     check_weighting,
-    model_upload,
 )
-from hpcfl.algorithms.split import Split
+from hpcfl.algorithms.split import SplitAlgorithm
+from hpcfl.training.layout import Entry
 
 #: the module types whose parameters and statistics stay local
 NORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
@@ -74,19 +69,15 @@ class FedBNClientState(ClientState):
     bn: torch.Tensor | None = None
 
 
-class FedBN(Algorithm[FedBNParams, ServerState, FedBNClientState]):
+class FedBN(SplitAlgorithm[FedBNParams, FedBNClientState]):
     name = "fedbn"
     dp_refusal = "it keeps BatchNorm layers (refused under DP) as client state outside the clipped update"
     Params = FedBNParams
     personalised = True
 
-    @functools.cached_property
-    def split(self) -> Split:
-        """The BN slices (kept) and the rest (shared); built on first use (the layout is then real)."""
-        return Split.of(self.layout, [e for e in self.layout.entries if e.module_type in NORM_TYPES])
-
-    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
-        return self.split.exchange(dtype)
+    def kept_entries(self) -> list[Entry]:
+        """The BN layers' entries (parameters and running statistics); the rest is shared."""
+        return [e for e in self.layout.entries if e.module_type in NORM_TYPES]
 
     def init_client(self, k: int, server: ServerState) -> FedBNClientState:
         return FedBNClientState()
@@ -99,17 +90,10 @@ class FedBN(Algorithm[FedBNParams, ServerState, FedBNClientState]):
     def local_task(
         self, server: ServerState, client: FedBNClientState, data: ClientData, ctx: ClientContext
     ) -> LocalTask[FedBNClientState]:
-        split, weighting = self.split, self.params.weighting
+        split = self.split
 
         def finish(y: torch.Tensor, result: Any) -> tuple[Any, FedBNClientState]:
             bn = split.kept_of(y) if split.kept else None
-            return model_upload(split.shared_of(y), data, result, weighting=weighting), FedBNClientState(
-                bn=bn
-            )
+            return self.shared_upload(y, data, result), FedBNClientState(bn=bn)
 
         return LocalTask(split.with_kept(server.x, client.bn), finish)
-
-    def server_update(
-        self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
-    ) -> tuple[ServerState, dict[str, float]]:
-        return self.split.averaged(server, aggregate), {}

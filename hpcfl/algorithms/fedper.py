@@ -25,29 +25,23 @@ on the whole model, so ``client_batch`` trains participants as one vectorised st
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hpcfl.algorithms.base import (
-    Aggregate,
-    Algorithm,
     ClientContext,
     ClientData,
     ClientState,
-    Exchange,
     HyperParams,
     LocalTask,
-    ServerContext,
     ServerState,
     check_weighting,
-    model_upload,
 )
-from hpcfl.algorithms.participation import Population
-from hpcfl.algorithms.split import Split, head_entries, module_names
-from hpcfl.training.sgd import LocalResult, LocalSchedule
+from hpcfl.algorithms.split import SplitAlgorithm, head_entries, module_names
+from hpcfl.training.layout import Entry
+from hpcfl.training.sgd import LocalResult
 
 
 @dataclass(frozen=True)
@@ -71,27 +65,15 @@ class HeadState(ClientState):
     head: torch.Tensor | None = None
 
 
-class FedPer(Algorithm[FedPerParams, ServerState, HeadState]):
+class FedPer(SplitAlgorithm[FedPerParams, HeadState]):
     name = "fedper"
     dp_refusal = "its upload is the shared body alone, its head client state (not analysed for DP)"
     Params = FedPerParams
     personalised = True
 
-    @functools.cached_property
-    def split(self) -> Split:
-        """The head's slices (kept) and the body (shared); built on first use (the layout is then
-        real), and by :meth:`resolved` before the first round, so a bad ``head`` fails up front."""
-        return Split.of(self.layout, head_entries(self.layout, self.params.head, self.name))
-
-    def resolved(
-        self, population: Population, schedule: LocalSchedule, *, heterogeneous: bool = False
-    ) -> FedPer:
-        self.split  # noqa: B018 - refuses a head that names no layer or the whole model
-        return self
-
-    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
-        """The body: the state vector without the head's slices."""
-        return self.split.exchange(dtype)
+    def kept_entries(self) -> list[Entry]:
+        """The head's trainable entries; a head that names no layer or the whole model is refused."""
+        return head_entries(self.layout, self.params.head, self.name)
 
     def init_client(self, k: int, server: ServerState) -> HeadState:
         return HeadState()
@@ -107,15 +89,9 @@ class FedPer(Algorithm[FedPerParams, ServerState, HeadState]):
 
     def finish(self, y: torch.Tensor, data: ClientData, result: LocalResult) -> tuple[Any, HeadState]:
         """The body uploaded, the head kept."""
-        upload = model_upload(self.split.shared_of(y), data, result, weighting=self.params.weighting)
-        return upload, HeadState(head=self.split.kept_of(y))
+        return self.shared_upload(y, data, result), HeadState(head=self.split.kept_of(y))
 
     def local_task(
         self, server: ServerState, client: HeadState, data: ClientData, ctx: ClientContext
     ) -> LocalTask[HeadState]:
         return LocalTask(self.start(server, client), lambda y, result: self.finish(y, data, result))
-
-    def server_update(
-        self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
-    ) -> tuple[ServerState, dict[str, float]]:
-        return self.split.averaged(server, aggregate), {}

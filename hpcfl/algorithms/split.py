@@ -5,20 +5,38 @@ and FedRep's head, FedBABU's frozen head).
 A :class:`Split` is a set of :class:`~hpcfl.training.layout.Entry` slices of the flat state (read
 off the :class:`~hpcfl.training.layout.StateLayout`, never off the model); it cuts a vector into its
 kept part and its shared part (each the concatenation of its slices in vector order) and puts them
-back, on whatever device the vector is on.
+back, on whatever device the vector is on. :class:`SplitAlgorithm` is the frame those algorithms
+share: the split built (and checked) before the first round, only the shared part exchanged and
+uploaded, the server's mean of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hpcfl.algorithms.base import Aggregate, Exchange, Received, ServerState, SumSpec
+from hpcfl.algorithms.base import (
+    Aggregate,
+    Algorithm,
+    C,
+    ClientData,
+    Exchange,
+    P,
+    Received,
+    ServerContext,
+    ServerState,
+    SumSpec,
+    Upload,
+    model_upload,
+)
+from hpcfl.algorithms.participation import Population
 from hpcfl.errors import ConfigError
 from hpcfl.training.layout import Entry, StateLayout
+from hpcfl.training.sgd import LocalResult, LocalSchedule
 
 
 def module_names(value: object, key: str) -> tuple[str, ...]:
@@ -152,3 +170,40 @@ def head_entries(layout: StateLayout, head: Sequence[str], algorithm: str) -> li
             f"(modules: {', '.join(layout.modules)})"
         )
     return entries
+
+
+class SplitAlgorithm(Algorithm[P, ServerState, C]):
+    """An algorithm whose clients keep some slices of the state vector and share the rest (FedPer,
+    FedRep, FedBABU, FedBN): a subclass names the kept slices (:meth:`kept_entries`); this class
+    builds the :class:`Split`, exchanges only its shared part (uploaded and downloaded), uploads a
+    trained state's shared part weighted by ``params.weighting`` and averages it on the server."""
+
+    def kept_entries(self) -> Sequence[Entry]:
+        """The layout entries whose slices each client keeps (a ConfigError when the params name a
+        bad choice)."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def split(self) -> Split:
+        """The kept slices and the shared rest; built on first use (the layout is then real), and by
+        :meth:`resolved` before the first round, so a bad choice fails up front."""
+        return Split.of(self.layout, self.kept_entries())
+
+    def resolved(
+        self, population: Population, schedule: LocalSchedule, *, heterogeneous: bool = False
+    ) -> SplitAlgorithm[P, C]:
+        self.split  # noqa: B018 - refuses a bad choice of kept layers before any round
+        return self
+
+    def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:
+        """The shared part: the state vector without the kept slices."""
+        return self.split.exchange(dtype)
+
+    def shared_upload(self, y: torch.Tensor, data: ClientData, result: LocalResult) -> Upload:
+        """The upload of trained state ``y``: its shared part, weighted by ``params.weighting``."""
+        return model_upload(self.split.shared_of(y), data, result, weighting=self.params.weighting)  # type: ignore[attr-defined]
+
+    def server_update(
+        self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
+    ) -> tuple[ServerState, dict[str, float]]:
+        return self.split.averaged(server, aggregate), {}

@@ -47,10 +47,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from hpcfl.algorithms.clock import ClockSection, validate_clock
 from hpcfl.errors import ConfigError
+from hpcfl.training.seeds import seeded_rng
 from hpcfl.training.sgd import LocalSchedule
 
 WORK_KINDS = ("none", "fixed", "uniform", "lognormal", "stragglers")
@@ -259,11 +258,6 @@ class RoundSystem:
         return dataclasses.replace(base, steps=self.work[k])
 
 
-def _rng(*key: int) -> np.random.Generator:
-    # host generator (deliberate): the draws depend on the seed, never on the device or the rank
-    return np.random.default_rng(np.random.SeedSequence(list(key)))
-
-
 @dataclass(frozen=True)
 class SystemModel:
     """A run's ``system`` section made concrete: draws each round's :class:`RoundSystem`."""
@@ -296,9 +290,9 @@ class SystemModel:
         if w.kind == "fixed":
             return int(w.per_client[k])
         if w.kind == "uniform":
-            return int(_rng(self.seed, _WORK_SALT, stage, rnd, k).integers(w.low, w.high + 1))
+            return int(seeded_rng(self.seed, _WORK_SALT, stage, rnd, k).integers(w.low, w.high + 1))
         if w.kind == "lognormal":
-            z = float(_rng(self.seed, _WORK_SALT, stage, rnd, k).normal(w.mu, w.sigma))
+            z = float(seeded_rng(self.seed, _WORK_SALT, stage, rnd, k).normal(w.mu, w.sigma))
             if z > math.log(w.high) + 1:  # exp(z) > high: clipped to it (exp(z) may overflow a float)
                 return int(w.high)
             return int(min(w.high, max(w.low, round(math.exp(z)))))
@@ -313,17 +307,17 @@ class SystemModel:
         dropped = set()
         if w.kind == "stragglers" and who:
             count = round(w.fraction * len(who))
-            order = _rng(self.seed, _STRAGGLER_SALT, stage, rnd).permutation(len(who))
+            order = seeded_rng(self.seed, _STRAGGLER_SALT, stage, rnd).permutation(len(who))
             stragglers = tuple(sorted(who[i] for i in order[:count]))
             for k in stragglers:
                 full = self.full_work(k)
                 if w.drop:
                     dropped.add(k)
                 elif full > 1:  # a client whose configured work is one step cannot do less
-                    work[k] = int(_rng(self.seed, _WORK_SALT, stage, rnd, k).integers(1, full))
+                    work[k] = int(seeded_rng(self.seed, _WORK_SALT, stage, rnd, k).integers(1, full))
         p = self.section.dropout.probability
         for k in who:
-            if p > 0 and float(_rng(self.seed, _DROP_SALT, stage, rnd, k).random()) < p:
+            if p > 0 and float(seeded_rng(self.seed, _DROP_SALT, stage, rnd, k).random()) < p:
                 dropped.add(k)
             if (row_round, k) in self.trace:
                 dropped.add(k)

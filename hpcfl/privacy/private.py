@@ -46,7 +46,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from hpcfl.algorithms.base import (
@@ -68,6 +67,7 @@ from hpcfl.errors import ConfigError
 from hpcfl.privacy import accountant
 from hpcfl.privacy.section import AdaptiveClipSection
 from hpcfl.privacy.sgd import DPTrainer
+from hpcfl.training.seeds import seeded_generator
 from hpcfl.training.sgd import LocalSchedule
 
 DP_FIELDS = ("dp_clip", "dp_steps", "dp_exhausted", "dp_history", "dp_peak")
@@ -119,8 +119,7 @@ def private_state(cls: type[ServerState]) -> type[ServerState]:
 
 def noise_generator(seed: int, rnd: int) -> torch.Generator:
     """The round's noise generator: a pure function of (seed, round), the same on every rank."""
-    state = np.random.SeedSequence([seed, 0xD1FF, rnd]).generate_state(2, dtype=np.uint32)
-    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+    return seeded_generator(seed, 0xD1FF, rnd)
 
 
 def clip_update(delta: torch.Tensor, clip: float) -> tuple[torch.Tensor, bool]:

@@ -220,12 +220,6 @@ class DPSteps(LocalSteps):
         """:func:`poisson_batches`."""
         return poisson_batches(n, self.schedule, generator)
 
-    def _tally(self, losses: torch.Tensor) -> None:
-        loss_sum, finite_steps, alive = self._started()
-        alive &= torch.isfinite(losses).all()
-        finite_steps += alive
-        loss_sum += losses.double().sum()
-
     def _noised(self, total: torch.Tensor) -> torch.Tensor:
         noise = torch.randn(total.shape, generator=self.noise, dtype=total.dtype, device=total.device)
         return (total + noise * (self.noise_multiplier * self.clip)) / self.expected

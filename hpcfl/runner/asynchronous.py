@@ -42,6 +42,7 @@ from hpcfl.algorithms.clock import UNIT_CLOCK, VirtualClock, update_samples
 from hpcfl.algorithms.stage_types import Observer, RoundEnd, RoundPlan
 from hpcfl.algorithms.system import RoundSystem
 from hpcfl.errors import ConfigError
+from hpcfl.training.seeds import seeded_rng
 
 _DISPATCH_SALT = 0x64737063  # "dspc": the choice of the client a freed slot goes to
 
@@ -94,9 +95,7 @@ def async_schedule(plan: RoundPlan, steps: int, round_offset: int = 0) -> tuple[
         if not pool:
             return False
         # host generator (deliberate): the choice depends on the seed, never on the rank
-        rng = np.random.default_rng(
-            np.random.SeedSequence([plan.seed, _DISPATCH_SALT, plan.stage_index, version, len(mine)])
-        )
+        rng = seeded_rng(plan.seed, _DISPATCH_SALT, plan.stage_index, version, len(mine))
         k = pool[int(rng.integers(len(pool)))]
         seconds, dropped = _update(plan, clock, version, round_offset + version + 1, k)
         heapq.heappush(heap, (now + seconds, seq, k, version, dropped))

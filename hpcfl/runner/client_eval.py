@@ -61,6 +61,7 @@ from hpcfl.comm.local import LocalComm
 from hpcfl.comm.placement import place_round
 from hpcfl.runner.observers import Observer, RoundEnd
 from hpcfl.training.evaluate import evaluate
+from hpcfl.training.seeds import seeded_generator, seeded_rng
 from hpcfl.training.sgd import LocalSchedule
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def sampled_clients(num_clients: int, m: int | None, seed: int, rnd: int) -> lis
     function of (seed, round) so every rank and every resume draws the same ones."""
     if m is None or m >= num_clients:
         return list(range(num_clients))
-    rng = np.random.default_rng(np.random.SeedSequence([seed, _SAMPLE_SALT, rnd]))
+    rng = seeded_rng(seed, _SAMPLE_SALT, rnd)
     return sorted(int(k) for k in rng.choice(num_clients, size=m, replace=False))
 
 
@@ -295,5 +296,4 @@ class ClientEval(Observer):
 def finetune_generator(seed: int, rnd: int, k: int, *, salt: int = _FINETUNE_SALT) -> torch.Generator:
     """The fine-tuning's batch generator of client ``k`` in round ``rnd``: its own stream (seed,
     salt, round, client), never a training generator's (``salt``: another evaluation's stream)."""
-    words = np.random.SeedSequence([seed, salt, rnd, k]).generate_state(2, dtype=np.uint32)
-    return torch.Generator().manual_seed(int(words[0]) << 32 | int(words[1]))
+    return seeded_generator(seed, salt, rnd, k)

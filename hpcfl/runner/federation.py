@@ -34,6 +34,7 @@ from hpcfl.runner.observers import Drift, LayerCKA
 from hpcfl.training.evaluate import JointCounts, accuracy_loss, shard_counts, with_probs
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.layout import StateLayout
+from hpcfl.training.seeds import seeded_generator, seeded_rng
 from hpcfl.training.sgd import LocalSchedule
 from hpcfl.units import parse_client_batch
 
@@ -173,8 +174,7 @@ def schedule_of(cfg: Config) -> LocalSchedule:
 def client_generator(seed: int, rnd: int, k: int) -> torch.Generator:
     """The RNG of client ``k`` in round ``rnd``: a pure function of (seed, round, client), so results
     do not depend on which rank trains the client or on whether the run was resumed."""
-    state = np.random.SeedSequence([seed, rnd, k]).generate_state(2, dtype=np.uint32)
-    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+    return seeded_generator(seed, rnd, k)
 
 
 def model_evaluator(fed: Federation) -> Evaluator:
@@ -308,7 +308,7 @@ def split_clients(
     """Per client, a seeded ``fraction`` of its samples (at least one, never its last) held out:
     (the remaining indices, the held-out indices), both per client in client order. ``salt`` keeps
     the draws of different hold-outs (validation, ``client_eval``) apart."""
-    rng = np.random.default_rng(np.random.SeedSequence([seed, salt]))
+    rng = seeded_rng(seed, salt)
     kept, held = [], []
     for part in parts:
         n = int(part.numel())

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 
 from hpcfl.algorithms import ClientState, ServerState
@@ -60,6 +59,7 @@ from hpcfl.runner.checkpoint import placed_state
 from hpcfl.runner.executor import ClientExecutor
 from hpcfl.runner.observers import RoundWatch, observer_segments, with_standard_observers
 from hpcfl.runner.observers import _nbytes as _nbytes  # tests/test_ntkfl.py reads it here
+from hpcfl.training.seeds import seeded_generator
 
 if TYPE_CHECKING:
     from hpcfl.runner.checkpoint import Checkpoint
@@ -174,8 +174,7 @@ class StateIO:
 def round_generator(seed: int, stage: int, rnd: int) -> torch.Generator:
     """The generator the participants of round ``rnd`` are drawn from: a pure function of (seed,
     stage, round), independent of ranks and resumes."""
-    state = np.random.SeedSequence([seed, 0x9A7, stage, rnd]).generate_state(2, dtype=np.uint32)
-    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+    return seeded_generator(seed, 0x9A7, stage, rnd)
 
 
 def round_observers(plan: RoundPlan, clock: Observer | None = None) -> tuple[Observer, ...]:

@@ -213,17 +213,22 @@ class LocalSteps:
             self._tallies = (zero, w.new_zeros((), dtype=torch.int64), w.new_ones((), dtype=torch.bool))
         return self._tallies
 
+    def _tally(self, loss: torch.Tensor) -> None:
+        """Tally one step's loss (the batch's mean, or DP-SGD's per-sample losses: summed), on the
+        device: its sum added, the step counted while no loss has been non-finite."""
+        loss_sum, finite_steps, alive = self._started()
+        alive &= torch.isfinite(loss).all()
+        finite_steps += alive
+        loss_sum += loss.double().sum()
+
     def gradient(self, batch: torch.Tensor) -> torch.Tensor:
         """The mean gradient of the loss over ``batch`` at the model's current state (``flat.grad``,
         overwritten by the next call); the loss is tallied."""
-        loss_sum, finite_steps, alive = self._started()
         g = self.flat.grad
         g.zero_()
         loss = self.loss_fn(self.flat.model, self.x[batch], self.y[batch])
-        alive &= torch.isfinite(loss.detach())
-        finite_steps += alive
+        self._tally(loss.detach())
         loss.backward()
-        loss_sum += loss.detach().to(torch.float64)
         return g
 
     def gradients(
@@ -277,26 +282,9 @@ def local_sgd(
     loss_fn: LossFn = cross_entropy_loss,
     correction: Correction | None = None,
 ) -> LocalResult:
-    """Train ``flat.model`` in place on (x, y); ``finite=False`` on a NaN/inf loss or state
-    (:func:`local_sgd_tallies`, read once)."""
-    return read_result(
-        *local_sgd_tallies(flat, x, y, schedule, generator, loss_fn=loss_fn, correction=correction)
-    )
-
-
-def local_sgd_tallies(
-    flat: FlatModel,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    schedule: LocalSchedule,
-    generator: torch.Generator,
-    *,
-    loss_fn: LossFn = cross_entropy_loss,
-    correction: Correction | None = None,
-) -> Tallies:
-    """Train ``flat.model`` in place on (x, y) and return the run's tallies unread (:func:`descend`
-    along the client's :class:`LocalSteps`)."""
-    return descend(flat, LocalSteps(flat, x, y, schedule, generator, loss_fn), correction)
+    """Train ``flat.model`` in place on (x, y): :func:`descend` along the client's
+    :class:`LocalSteps`; ``finite=False`` on a NaN/inf loss or state (the tallies read once)."""
+    return read_result(*descend(flat, LocalSteps(flat, x, y, schedule, generator, loss_fn), correction))
 
 
 def read_result(
