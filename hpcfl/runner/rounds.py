@@ -258,9 +258,7 @@ def run_rounds(
     timed = steps is None and plan.clock is not None and plan.trainer is not None
     draws = [_draw_round(plan, r, round_offset, steps) for r in range(0, stop)] if timed else []
     observers = round_observers(plan, clock_record(plan, start, stop, draws if timed else [], steps))
-    executor = ClientExecutor(
-        plan.client_batch, rank=comm.rank, largest=max(plan.population.sizes, default=1)
-    )
+    executor = ClientExecutor(plan.client_batch, rank=comm.rank)
     done = start
     if steps is None:  # an asynchronous schedule draws no rounds of participants
         for rnd in _drawn_up_front(plan, start, stop, round_offset):
