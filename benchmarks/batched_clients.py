@@ -58,7 +58,7 @@ def measure(
     from hpcfl.algorithms.participation import Population
     from hpcfl.data import load_dataset, partition
     from hpcfl.models import build_model
-    from hpcfl.runner.executor import ClientExecutor
+    from hpcfl.runner.executor import ClientExecutor, resolve_client_batch
     from hpcfl.runner.federation import client_generator
     from hpcfl.training.flat import FlatModel
     from hpcfl.training.layout import StateLayout
@@ -82,7 +82,8 @@ def measure(
     }
     population = Population(tuple(int(p.numel()) for p in parts))
     setting = clients if batch == "all" else batch
-    executor = ClientExecutor(setting, largest=max(population.sizes))
+    group = resolve_client_batch(setting, trainer, data[0].x[:1], max(population.sizes))
+    executor = ClientExecutor(group)
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -103,7 +104,6 @@ def measure(
         return total
 
     ids = list(range(clients))
-    group = executor.group_size(algo, trainer, data[0]) if setting != 1 else 1
     samples = sum(population.sizes)
     row = {
         "model": model_name,

@@ -154,7 +154,7 @@ def _client_eval_at(args: argparse.Namespace, K: int) -> dict[str, Any]:
     from hpcfl.comm import LocalComm
     from hpcfl.config import config_from_dict
     from hpcfl.runner.client_eval import ClientEval
-    from hpcfl.runner.federation import build_federation, model_evaluator
+    from hpcfl.runner.federation import build_federation
     from hpcfl.runner.observers import LocalWork, RoundEnd, RoundStart
     from hpcfl.training.evaluate import JointCounts
 
@@ -177,7 +177,7 @@ def _client_eval_at(args: argparse.Namespace, K: int) -> dict[str, Any]:
     fed = build_federation(cfg, LocalComm())
     server = fed.algorithm.init_server(fed.flat.vector.clone())
     observer = ClientEval.for_federation(fed)
-    evaluate = model_evaluator(fed)
+    evaluate = fed.model_plan().evaluate
 
     def client_round(rnd: int) -> float:
         """The per-client table's own work: its counts, their (one-rank) reduce, its row."""

@@ -8,7 +8,9 @@ that the importer is not inside (importing ``hpcfl.algorithms.base`` runs
 hook, a string that is a module's full name (``lazy_exports`` tables) and an f-string whose fixed
 start is ``"hpcfl.<package>."`` (an edge to that package); a logger's name is not a module. The registry's built-in tables are the one
 place meant to name modules by string, loaded when a name is looked up, never on import:
-:func:`registry_edges` lists them apart, and :func:`graph` leaves them out.
+:func:`registry_edges` lists them apart, and :func:`graph` leaves them out. Counted as edges they
+close one loop (the registry names the algorithms, models and stage code, which import the
+registry); :func:`registry_loop` measures it, so that it cannot grow unseen.
 
 Used by ``tests/test_layers.py`` and to measure the layers (``python tests/import_graph.py``).
 """
@@ -16,6 +18,7 @@ Used by ``tests/test_layers.py`` and to measure the layers (``python tests/impor
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from pathlib import Path
@@ -130,6 +133,13 @@ def _with_packages(name: str, target: str, mods: dict[str, Path]) -> set[str]:
 
 
 def _edges(root: Path) -> tuple[dict[str, set[str]], dict[str, set[tuple[str, str | None]]]]:
+    """(imports, string-named modules) of every module: fresh copies of :func:`_read`'s."""
+    edges, named = _read(root)
+    return {m: set(t) for m, t in edges.items()}, {m: set(t) for m, t in named.items()}
+
+
+@functools.lru_cache(maxsize=4)  # every test of tests/test_layers.py reads the same tree: parse it once
+def _read(root: Path) -> tuple[dict[str, set[str]], dict[str, set[tuple[str, str | None]]]]:
     mods = modules(root)
     edges: dict[str, set[str]] = {m: set() for m in mods}
     named: dict[str, set[tuple[str, str | None]]] = {m: set() for m in mods}
@@ -166,6 +176,16 @@ def string_named(root: Path = REPO) -> dict[str, set[tuple[str, str | None]]]:
 def registry_edges(root: Path = REPO) -> set[tuple[str, str | None]]:
     """The (module, attribute) the registry's built-in tables name, loaded on lookup."""
     return string_named(root)[REGISTRY]
+
+
+def registry_loop(root: Path = REPO) -> list[str]:
+    """The modules (sorted) of the import loop through the registry when its late-bound lookups
+    count as edges (with the packages a lookup's import runs); empty when there is none."""
+    mods = modules(root)
+    edges, named = _edges(root)
+    for target, _ in named[REGISTRY]:
+        edges[REGISTRY] |= _with_packages(REGISTRY, target, mods)
+    return next((c for c in cycles(edges) if REGISTRY in c), [])
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -241,11 +261,13 @@ if __name__ == "__main__":  # python tests/import_graph.py [REPO_ROOT]
     g = graph(root)
     up = upward(g)
     late = registry_edges(root)
+    loop = registry_loop(root)
     print(
         f"modules {len(g)}, imports {sum(map(len, g.values()))}, cycles {len(cycles(g))}, upward {len(up)}, "
-        f"registry lookups {len(late)}"
+        f"registry lookups {len(late)}, registry loop {len(loop)} modules"
     )
     for component in cycles(g):
         print("cycle:", " ".join(component))
     for a, b in up:
         print(f"upward: {a} -> {b}")
+    print("registry loop:", " ".join(loop))

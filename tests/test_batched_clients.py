@@ -200,6 +200,22 @@ def test_auto_on_the_cpu_trains_one_by_one_silently(tmp_path: Path, caplog) -> N
     assert json.loads((tmp_path / "rauto" / "determinism.json").read_text())["client_batch_used"] == 1
 
 
+def test_auto_is_resolved_once_and_the_executor_takes_the_result() -> None:
+    """Issue 55: ``client_batch: auto`` is resolved in one place (:func:`resolve_client_batch`, once
+    per run); the executor takes the resolved size and refuses a setting it would have to resolve."""
+    from hpcfl.algorithms import Trainer
+    from hpcfl.runner.executor import ClientExecutor, resolve_client_batch
+
+    trainer = Trainer(FlatModel(build_model("mlp", (1, 28, 28), 10)), LocalSchedule(lr=0.1, batch_size=8))
+    sample = torch.randn(1, 1, 28, 28)
+    assert resolve_client_batch("auto", trainer, sample, 20) == 1  # the CPU: one by one
+    assert resolve_client_batch("4", trainer, sample, 20) == 4
+    assert ClientExecutor(4).size == 4
+    for unresolved in ("auto", 0, True):
+        with pytest.raises(ValueError, match="resolve_client_batch"):
+            ClientExecutor(unresolved)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("store", ["memory", "disk"])
 def test_resumed_batched_run_is_bit_identical(tmp_path: Path, store: str) -> None:
     """SCAFFOLD (client states, in memory or read ahead from the on-disk store) with momentum,

@@ -212,12 +212,8 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
-def test_the_draws_are_made_round_by_round_not_all_up_front(tmp_path: Path, monkeypatch) -> None:
-    """Every round's draw was made before round 1 (30 s for 10,000 rounds of 100 participants,
-    deaf to SIGTERM meanwhile): a run of 500 rounds stopped after its first draws only the rounds it
-    reaches (the first one twice: once up front, to refuse a round without arrivals)."""
-    from hpcfl.runner import StopRequest
-
+def _counted_draws(monkeypatch) -> list[int]:
+    """The rounds ``SystemModel.draw`` is called for, in call order (the real draw, counted)."""
     draws: list[int] = []
     real = SystemModel.draw
 
@@ -226,12 +222,40 @@ def test_the_draws_are_made_round_by_round_not_all_up_front(tmp_path: Path, monk
         return real(self, stage, rnd, row_round, who)
 
     monkeypatch.setattr(SystemModel, "draw", counted)
+    return draws
+
+
+def test_the_draws_are_made_round_by_round_not_all_up_front(tmp_path: Path, monkeypatch) -> None:
+    """Every round's draw was made before round 1 (30 s for 10,000 rounds of 100 participants,
+    deaf to SIGTERM meanwhile): a run of 500 rounds stopped after its first draws only the rounds it
+    reaches, and the first one once (issue 55: it was drawn twice, up front to refuse a round
+    without arrivals and again when it ran)."""
+    from hpcfl.runner import StopRequest
+
+    draws = _counted_draws(monkeypatch)
     stop = StopRequest()
     stop.requested = True  # as a SIGTERM arriving before round 1 ends
     system = {"dropout": {"probability": 0.1}}
     cfg = config_from_dict(_tiny(algorithm="fedavg", rounds=500, system=system))
     result = run_experiment(cfg, tmp_path / "r", stop=stop)
-    assert result.rounds_done == 1 and draws == [0, 0]
+    assert result.rounds_done == 1 and draws == [0]
+
+
+@pytest.mark.parametrize("clock", [False, True], ids=["round-by-round", "virtual-clock"])
+def test_every_round_is_drawn_once(tmp_path: Path, monkeypatch, clock: bool) -> None:
+    """Issue 55: the ``system`` section is drawn once per round, whether the draw is made up front
+    (the first round, the rounds a trace names; every round under a virtual clock) or as the round
+    comes."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("round,client\n3,1\n")
+    system: dict[str, Any] = {"dropout": {"probability": 0.2, "trace": str(trace)}}
+    if clock:
+        system["clock"] = {"speed": {"kind": "lognormal", "mu": 3.0, "sigma": 1.0}}
+    cfg = config_from_dict(_tiny(algorithm="fedavg", rounds=4, system=system))
+    draws = _counted_draws(monkeypatch)
+    result = run_experiment(cfg, tmp_path / "r")
+    assert sorted(draws) == [0, 1, 2, 3]
+    assert result.metrics[2]["dropped"] and 1 in result.metrics[2]["dropped"]
 
 
 def test_a_round_without_arrivals_is_refused_by_name_before_any_round(tmp_path: Path, capsys) -> None:

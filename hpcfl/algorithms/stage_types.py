@@ -186,7 +186,8 @@ class RoundPlan:
     divergence_hint: str = ""
     observers: tuple[Observer, ...] = ()  # metrics chosen by the config (CKA, drift diversity, ...)
     client_metrics: tuple[str, ...] = ("loss",)  # what the participants' local updates report
-    client_batch: int | str = 1  # participants per vectorised training step: 1 | N | auto
+    #: participants per vectorised training step, ``auto`` already resolved (resolve_client_batch)
+    client_batch: int = 1
     system: SystemModel | None = None  # unequal work and dropped participants (``system``), None when off
     clock: VirtualClock | None = None  # simulated time (``system.clock``), None when off
 

@@ -65,21 +65,17 @@ class LayerSimilarity:
         self._reference: list[CentredGram] | None = None
 
     @classmethod
-    def for_federation(cls, fed: Any) -> LayerSimilarity:
-        """The probe of a run (``fed`` is a :class:`hpcfl.runner.federation.Federation`)."""
-        sums = fed.algorithm.exchange().sums
-        if not sums or sums[0].name != "x" or sums[0].length != fed.flat.size:
-            raise ConfigError(
-                f"cka_metrics needs an algorithm whose upload is the local model; {fed.cfg.algorithm!r} "
-                "uploads something else: set cka_metrics: false"
-            )
-        test_x = fed.dataset.test.x
+    def on_test_probe(
+        cls, flat: FlatModel, test_x: Tensor, num_clients: int, *, seed: int, device: torch.device
+    ) -> LayerSimilarity:
+        """The similarity of a run: its probe is a seeded sample of up to ``PROBE_SIZE`` of the test
+        inputs ``test_x`` (at least 4), moved to ``device``, the model's."""
         if test_x.shape[0] < 4:
             raise ConfigError("cka_metrics needs a test set of at least 4 samples")
-        gen = torch.Generator().manual_seed(fed.cfg.seed)
+        gen = torch.Generator().manual_seed(seed)
         # host: a seeded probe index
         pick = torch.randperm(test_x.shape[0], generator=gen)[:PROBE_SIZE].sort().values
-        return cls(fed.flat, test_x[pick].to(fed.device), len(fed.parts))
+        return cls(flat, test_x[pick].to(device), num_clients)
 
     @property
     def size(self) -> int:

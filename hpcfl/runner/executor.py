@@ -42,28 +42,20 @@ Outcome = tuple[int, Upload | None, ClientState | None]
 class ClientExecutor:
     """Trains a rank's participants of one round and yields each one's outcome in order."""
 
-    def __init__(self, setting: int | str = 1, *, rank: int = 0, largest: int = 1) -> None:
-        self.setting = setting
+    def __init__(self, size: int = 1, *, rank: int = 0) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"ClientExecutor takes a resolved group size (a positive int), not {size!r}: resolve "
+                "client_batch once with resolve_client_batch"
+            )
+        self.size = size  # participants per vectorised group, ``auto`` already resolved
         self.rank = rank
-        self.largest = largest  # samples of the population's largest client (sizes ``auto``)
-        self._size: int | None = setting if isinstance(setting, int) else None
         self._said: set[str] = set()
 
     def _say(self, line: str) -> None:
         if self.rank == 0 and line not in self._said:
             self._said.add(line)
             log.warning("hpcfl: %s", line)
-
-    def group_size(self, algo: Algorithm, trainer: Trainer | None, data: ClientData) -> int:
-        """N for this run. ``auto`` is resolved once, from the shape of ``data``'s samples and the
-        largest client's size, so every rank and a resumed run find the same N."""
-        if self._size is None:
-            assert trainer is not None
-            self._size, why = auto_client_batch(
-                trainer, data.x[:1], self.largest, memory_share=AUTO_MEMORY_SHARE
-            )
-            self._say(f"client_batch auto: groups of {self._size} ({why})")
-        return self._size
 
     def run(
         self,
@@ -76,11 +68,11 @@ class ClientExecutor:
         context: Callable[[int], ClientContext],
     ) -> Iterator[Outcome]:
         """Each participant's outcome, in ``mine`` order (``get`` reads a client state)."""
-        batched = bool(mine) and self.setting != 1 and trainer is not None
+        batched = bool(mine) and self.size != 1 and trainer is not None
         if batched and trainer is not None and (why := unbatchable(trainer.flat.model)) is not None:
             self._say(f"client_batch: the model trains its clients one by one ({why})")
             batched = False
-        size = self.group_size(algo, trainer, data(mine[0])) if batched else 1
+        size = self.size if batched else 1
         if size == 1 or trainer is None:
             for k in mine:
                 yield _one(algo, server, get(k), data(k), context(k))
@@ -166,7 +158,11 @@ def resolve_client_batch(
     setting: int | str, trainer: Trainer, sample: torch.Tensor, largest: int, *, rank: int = 0
 ) -> int:
     """The run's group size: ``setting``, or with ``auto`` what :func:`auto_client_batch` chooses for
-    ``sample`` (1, ...) on the trainer's device (logged once, by rank 0, when it groups clients)."""
+    ``sample`` (1, ...) on the trainer's device (logged once, by rank 0, when it groups clients).
+
+    The one place ``auto`` is resolved: once per run (from the shape of the samples and the largest
+    client's size, so every rank and a resumed run find the same N); :class:`ClientExecutor` takes
+    the result."""
     if setting != "auto":
         return int(setting)
     size, why = auto_client_batch(trainer, sample, largest, memory_share=AUTO_MEMORY_SHARE)

@@ -342,7 +342,7 @@ def _run_locked(
         comm, lambda: prepare_run_dir(run_dir, cfg, resume=resume, overwrite=overwrite)
     )
     fed = build_federation(cfg, comm)
-    for note in evaluation_notes(fed) if comm.rank == 0 else ():
+    for note in evaluation_notes(fed.algorithm, fed.client_eval) if comm.rank == 0 else ():
         print(note, file=sys.stderr)
     if has_state:
         _collective_check(comm, lambda: _check_same_partition(fed, run_dir))

@@ -8,7 +8,7 @@ Fashion-MNIST in float32) and slices a client's samples onto the device when it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,6 +123,17 @@ class Federation:
     def model_plan(self) -> RoundPlan:
         return model_plan(self)
 
+    def evaluation_sets(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The splits the server model is evaluated on (:func:`model_evaluator`), in row order: the
+        test set, then the held-out validation samples and the training set where the config asks."""
+        ds = self.dataset
+        sets = {"test": (ds.test.x, ds.test.y)}
+        if self.validation is not None:
+            sets["val"] = (ds.train.x[self.validation], ds.train.y[self.validation])
+        if self.cfg.eval_train:
+            sets["train"] = (ds.train.x, ds.train.y)
+        return sets
+
     def client_evaluation(
         self,
         score: Callable[[torch.Tensor, int], tuple[float, float]],
@@ -177,37 +188,42 @@ def client_generator(seed: int, rnd: int, k: int) -> torch.Generator:
     return seeded_generator(seed, rnd, k)
 
 
-def model_evaluator(fed: Federation) -> Evaluator:
-    """Test (and, when asked, validation and train) accuracy and loss of the server's reported model,
-    and the test columns of any other model it names (:meth:`ServerState.evaluated`): every rank
-    counts its shards of each, and ONE allreduce sums them with the observers' ``joint`` counts."""
+def model_evaluator(
+    flat: FlatModel,
+    comm: Communicator,
+    sets: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    *,
+    conformal_calibration: float | None = None,
+    seed: int = 0,
+) -> Evaluator:
+    """Accuracy and loss of the server's reported model on each of ``sets`` (split → (x, y);
+    ``"test"`` is required), and the test columns of any other model it names
+    (:meth:`ServerState.evaluated`): every rank counts its shards of each, and ONE allreduce sums
+    them with the observers' ``joint`` counts. The vectors are loaded into ``flat``, the working
+    model. With ``conformal_calibration`` (a fraction of the test set, drawn from ``seed``) the test
+    split also gets conformal coverage and set size."""
+    test_y = sets["test"][1]
+    conformal = conformal_calibration is not None
 
     def evaluate_server(server: ServerState, joint: JointCounts) -> dict[str, float]:
         models = server.evaluated()
-        fed.flat.load(models[""])
-        model, ds, comm = fed.flat.model, fed.dataset, fed.comm
-        sets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {"test": (ds.test.x, ds.test.y)}
-        if fed.validation is not None:
-            sets["val"] = (ds.train.x[fed.validation], ds.train.y[fed.validation])
-        if fed.cfg.eval_train:
-            sets["train"] = (ds.train.x, ds.train.y)
+        flat.load(models[""])
+        model = flat.model
         own = {  # (split, model suffix): this rank's counts
-            (name, ""): shard_counts(model, x, y, comm, probs=fed.cfg.conformal and name == "test")
+            (name, ""): shard_counts(model, x, y, comm, probs=conformal and name == "test")
             for name, (x, y) in sets.items()
         }
         for suffix, vec in models.items():
             if suffix:
-                fed.flat.load(vec)
-                own["test", suffix] = shard_counts(model, ds.test.x, ds.test.y, comm)
+                flat.load(vec)
+                own["test", suffix] = shard_counts(model, *sets["test"], comm)
         summed = dict(zip(own, joint.reduce(comm, list(own.values())), strict=True))
         row: dict[str, float] = {}
         test = summed.pop(("test", ""))
-        if fed.cfg.conformal:
-            row["test_accuracy"], row["test_loss"], probs = with_probs(test, ds.test.y.numel())
+        if conformal_calibration is not None:
+            row["test_accuracy"], row["test_loss"], probs = with_probs(test, test_y.numel())
             row.update(
-                conformal_metrics(
-                    probs, ds.test.y, seed=fed.cfg.seed, calibration_fraction=fed.cfg.conformal_calibration
-                )
+                conformal_metrics(probs, test_y, seed=seed, calibration_fraction=conformal_calibration)
             )
         else:
             row["test_accuracy"], row["test_loss"] = accuracy_loss(test)
@@ -237,7 +253,13 @@ def model_plan(fed: Federation) -> RoundPlan:
         trainer=fed.trainer,
         population=fed.population,
         generator=lambda rnd, k: client_generator(fed.cfg.seed, rnd, k),
-        evaluate=model_evaluator(fed),
+        evaluate=model_evaluator(
+            fed.flat,
+            fed.comm,
+            fed.evaluation_sets(),
+            conformal_calibration=fed.cfg.conformal_calibration if fed.cfg.conformal else None,
+            seed=fed.cfg.seed,
+        ),
         seed=fed.cfg.seed,
         reduction=fed.cfg.reduction,
         eval_every=fed.cfg.eval_every,
@@ -264,9 +286,14 @@ def chosen_observers(fed: Federation) -> tuple[Observer, ...]:
     """The metrics the config asks for beyond the standard ones (:mod:`hpcfl.runner.observers`)."""
     chosen: list[Observer] = []
     if fed.cfg.cka_metrics:
-        chosen.append(LayerCKA(LayerSimilarity.for_federation(fed)))
+        uploads_the_model(fed.algorithm, fed.flat.size, "cka_metrics", fed.cfg.algorithm)
+        probe = LayerSimilarity.on_test_probe(
+            fed.flat, fed.dataset.test.x, len(fed.parts), seed=fed.cfg.seed, device=fed.device
+        )
+        chosen.append(LayerCKA(probe))
     if fed.cfg.drift_diversity:
-        chosen.append(Drift(drift_of(fed), fed.algorithm.num_params))
+        uploads_the_model(fed.algorithm, fed.flat.size, "drift_diversity", fed.cfg.algorithm)
+        chosen.append(Drift(DriftDiversity(fed.algorithm.layout), fed.algorithm.num_params))
     if fed.client_eval is not None:
         from hpcfl.runner.client_eval import ClientEval
 
@@ -276,15 +303,15 @@ def chosen_observers(fed: Federation) -> tuple[Observer, ...]:
     return tuple(chosen)
 
 
-def drift_of(fed: Federation) -> DriftDiversity:
-    """Per-layer drift diversity, for algorithms whose upload is the local model."""
-    sums = fed.algorithm.exchange().sums
-    if not sums or sums[0].name != "x" or sums[0].length != fed.flat.size:
+def uploads_the_model(algorithm: Algorithm, model_size: int, key: str, name: str) -> None:
+    """Refuse ``key``, a metric of the participants' local models (``cka_metrics``,
+    ``drift_diversity``), for an algorithm ``name`` whose upload is something else."""
+    sums = algorithm.exchange().sums
+    if not sums or sums[0].name != "x" or sums[0].length != model_size:
         raise ConfigError(
-            f"drift_diversity needs an algorithm whose upload is the local model; {fed.cfg.algorithm!r} "
-            "uploads something else: set drift_diversity: false"
+            f"{key} needs an algorithm whose upload is the local model; {name!r} "
+            f"uploads something else: set {key}: false"
         )
-    return DriftDiversity(fed.algorithm.layout)
 
 
 def make_algorithm(cfg: Config, model: torch.nn.Module) -> Algorithm:
@@ -321,35 +348,35 @@ def split_clients(
     return kept, held
 
 
-def evaluation_notes(fed: Federation) -> list[str]:
+def evaluation_notes(algorithm: Algorithm, client_eval: Sequence[torch.Tensor] | None) -> list[str]:
     """What the run's evaluation cannot show that a user would expect it to (one line each, printed
     when the run starts): a personalised algorithm judged by the server model only, and clients too
-    small to hold a sample out (:func:`held_out_note`)."""
+    small to hold a sample out (:func:`held_out_note`). ``client_eval``: each client's held-out
+    share (``Federation.client_eval``), None without ``client_eval``."""
     notes = []
-    algo = fed.algorithm
-    if algo.personalised and fed.client_eval is None:
+    if algorithm.personalised and client_eval is None:
         notes.append(
-            f"hpcfl: note: {algo.name} is personalised, but without client_eval every figure judges the "
+            f"hpcfl: note: {algorithm.name} is personalised, but without client_eval every figure judges the "
             "server model, not the clients' own models; set client_eval: 0.2 to score each client's "
             "model on its held-out share (personal_acc_*)"
         )
-    held = held_out_note(fed)
+    held = held_out_note(client_eval)
     return [*notes, held] if held is not None else notes
 
 
-def held_out_note(fed: Federation) -> str | None:
+def held_out_note(client_eval: Sequence[torch.Tensor] | None) -> str | None:
     """The note for ``client_eval`` clients too small to hold a sample out (:func:`split_clients`
     never takes a client's last training sample): their per-client figures are NaN and the
     summaries leave them out, which a table of NaN columns alone does not say. None when every
-    evaluated client holds one out."""
-    if fed.client_eval is None:
+    evaluated client holds one out (or without ``client_eval``)."""
+    if client_eval is None:
         return None
-    empty = [k for k, share in enumerate(fed.client_eval) if share.numel() == 0]
+    empty = [k for k, share in enumerate(client_eval) if share.numel() == 0]
     if not empty:
         return None
     shown = ",".join(map(str, empty[:8])) + (",..." if len(empty) > 8 else "")
     return (
-        f"hpcfl: note: client_eval: {len(empty)} of {len(fed.client_eval)} clients have one training "
+        f"hpcfl: note: client_eval: {len(empty)} of {len(client_eval)} clients have one training "
         f"sample and hold none out (clients {shown}): their per-client figures are NaN and the "
         "client_acc_*/personal_acc_* summaries leave them out; use fewer clients or a partition "
         "that gives each client at least 2 samples"

@@ -251,24 +251,15 @@ def run_rounds(
     ordered = ordered_sums(plan, ex)
     # an asynchronous algorithm's steps come from the virtual clock (hpcfl.runner.asynchronous)
     steps = async_schedule(plan, stop, round_offset) if algo.asynchronous else None
-    # with a virtual clock, every round's draw up front: the simulated time of the rounds before
-    # ``start`` (a pure function of the seed) for the clock's columns. Without one, the draws are
-    # made round by round (below), the first and the trace's rounds up front (_drawn_up_front).
-    timed = steps is None and plan.clock is not None and plan.trainer is not None
-    draws = [_draw_round(plan, r, round_offset, steps) for r in range(0, stop)] if timed else []
-    observers = round_observers(plan, clock_record(plan, start, stop, draws if timed else [], steps))
-    executor = ClientExecutor(
-        plan.client_batch, rank=comm.rank, largest=max(plan.population.sizes, default=1)
-    )
+    draws = RoundDraws(plan, start, stop, round_offset, steps)  # refuses a round all drop out of
+    observers = round_observers(plan, clock_record(plan, start, stop, draws.timed, steps))
+    executor = ClientExecutor(plan.client_batch, rank=comm.rank)
     done = start
-    if steps is None:  # an asynchronous schedule draws no rounds of participants
-        for rnd in _drawn_up_front(plan, start, stop, round_offset):
-            _draw_round(plan, rnd, round_offset)  # refuses a round whose every participant drops out
     for rnd in range(start, stop):
         t0 = time.perf_counter()
         # 1. who trains (the drawn participants but those that drop out this round; asynchronous:
         #    the clients dispatched from this step's model), and where
-        who, system = _draw_round(plan, rnd, round_offset, steps)
+        who, system = draws.take(rnd)
         mine = _placed(plan, who, system, comm.rank, comm.size)
         layout = round_layout(plan, len(who), dtype, observers)
         buf = layout.allocate(bdtype, server.x.device)
@@ -310,34 +301,13 @@ def run_rounds(
         reduced = time.perf_counter()
         for k in set(who) - set(mine):
             states.written_elsewhere(k)
-        hint = plan.lr_hint + (f", or {plan.divergence_hint}" if plan.divergence_hint else "")
-        _check_finite(layout.view(buf, "nonfinite"), who, round_offset + rnd + 1, hint)
+        _check_finite(layout.view(buf, "nonfinite"), who, round_offset + rnd + 1, _lr_hint(plan))
         # 4. the same server update on every rank
-        sums = {
-            s.name: _in_draw_order(layout, buf, s, len(who))
-            if s.name in ordered
-            else layout.view(buf, f"sum:{s.name}")
-            for s in ex.sums
-        }
-        aggregate = Aggregate(
-            sums={s.name: sums[s.name].to(s.dtype) for s in ex.sums},
-            weight=float(layout.view(buf, "weight")),
-            count=int(layout.view(buf, "count")),
-            gathered={g: [obj[g] for _, obj in everything] for g in ex.gathers},
-        )
+        sums, aggregate = _aggregate(layout, buf, ex, ordered, len(who), everything)
         arrivals = steps[rnd].arrivals if steps is not None else ()
         sctx = ServerContext(rnd, who, plan.population, comm.allreduce, comm.rank, comm.size, arrivals)
         server, server_metrics = algo.server_update(server, aggregate, sctx)
-        if not bool(torch.isfinite(server.x).all()):  # one sync a round: the uploads were finite
-            raise DivergenceError(
-                f"the server step of round {round_offset + rnd + 1} ({algo.name}) made the model NaN/inf "
-                f"from finite uploads; "
-                + (
-                    f"lower {plan.divergence_hint}"
-                    if plan.divergence_hint
-                    else "check the algorithm's server step"
-                )
-            )
+        _check_server_finite(server, plan, round_offset + rnd + 1)
         done = rnd + 1
         # 5. evaluation, sharded over ranks, and the observers' columns
         row = None
@@ -371,6 +341,35 @@ def _finite(state: ClientState) -> bool:
         for f in fields(state)
         if isinstance(v := getattr(state, f.name), torch.Tensor) and v.is_floating_point()
     )
+
+
+class RoundDraws:
+    """Each round's participants and ``system`` draw (:func:`_draw_round`), every round drawn ONCE.
+
+    Some rounds are drawn before any work and kept until their turn: with a virtual clock every
+    round from 0 (:attr:`timed`: the simulated time of the rounds before ``start``, a pure function
+    of the seed, for the clock's columns), otherwise the rounds of :func:`_drawn_up_front`, so that a
+    round in which every participant drops out is refused before the first round. The others are
+    drawn as they come. With an asynchronous schedule ``steps``, nothing is drawn up front."""
+
+    def __init__(
+        self, plan: RoundPlan, start: int, stop: int, round_offset: int, steps: Sequence[Step] | None
+    ) -> None:
+        self.plan, self.round_offset, self.steps = plan, round_offset, steps
+        timed = steps is None and plan.clock is not None and plan.trainer is not None
+        ahead: Iterable[int] = ()  # an asynchronous schedule draws no rounds of participants
+        if timed:
+            ahead = range(stop)
+        elif steps is None:
+            ahead = _drawn_up_front(plan, start, stop, round_offset)
+        self._ahead = {r: _draw_round(plan, r, round_offset, steps) for r in ahead}
+        self.timed = [self._ahead[r] for r in range(stop)] if timed else []
+
+    def take(self, rnd: int) -> tuple[tuple[int, ...], RoundSystem | None]:
+        """Round ``rnd``'s (participants that train, ``system`` draw or None)."""
+        if rnd in self._ahead:
+            return self._ahead.pop(rnd)
+        return _draw_round(self.plan, rnd, self.round_offset, self.steps)
 
 
 def _drawn_up_front(plan: RoundPlan, start: int, stop: int, round_offset: int) -> list[int]:
@@ -428,6 +427,32 @@ def _client_context(
     if system is not None and trainer is not None:  # the participant's own work (``system.work``)
         trainer = trainer.with_schedule(system.schedule(trainer.schedule, k))
     return ClientContext(rnd, who, plan.population, trainer, plan.generator(rnd, k))
+
+
+def _aggregate(
+    layout: BufferLayout,
+    buf: torch.Tensor,
+    ex: Exchange,
+    ordered: frozenset[str],
+    participants: int,
+    gathered: list[tuple[int, dict[str, Any]]],
+) -> tuple[dict[str, torch.Tensor], Aggregate]:
+    """The round's sums as the buffer holds them after the allreduce (an :func:`ordered_sums` sum
+    added in draw order), and the :class:`Aggregate` the server update gets (each sum in its
+    declared dtype, the gathered objects in draw order)."""
+    sums = {
+        s.name: _in_draw_order(layout, buf, s, participants)
+        if s.name in ordered
+        else layout.view(buf, f"sum:{s.name}")
+        for s in ex.sums
+    }
+    aggregate = Aggregate(
+        sums={s.name: sums[s.name].to(s.dtype) for s in ex.sums},
+        weight=float(layout.view(buf, "weight")),
+        count=int(layout.view(buf, "count")),
+        gathered={g: [obj[g] for _, obj in gathered] for g in ex.gathers},
+    )
+    return sums, aggregate
 
 
 def _accumulate(
@@ -495,4 +520,25 @@ def _check_finite(flags: torch.Tensor, who: tuple[int, ...], rnd: int, lr_hint: 
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise DivergenceError(
             f"loss became NaN/inf in round {rnd} on client {bad[0]}{more}; lower the learning rate{lr_hint}"
+        )
+
+
+def _lr_hint(plan: RoundPlan) -> str:
+    """How a local update's divergence names its causes: the learning rate, and the other settings
+    the plan names (:attr:`RoundPlan.divergence_hint`)."""
+    return plan.lr_hint + (f", or {plan.divergence_hint}" if plan.divergence_hint else "")
+
+
+def _check_server_finite(server: ServerState, plan: RoundPlan, rnd: int) -> None:
+    """Every rank raises alike when the server step of round ``rnd`` (1-based) made the model NaN/inf
+    from finite uploads (one sync a round)."""
+    if not bool(torch.isfinite(server.x).all()):
+        raise DivergenceError(
+            f"the server step of round {rnd} ({plan.algorithm.name}) made the model NaN/inf "
+            f"from finite uploads; "
+            + (
+                f"lower {plan.divergence_hint}"
+                if plan.divergence_hint
+                else "check the algorithm's server step"
+            )
         )
