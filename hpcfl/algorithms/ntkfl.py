@@ -180,6 +180,10 @@ class NTKFLParams(HyperParams):
 
             parse_memory_budget(str(self.memory_budget), key="params.memory_budget")
 
+    def entk_method(self) -> str | None:
+        """The clients' Jacobian method (``params.jacobian``)."""
+        return self.jacobian
+
     @property
     def jacobian_method(self) -> JacobianMethod:
         """``jacobian`` as the enum (the config keeps the string; validated above)."""
