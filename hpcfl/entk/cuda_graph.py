@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the fused eNTK batch (opt-in: ``cuda_graph=True`` or ``HPCFL_ENTK_CUDA_GRAPH=1``).
+"""CUDA-graph replay of the fused eNTK batch (opt-in: ``cuda_graph=True``, ``entk.cuda_graph``, ``HPCFL_ENTK_CUDA_GRAPH=1``).
 
 On small models the fused batch is bound by host-side Python and kernel launches, not by the GPU
 (simplecnn, B = 256, p = 1e5, H200: the batch's device time is about plain training's, its wall
