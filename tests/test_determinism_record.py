@@ -197,8 +197,14 @@ def test_a_tct_run_records_the_entk_path_it_used(tmp_path, capsys, monkeypatch):
 def test_an_ntkfl_run_records_its_jacobian_method_and_fedavg_none(tmp_path):
     """NTK-FL's Jacobians are on the eNTK path too (its ``params.jacobian`` is the method); an
     algorithm that computes neither records no ``entk`` entry (test above: FedAvg's exact record)."""
-    cfg = synthetic_config(tmp_path, rounds=1, algorithm="ntkfl", params={"grid": [10, 20]})
+    cfg = synthetic_config(
+        tmp_path,
+        rounds=1,
+        algorithm="ntkfl",
+        dataset_options={"n_train": 200, "n_test": 100, "seed": 3},
+        params={"grid": [10, 20], "jacobian": "fused"},
+    )
     run = tmp_path / "run"
-    assert main(["run", str(cfg), "--run-dir", str(run), "--set", "params.jacobian=vmap"]) == 0
+    assert main(["run", str(cfg), "--run-dir", str(run)]) == 0
     entk = read_record(run)["entk"]
-    assert entk["method"] == "vmap" and entk["costs"] is None and entk["costs_from"] == "config"
+    assert entk["method"] == "fused" and entk["costs"] is None and entk["costs_from"] == "config"
