@@ -11,18 +11,15 @@ constants of a device are a non-negative least-squares fit on per-layer timings.
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Sequence
-from functools import lru_cache
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
-from hpcfl.entk.settings import COSTS_ENV as COSTS_ENV  # where it lives; named here for callers
-from hpcfl.entk.settings import active
-from hpcfl.errors import ConfigError
+from hpcfl.entk.cost_file import COST_TERMS as COST_TERMS  # where they live; named here for callers
+from hpcfl.entk.cost_file import fitted_file as fitted_file
+from hpcfl.entk.settings import COSTS_ENV as COSTS_ENV
+from hpcfl.entk.settings import active, costs_label
 
 Form = Literal["full", "gather", "materialise"]
 """How a Linear/Conv2d weight's kept coordinates are formed (see the module docstring)."""
@@ -80,30 +77,6 @@ up to 25% apart (resnet8, every weight whole)."""
 
 _COSTS = {"cpu": CPU_COSTS, "cuda": CUDA_COSTS}
 
-COST_TERMS: tuple[str, ...] = ("launch", "mac", "mem", "pick", "term", "store")
-"""The cost model's constants, in the order of :func:`form_features`' columns."""
-
-
-@lru_cache(maxsize=4)
-def fitted_file(path: str, source: str = COSTS_ENV) -> tuple[str, dict[str, float]]:
-    """(device type, fitted constants) of a constants file; ``source`` (the variable or the config
-    key that named it) is in the one :class:`ConfigError` line a bad file gives."""
-    where = f"{source}={path}" if source == COSTS_ENV else f"{source} ({path})"
-    try:
-        report = json.loads(Path(path).read_text(encoding="utf-8"))
-        device_type = "cuda" if str(report["device"]).startswith("cuda") else "cpu"
-        fitted = {name: float(report["fitted"][name]) for name in COST_TERMS}
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{where}: not a fitted-constants report of entk_layer_costs.py ({err})") from None
-    bad = {name: v for name, v in fitted.items() if not (math.isfinite(v) and v >= 0)}
-    if bad:
-        name, value = next(iter(bad.items()))
-        raise ConfigError(
-            f"{where}: fitted constant {name!r} is {value}, but the constants are times (finite, "
-            ">= 0); fit them again with benchmarks/entk_layer_costs.py or drop the setting"
-        )
-    return device_type, fitted
-
 
 def fitted_record() -> dict[str, Any] | None:
     """The fitted constants in force (:func:`hpcfl.entk.settings.active`: the run's ``entk.costs``
@@ -113,7 +86,7 @@ def fitted_record() -> dict[str, Any] | None:
     settings = active()
     if not settings.costs:
         return None
-    device_type, fitted = fitted_file(settings.costs, settings.costs_from)
+    device_type, fitted = fitted_file(settings.costs, costs_label(settings))
     return {"file": settings.costs, "device_type": device_type, "fitted": fitted}
 
 
@@ -124,7 +97,7 @@ def constants(device_type: str) -> dict[str, float]:
     key = "cuda" if device_type == "cuda" else "cpu"
     settings = active()
     if settings.costs:
-        fitted_type, fitted = fitted_file(settings.costs, settings.costs_from)
+        fitted_type, fitted = fitted_file(settings.costs, costs_label(settings))
         if fitted_type == key:
             return fitted
     return _COSTS[key]

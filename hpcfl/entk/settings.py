@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcfl.entk.cost_file import fitted_file
 from hpcfl.errors import ConfigError
 
 COSTS_ENV = "HPCFL_ENTK_COSTS"
@@ -62,9 +63,7 @@ class EntkSection:
             if not str(self.costs).strip():
                 raise ConfigError("config key 'entk.costs' must be a file path or null, got ''")
             self.costs = str(Path(self.costs).expanduser().resolve())
-            from hpcfl.entk.costs import fitted_file
-
-            fitted_file(self.costs, "config key 'entk.costs'")  # a bad file: one line at load time
+            fitted_file(self.costs, f"config key 'entk.costs' ({self.costs})")  # bad: one line at load
 
 
 @dataclass(frozen=True)
@@ -102,9 +101,7 @@ def resolve(
     costs, costs_from = section.costs, "config"
     if env.get(COSTS_ENV):
         costs, costs_from = env[COSTS_ENV], COSTS_ENV
-        from hpcfl.entk.costs import fitted_file
-
-        fitted_file(costs, COSTS_ENV)
+        fitted_file(costs, f"{COSTS_ENV}={costs}")
     flags: dict[str, tuple[bool, str]] = {}
     for key, name in (("cuda_graph", CUDA_GRAPH_ENV), ("triton_autotune", AUTOTUNE_ENV)):
         raw = env.get(name)
@@ -118,6 +115,13 @@ def resolve(
         triton_autotune_from=flags["triton_autotune"][1],
         method=method,
     )
+
+
+def costs_label(settings: EntkSettings) -> str:
+    """How an error names the costs file in force: ``HPCFL_ENTK_COSTS=PATH`` or the config key."""
+    if settings.costs_from == COSTS_ENV:
+        return f"{COSTS_ENV}={settings.costs}"
+    return f"config key 'entk.costs' ({settings.costs})"
 
 
 def record(settings: EntkSettings) -> dict[str, Any]:

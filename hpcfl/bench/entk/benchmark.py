@@ -9,8 +9,7 @@ import statistics
 import sys
 from typing import Any
 
-from hpcfl.bench.entk import measure
-from hpcfl.bench.entk.measure import KEEP_FREED_MEMORY
+from hpcfl.bench.entk.measure import KEEP_FREED_MEMORY, run_child, run_here
 from hpcfl.bench.entk.report import acceptance, write_report
 from hpcfl.bench.entk.runners import CIFAR_SHAPE, INPUT_SHAPES, parse_methods
 
@@ -83,7 +82,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for round_ in range(args.rounds):  # interleaved, so a busy spell on shared cores hits all methods
         this_round: dict[str, dict[str, Any]] = {}
         for method in ["plain", *methods]:
-            row = (measure.run_here if args.in_process else measure.run_child)({**config, "method": method})
+            row = (run_here if args.in_process else run_child)({**config, "method": method})
             this_round[method] = row
             kept = best.get(method)
             if kept is None or (

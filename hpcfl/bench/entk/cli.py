@@ -1,6 +1,6 @@
 """The command line of ``hpcfl bench entk`` (:func:`add_arguments`, :func:`run_cli`) and the
 standalone entry (:func:`main`: ``python -m hpcfl.bench.entk``, ``benchmarks/entk_throughput.py``,
-and the ``--worker`` processes of :func:`hpcfl.bench.entk.measure.run_child`)."""
+and ``--worker SPEC``, one method timed in this process, as :mod:`hpcfl.bench.entk.worker` does)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from hpcfl.bench.entk.benchmark import DEFAULT_METHODS, run_benchmark
-from hpcfl.bench.entk.measure import worker
 from hpcfl.bench.entk.runners import METHODS, MODELS
 
 HELP = "eNTK feature throughput: loop / vmap / fused / Opacus / BackPACK vs one training step"
@@ -79,7 +78,9 @@ def run_cli(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry (``python -m hpcfl.bench.entk`` / ``benchmarks/entk_throughput.py``)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
+    if argv[:1] == ["--worker"]:  # the form of earlier versions: a method timed in this process
+        from hpcfl.bench.entk.worker import worker
+
         print(json.dumps(worker(json.loads(argv[1]))), flush=True)
         return 0
     parser = argparse.ArgumentParser(prog="entk_throughput", description=HELP)
