@@ -19,6 +19,7 @@ import yaml
 
 from hpcfl.algorithms.base import HyperParams
 from hpcfl.algorithms.system import SystemSection, validate_system
+from hpcfl.entk.settings import EntkSection
 from hpcfl.errors import ConfigError, suggest
 from hpcfl.files import read_yaml as read_yaml  # where it lives (light); named here for callers
 from hpcfl.privacy.section import PrivacySection, validate_privacy
@@ -102,6 +103,7 @@ class Config:
     params: Any = None  # the algorithm's hyper-parameters (its frozen Params dataclass)
     privacy: PrivacySection = field(default_factory=PrivacySection)  # differential privacy (hpcfl.privacy)
     system: SystemSection = field(default_factory=SystemSection)  # unequal work, stragglers, dropout
+    entk: EntkSection = field(default_factory=EntkSection)  # eNTK path: costs, CUDA graphs, autotune
 
     def __post_init__(self) -> None:
         if self.params is None:
@@ -235,6 +237,9 @@ RESUMABLE_KEYS = frozenset(
         "finetune_eval.steps",  # fine-tunes copies, never the trajectory
         "finetune_eval.lr",
         "finetune_eval.rounds",
+        "entk.costs",  # the eNTK path's implementation: rounding only, noted by the run's record
+        "entk.cuda_graph",
+        "entk.triton_autotune",
     }
 )
 

@@ -51,6 +51,11 @@ def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
         ("dataset_options.n_train=many", ("synthetic n_train must be an integer, got 'many'",)),
         ("dataset_options.n_test=2.5", ("synthetic n_test must be an integer, got 2.5",)),
         ("dataset_options.input_shape=7", ("synthetic input_shape must be three positive ints",)),
+        ("entk.cuda_graph=maybe", ("config key 'entk.cuda_graph' must be true or false, got 'maybe'",)),
+        ("entk.triton_autotune=2", ("config key 'entk.triton_autotune' must be true or false, got 2",)),
+        ("entk.costs=missing.json", ("config key 'entk.costs' (", "missing.json): not a fitted-constants")),
+        ("entk.costs=''", ("config key 'entk.costs' must be a file path or null, got ''",)),
+        ("entk.cuda_grph=true", ("unknown config key 'entk.cuda_grph'", "did you mean 'entk.cuda_graph'")),
     ],
 )
 def test_bad_config_values(tmp_path, capsys, override, fragments):
@@ -62,6 +67,16 @@ def test_bad_config_values(tmp_path, capsys, override, fragments):
         capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", *overrides], *fragments
     )
     assert not (tmp_path / "r" / "DONE").exists()
+
+
+@pytest.mark.parametrize("name", ["HPCFL_ENTK_CUDA_GRAPH", "HPCFL_TRITON_AUTOTUNE"])
+def test_a_bad_entk_flag_in_the_environment(tmp_path, capsys, monkeypatch, name):
+    """Issue 55: the variables that override ``entk:`` keys are validated like them."""
+    monkeypatch.setenv(name, "maybe")
+    cfg = synthetic_config(tmp_path)
+    line = _fails_cleanly(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r")])
+    assert line == f"hpcfl: error: {name}='maybe': must be 1 or 0 (or true/false, yes/no, on/off)"
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
 def test_synthetic_sizes_from_yaml_strings_and_beyond_memory(tmp_path, capsys, monkeypatch):

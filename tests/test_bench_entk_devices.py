@@ -12,6 +12,7 @@ import torch
 
 import hpcfl.bench.entk as bench
 import hpcfl.entk.reference as reference
+from hpcfl.bench.entk import benchmark, runners
 from hpcfl.entk import entk_features
 from hpcfl.entk.reference import VMAP_GPU_COPIES, vmap_chunk, vmap_memory_budget
 from hpcfl.models import build_model
@@ -100,7 +101,7 @@ def test_both_opacus_modes_give_the_features(method: str) -> None:
     pytest.importorskip("opacus")
     spec = {"seed": 0, "input_shape": [1, 6, 6], "device": "cpu", "model": "mlp"}
     spec.update(batch=4, p=50, method=method, loop_samples=4)
-    run, samples, note, out = bench._make_runner(spec)
+    run, samples, note, out = runners.make_runner(spec)
     run()
     torch.manual_seed(0)
     model = build_model("mlp", (1, 6, 6), 10)
@@ -146,7 +147,7 @@ def test_the_output_names_the_best_other_method_of_the_device(
     """With the same measured rates, fused is compared with vmap on the CPU and with Opacus's faster
     mode (named) on a GPU; the JSON and the printed line say which."""
     seen: list[str] = []
-    monkeypatch.setattr(bench, "_run_child", lambda spec: seen.append(spec["method"]) or _fake_row(spec))
+    monkeypatch.setattr(benchmark, "run_child", lambda spec: seen.append(spec["method"]) or _fake_row(spec))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

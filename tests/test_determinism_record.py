@@ -131,7 +131,7 @@ def test_the_entk_costs_a_run_is_given_are_recorded_and_bad_ones_refused(tmp_pat
     good = tmp_path / "costs.json"
     good.write_text(json.dumps({"device": "cpu", "fitted": fitted}))
     monkeypatch.setenv(costs.COSTS_ENV, str(good))
-    costs._fitted_file.cache_clear()
+    costs.fitted_file.cache_clear()
     cfg = synthetic_config(tmp_path, rounds=2, algorithm="fedavg")
     run = tmp_path / "run"
     assert main(["run", str(cfg), "--run-dir", str(run), "--set", "rounds=1"]) == 0
@@ -147,4 +147,64 @@ def test_the_entk_costs_a_run_is_given_are_recorded_and_bad_ones_refused(tmp_pat
         line = one_line_error(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / f"r{i}")])
         assert f"fitted constant 'mac' is {value}" in line and "entk_layer_costs.py" in line
         assert not (tmp_path / f"r{i}" / "metrics.jsonl").exists()
-    costs._fitted_file.cache_clear()
+    costs.fitted_file.cache_clear()
+
+
+def test_a_tct_run_records_the_entk_path_it_used(tmp_path, capsys, monkeypatch):
+    """Issue 55: the eNTK path's settings are config keys (``entk:``), each overridden by its
+    environment variable, and a run that computes eNTK features records the EFFECTIVE values, their
+    sources and the method; the costs file named by the config is the one in force (its constants
+    recorded), and a resume with autotuning switched says so."""
+    from hpcfl.entk import costs, settings
+    from tests.helpers import tiny_tct_config
+
+    for name in (costs.COSTS_ENV, settings.CUDA_GRAPH_ENV, settings.AUTOTUNE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    fitted = {**costs.CPU_COSTS, "term": 2.0}
+    table = tmp_path / "costs.json"
+    table.write_text(json.dumps({"device": "cpu", "fitted": fitted}))
+    costs.fitted_file.cache_clear()
+    monkeypatch.setenv(settings.AUTOTUNE_ENV, "1")  # overrides the config's false
+    cfg = tiny_tct_config(tmp_path)
+    run = tmp_path / "run"
+    sets = [
+        f"entk.costs={table}",
+        "entk.cuda_graph=true",
+        "entk.triton_autotune=false",
+        "stage2.method=fused",
+    ]
+    assert main(["run", str(cfg), "--run-dir", str(run), "--set", *sets]) == 0
+    record = read_record(run)
+    assert record["entk"] == {
+        "method": "fused",
+        "costs": str(table),
+        "costs_from": "config",
+        "cuda_graph": True,
+        "cuda_graph_from": "config",
+        "triton_autotune": True,
+        "triton_autotune_from": "HPCFL_TRITON_AUTOTUNE",
+    }
+    assert record["entk_costs"] == {"file": str(table), "device_type": "cpu", "fitted": fitted}
+    assert (run / "features.zarr").exists()  # the run computed eNTK features under these settings
+    assert settings.active() == settings.resolve(), "the run's settings are no longer in force"
+    monkeypatch.delenv(settings.AUTOTUNE_ENV)
+    capsys.readouterr()
+    assert main(["run", str(cfg), "--run-dir", str(run), "--resume", "--set", *sets, "rounds=1"]) == 0
+    assert "entk.triton_autotune False, the run began with True" in capsys.readouterr().err
+    costs.fitted_file.cache_clear()
+
+
+def test_an_ntkfl_run_records_its_jacobian_method_and_fedavg_none(tmp_path):
+    """NTK-FL's Jacobians are on the eNTK path too (its ``params.jacobian`` is the method); an
+    algorithm that computes neither records no ``entk`` entry (test above: FedAvg's exact record)."""
+    cfg = synthetic_config(
+        tmp_path,
+        rounds=1,
+        algorithm="ntkfl",
+        dataset_options={"n_train": 200, "n_test": 100, "seed": 3},
+        params={"grid": [10, 20], "jacobian": "fused"},
+    )
+    run = tmp_path / "run"
+    assert main(["run", str(cfg), "--run-dir", str(run)]) == 0
+    entk = read_record(run)["entk"]
+    assert entk["method"] == "fused" and entk["costs"] is None and entk["costs_from"] == "config"

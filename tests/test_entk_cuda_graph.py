@@ -191,20 +191,18 @@ def test_bench_refuses_fused_graph_on_the_cpu(tmp_path: Path, capsys) -> None:
 
 
 def test_bench_gives_fused_graph_its_own_ratios() -> None:
-    import hpcfl.bench.entk as bench
+    from hpcfl.bench.entk.report import acceptance
 
     def ok(rate: float) -> dict:
         return {"status": "ok", "samples_per_s": rate}
 
     rows = {"plain": ok(100.0), "fused": ok(40.0), "fused-graph": ok(60.0), "opacus": ok(30.0)}
-    result = bench._acceptance(rows, "cuda")
+    result = acceptance(rows, "cuda")
     assert result["fused_vs_best_other"]["ratio"] == pytest.approx(40 / 30)
     assert result["fused_graph_vs_best_other"]["ratio"] == pytest.approx(2.0)
     assert result["fused_graph_vs_best_other"]["best"] == "opacus"
     assert result["fused_graph_vs_plain"]["ratio"] == pytest.approx(0.6)
-    assert "fused_graph_vs_plain" not in bench._acceptance(
-        {**rows, "fused-graph": {"status": "failed"}}, "cuda"
-    )
+    assert "fused_graph_vs_plain" not in acceptance({**rows, "fused-graph": {"status": "failed"}}, "cuda")
 
 
 # --------------------------------------------------------------------------- GPU

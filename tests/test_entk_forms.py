@@ -361,7 +361,7 @@ def test_layer_cost_script_times_both_forms_and_fits(tmp_path):
     assert (tmp_path / "entk_layer_costs_cpu.csv").read_text().startswith("model,layer,kind,")
     # the report it wrote is what $HPCFL_ENTK_COSTS names to use the fitted constants on that device
     # type (a cluster's own GPU model) and only there
-    costs._fitted_file.cache_clear()
+    costs.fitted_file.cache_clear()
     import os
 
     os.environ[costs.COSTS_ENV] = str(tmp_path / "entk_layer_costs_cpu.json")
@@ -379,7 +379,7 @@ def test_costs_file_that_is_not_a_fit_is_one_clear_error(tmp_path, monkeypatch):
     bad = tmp_path / "bench.json"
     bad.write_text('{"device": "cuda", "fitted": null}')
     monkeypatch.setenv(costs.COSTS_ENV, str(bad))
-    costs._fitted_file.cache_clear()
+    costs.fitted_file.cache_clear()
     with pytest.raises(ConfigError, match="HPCFL_ENTK_COSTS=.*not a fitted-constants report"):
         costs.constants("cuda")
     monkeypatch.setenv(costs.COSTS_ENV, str(tmp_path / "missing.json"))

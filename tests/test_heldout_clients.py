@@ -152,15 +152,16 @@ def test_heldout_clients_never_train_and_their_figures_are_direct_evaluations(di
     # on the client's training share, with the adaptation's generator; v is scored
     from hpcfl.algorithms import ClientData
     from hpcfl.algorithms.fedrep import passes
-    from hpcfl.runner.heldout import _ADAPT_SALT, _generator
+    from hpcfl.runner.heldout import _ADAPT_SALT
     from hpcfl.training.batched import LinearCorrection
+    from hpcfl.training.seeds import seeded_generator
 
     trainer, P = fed.trainer, fed.algorithm.num_params
     correct = n = 0.0
     for j in range(len(held)):
         idx, kid = fed.heldout.train[j], 4 + j
         data = ClientData(k=kid, x=ds.train.x[idx], y=ds.train.y[idx])
-        gen = _generator(cfg.seed, _ADAPT_SALT, cfg.rounds - 1, kid)
+        gen = seeded_generator(cfg.seed, _ADAPT_SALT, cfg.rounds - 1, kid)
         trainer.train_tallies(server_x, data, gen)  # the global update draws its batches first
         pull = LinearCorrection(pull=0.5, anchor=server_x[:P])
         v, _ = trainer.train_tallies(

@@ -16,7 +16,13 @@ from hpcfl.algorithms.base import Aggregate, ServerContext
 from hpcfl.algorithms.cp_ntkfl import CPNTKFL, CPNTKFLParams, densify, sparsify
 from hpcfl.algorithms.ntkfl import NTKFL, NTKFLParams
 from hpcfl.algorithms.participation import Population
-from hpcfl.entk.jacobian import FactoredJacobian, factored_jacobian, per_sample_jacobian
+from hpcfl.entk.jacobian import (
+    FactoredJacobian,
+    JacobianMethod,
+    factored_jacobian,
+    per_sample_jacobian,
+    resolve_method,
+)
 from hpcfl.errors import ConfigError
 from hpcfl.models.mlp import MLP
 from hpcfl.ntk.evolution import evolve, kernel, weight_updates
@@ -69,6 +75,30 @@ def test_fused_jacobian_equals_vmap_jacrev_for_every_output_and_parameter():
     # row b is ∂f(x_b)/∂θ in the flat vector's order
     grads = torch.autograd.grad(flat.model(x[2:3])[0, 1], list(flat.model.parameters()))
     assert torch.allclose(fused[2, 1], torch.cat([g.flatten() for g in grads]), rtol=1e-12, atol=1e-14)
+
+
+def test_jacobian_methods_are_an_enum_and_a_config_string_converts_at_the_edge():
+    """Issue 55: the methods that exist are :class:`JacobianMethod`; the strings of configs and the
+    CLI still select them, an unknown one is one line naming the choices, and ``auto`` resolves by
+    the model (fused for an all-Linear model, vmap otherwise)."""
+    flat = _mlp(d_in=5, classes=3)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    by_string = per_sample_jacobian(flat.model, x, method="vmap")
+    assert torch.equal(per_sample_jacobian(flat.model, x, method=JacobianMethod.VMAP), by_string)
+    assert resolve_method(flat.model, "auto") is JacobianMethod.FUSED
+    conv = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(8, 3))
+    assert resolve_method(conv, JacobianMethod.AUTO) is JacobianMethod.VMAP
+    with pytest.raises(ConfigError, match="nn.Linear"):
+        resolve_method(conv, "fused")
+    with pytest.raises(ConfigError) as err:
+        per_sample_jacobian(flat.model, x, method="fusd")
+    assert (
+        str(err.value)
+        == "unknown Jacobian method 'fusd' (did you mean 'fused'?); choose one of: auto, fused, vmap"
+    )
+    with pytest.raises(ConfigError, match="config key 'params.jacobian' must be one of auto, fused, vmap"):
+        NTKFLParams(jacobian="jacrev")
+    assert NTKFLParams(jacobian="vmap").jacobian_method is JacobianMethod.VMAP
 
 
 def test_factored_jacobian_is_the_dense_one_and_its_products_are_exact():

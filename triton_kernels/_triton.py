@@ -25,11 +25,12 @@ except ImportError:  # pragma: no cover
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 """True when Triton runs kernels in its CPU interpreter (tests without a GPU)."""
 
-AUTOTUNE = os.environ.get("HPCFL_TRITON_AUTOTUNE", "0") not in ("", "0")
+AUTOTUNE = os.environ.get("HPCFL_TRITON_AUTOTUNE", "0").strip().lower() not in ("", "0", "false", "no", "off")
 """Whether the eNTK gathers launch their ``triton.autotune`` variant (tile sizes chosen per shape
 by timing every config once, on the first call of each shape) instead of their fixed tiles. Off by
 default until a GPU session has measured it (``benchmarks/entk_layer_costs.py --autotune``); set
-``HPCFL_TRITON_AUTOTUNE=1`` before importing the kernels to turn it on."""
+``HPCFL_TRITON_AUTOTUNE=1`` before importing the kernels to turn it on. A run sets it from its
+``entk.triton_autotune`` (overridden by the variable) for its duration (:mod:`hpcfl.entk.settings`)."""
 
 AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS = 5.0, 20.0
 """``triton.testing.do_bench``'s windows per config while autotuning (short: a model's first batch

@@ -115,6 +115,11 @@ class HyperParams:
         """Refuse values the dataset rules out (called with its class count before any data is
         read; default: nothing to check)."""
 
+    def entk_method(self) -> str | None:
+        """The eNTK feature / Jacobian implementation these params choose (recorded with the run's
+        eNTK settings in ``determinism.json``), or None when the algorithm computes neither."""
+        return None
+
 
 @dataclass(frozen=True)
 class SumSpec:

@@ -65,7 +65,13 @@ from hpcfl.algorithms.base import (
 )
 from hpcfl.algorithms.participation import Population
 from hpcfl.entk._common import eval_mode
-from hpcfl.entk.jacobian import JACOBIAN_METHODS, factored_jacobian, fusable, per_sample_jacobian
+from hpcfl.entk.jacobian import (
+    JACOBIAN_METHODS,
+    JacobianMethod,
+    factored_jacobian,
+    fusable,
+    per_sample_jacobian,
+)
 from hpcfl.errors import ConfigError, DivergenceError
 from hpcfl.ntk.evolution import Jacobian, Rows, condition, evolve, kernel, weight_updates
 from hpcfl.ntk.product import PRECISIONS, resolve_precision
@@ -110,7 +116,7 @@ class NTKFLParams(HyperParams):
       ``kernel`` (the closed-form outputs' loss; no inputs leave the clients) or ``validation``
       (the real network's loss on ``validation_clients`` held-out clients, drawn once from
       ``validation_seed``; they never train);
-    - ``jacobian``: ``auto`` | ``fused`` | ``vmap`` (:mod:`hpcfl.entk.jacobian`);
+    - ``jacobian``: ``auto`` | ``fused`` | ``vmap`` (:class:`~hpcfl.entk.jacobian.JacobianMethod`);
     - ``upload``: ``auto`` | ``dense`` | ``factored``: how the Jacobians travel and are held. Dense is
       the paper's N_m × C × d tensor; factored sends the same Jacobian losslessly as each Linear
       layer's inputs and output gradients (:class:`~hpcfl.entk.jacobian.FactoredJacobian`; for the
@@ -161,7 +167,7 @@ class NTKFLParams(HyperParams):
             )
         _choice("jacobian", self.jacobian, JACOBIAN_METHODS)
         _choice("upload", self.upload, UPLOADS)
-        if self.upload == "factored" and self.jacobian == "vmap":
+        if self.upload == "factored" and self.jacobian_method is JacobianMethod.VMAP:
             raise ConfigError("config key 'params.upload: factored' needs params.jacobian: auto or fused")
         if not self.ce_dt > 0:
             raise ConfigError(f"config key 'params.ce_dt' must be > 0, got {self.ce_dt}")
@@ -173,6 +179,15 @@ class NTKFLParams(HyperParams):
             from hpcfl.units import parse_memory_budget
 
             parse_memory_budget(str(self.memory_budget), key="params.memory_budget")
+
+    def entk_method(self) -> str | None:
+        """The clients' Jacobian method (``params.jacobian``)."""
+        return self.jacobian
+
+    @property
+    def jacobian_method(self) -> JacobianMethod:
+        """``jacobian`` as the enum (the config keeps the string; validated above)."""
+        return JacobianMethod(self.jacobian)
 
 
 @dataclass
@@ -259,14 +274,14 @@ class NTKFL(Algorithm[NTKFLParams, ServerState, ClientState]):
     def factored(self, model: nn.Module) -> bool:
         """Whether this run's Jacobians travel as Linear-layer factors (``params.upload``)."""
         if self.params.upload == "auto":
-            return self.params.jacobian != "vmap" and fusable(model)
+            return self.params.jacobian_method is not JacobianMethod.VMAP and fusable(model)
         return self.params.upload == "factored"
 
     def jacobian(self, model: nn.Module, x: Tensor) -> Any:
         """This participant's Jacobian as uploaded: factored or dense (CP-NTK-FL may sparsify)."""
         if self.factored(model):
             return factored_jacobian(model, x)
-        return per_sample_jacobian(model, x, method=self.params.jacobian)  # (n, C, P)
+        return per_sample_jacobian(model, x, method=self.params.jacobian_method)  # (n, C, P)
 
     def client_update(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext

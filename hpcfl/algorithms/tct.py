@@ -41,6 +41,10 @@ class TCTParams(HyperParams):
                 f"got {s2.logit}"
             )
 
+    def entk_method(self) -> str | None:
+        """Stage 2's ``stage2.method`` when its features are eNTK features."""
+        return self.stage2.method if self.stage2.features == "entk" else None
+
 
 class TCT(Algorithm[TCTParams, ServerState, ClientState]):
     """Stage 1 of TCT is plain FedAvg (Algorithm 2's stage 1 with no correction)."""

@@ -161,7 +161,11 @@ def _sweep(args: argparse.Namespace) -> int:
     stop.install()
     # the run driver itself, on the later stages only: inputs from the run, outputs under stage2/<tag>
     book = _Bookkeeper(cfg, comm, out, stop, first, first + sum(s.rounds for s in stages[1:]))
-    drive_stages(fed, stages[1:], args.run_dir, None, book, round_base=first, first_index=1, sweep=True)
+    from hpcfl.entk.settings import applied
+    from hpcfl.runner.determinism import entk_settings
+
+    with applied(entk_settings(cfg)):  # the config's eNTK settings, should the features be extracted
+        drive_stages(fed, stages[1:], args.run_dir, None, book, round_base=first, first_index=1, sweep=True)
     book.progress.close()
     last = book.rows[-1] if book.rows else {}
     if comm.rank == 0 and last:

@@ -4,8 +4,9 @@ Public API:
 
 - :func:`entk_features` — the one entry point (loop / vmap / fused implementations behind
   :class:`EntkMethod`).
-  ``cuda_graph=True`` (or ``HPCFL_ENTK_CUDA_GRAPH=1``) replays the fused path's full batches as
-  CUDA graphs (:mod:`hpcfl.entk.cuda_graph`; a no-op on the CPU).
+  ``cuda_graph=True`` (or, in a run, ``entk.cuda_graph``; ``HPCFL_ENTK_CUDA_GRAPH=1``) replays the
+  fused path's full batches as CUDA graphs (:mod:`hpcfl.entk.cuda_graph`; a no-op on the CPU); the
+  ``entk:`` settings and their environment overrides are :mod:`hpcfl.entk.settings`.
 - :func:`coordinate_set` — the sorted kept coordinates (the paper's ``randperm(P)[:p]`` set).
 - :func:`num_params` / :func:`scope_parameters` — the index space (``params="all"|"features"``).
 - :func:`reinit_last_layer` — re-exported from :mod:`hpcfl.models` (the legacy ``stage2.head: keep``

@@ -11,17 +11,15 @@ constants of a device are a non-negative least-squares fit on per-layer timings.
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from collections.abc import Sequence
-from functools import lru_cache
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
-from hpcfl.errors import ConfigError
+from hpcfl.entk.cost_file import COST_TERMS as COST_TERMS  # where they live; named here for callers
+from hpcfl.entk.cost_file import fitted_file as fitted_file
+from hpcfl.entk.settings import COSTS_ENV as COSTS_ENV
+from hpcfl.entk.settings import active, costs_label
 
 Form = Literal["full", "gather", "materialise"]
 """How a Linear/Conv2d weight's kept coordinates are formed (see the module docstring)."""
@@ -79,54 +77,27 @@ up to 25% apart (resnet8, every weight whole)."""
 
 _COSTS = {"cpu": CPU_COSTS, "cuda": CUDA_COSTS}
 
-COST_TERMS: tuple[str, ...] = ("launch", "mac", "mem", "pick", "term", "store")
-"""The cost model's constants, in the order of :func:`form_features`' columns."""
-
-COSTS_ENV = "HPCFL_ENTK_COSTS"
-"""Names a JSON file written by ``benchmarks/entk_layer_costs.py`` whose ``fitted`` constants
-replace the built-in ones for its ``device`` type: constants fitted on a cluster's own GPU model
-(an A100's differ from an H200's) without editing the package."""
-
-
-@lru_cache(maxsize=4)
-def _fitted_file(path: str) -> tuple[str, dict[str, float]]:
-    try:
-        report = json.loads(Path(path).read_text(encoding="utf-8"))
-        device_type = "cuda" if str(report["device"]).startswith("cuda") else "cpu"
-        fitted = {name: float(report["fitted"][name]) for name in COST_TERMS}
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(
-            f"{COSTS_ENV}={path}: not a fitted-constants report of entk_layer_costs.py ({err})"
-        ) from None
-    bad = {name: v for name, v in fitted.items() if not (math.isfinite(v) and v >= 0)}
-    if bad:
-        name, value = next(iter(bad.items()))
-        raise ConfigError(
-            f"{COSTS_ENV}={path}: fitted constant {name!r} is {value}, but the constants are times (finite, "
-            ">= 0); fit them again with benchmarks/entk_layer_costs.py or unset the variable"
-        )
-    return device_type, fitted
-
 
 def fitted_record() -> dict[str, Any] | None:
-    """What ``$HPCFL_ENTK_COSTS`` gives a run, for its record (None when unset): the file, the device
-    type it was fitted on and its constants. They choose each layer's eNTK form, and the forms round
-    differently, so TCT's stage 2 depends on them; read when the run starts, so a bad file is one
-    :class:`ConfigError` line before any work rather than when stage 2 begins."""
-    path = os.environ.get(COSTS_ENV)
-    if not path:
+    """The fitted constants in force (:func:`hpcfl.entk.settings.active`: the run's ``entk.costs``
+    or ``$HPCFL_ENTK_COSTS``), for a run's record (None when none): the file, the device type it
+    was fitted on and its constants. They choose each layer's eNTK form, and the forms round
+    differently, so TCT's stage 2 depends on them."""
+    settings = active()
+    if not settings.costs:
         return None
-    device_type, fitted = _fitted_file(path)
-    return {"file": path, "device_type": device_type, "fitted": fitted}
+    device_type, fitted = fitted_file(settings.costs, costs_label(settings))
+    return {"file": settings.costs, "device_type": device_type, "fitted": fitted}
 
 
 def constants(device_type: str) -> dict[str, float]:
     """The cost constants for a device type: :data:`CUDA_COSTS` or :data:`CPU_COSTS`, or the fitted
-    ones of the file named by ``$HPCFL_ENTK_COSTS`` where it was fitted on that device type."""
+    ones of the file in force (``entk.costs`` / ``$HPCFL_ENTK_COSTS``) where it was fitted on that
+    device type."""
     key = "cuda" if device_type == "cuda" else "cpu"
-    path = os.environ.get(COSTS_ENV)
-    if path:
-        fitted_type, fitted = _fitted_file(path)
+    settings = active()
+    if settings.costs:
+        fitted_type, fitted = fitted_file(settings.costs, costs_label(settings))
         if fitted_type == key:
             return fitted
     return _COSTS[key]

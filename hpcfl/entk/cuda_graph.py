@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the fused eNTK batch (opt-in: ``cuda_graph=True`` or ``HPCFL_ENTK_CUDA_GRAPH=1``).
+"""CUDA-graph replay of the fused eNTK batch (opt-in: ``cuda_graph=True``, ``entk.cuda_graph``, ``HPCFL_ENTK_CUDA_GRAPH=1``).
 
 On small models the fused batch is bound by host-side Python and kernel launches, not by the GPU
 (simplecnn, B = 256, p = 1e5, H200: the batch's device time is about plain training's, its wall
@@ -45,7 +45,6 @@ refused with one warning per plan there too.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -53,11 +52,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-log = logging.getLogger("hpcfl.entk")
+from hpcfl.entk.settings import CUDA_GRAPH_ENV as CUDA_GRAPH_ENV  # named here for callers
+from hpcfl.entk.settings import active
 
-CUDA_GRAPH_ENV = "HPCFL_ENTK_CUDA_GRAPH"
-"""Set to 1 to turn CUDA-graph replay on for every eNTK call of the process that does not pass
-``cuda_graph=`` (``hpcfl bench entk`` subprocesses, TCT runs, without a config key)."""
+log = logging.getLogger("hpcfl.entk")
 
 Action = Literal["eager", "capture", "replay"]
 
@@ -65,10 +63,11 @@ _CPU_NOTED = False
 
 
 def cuda_graph_wanted(cuda_graph: bool | None) -> bool:
-    """The caller's choice, or :data:`CUDA_GRAPH_ENV` when it made none (read on every call)."""
+    """The caller's choice, or, when it made none, the setting in force (read on every call): the
+    run's ``entk.cuda_graph`` / :data:`CUDA_GRAPH_ENV` (:func:`hpcfl.entk.settings.active`)."""
     if cuda_graph is not None:
         return bool(cuda_graph)
-    return os.environ.get(CUDA_GRAPH_ENV, "0").strip() not in ("", "0", "false", "False", "no")
+    return active().cuda_graph
 
 
 def cuda_graph_applies(device: torch.device) -> bool:

@@ -4,31 +4,55 @@ NTK-FL (Yue et al., ICML 2022, Section 4.1) uploads, for every local sample x_i,
 J(x_i) = [∇f_1(x_i), …, ∇f_C(x_i)]ᵀ of the C logits w.r.t. the d = P trainable parameters, in the
 order of :class:`~hpcfl.training.flat.FlatModel`'s vector (``model.parameters()`` order).
 
-Two implementations behind one signature, the simplest the reference the other is tested against:
-
-- ``"vmap"``: ``torch.func.vmap(jacrev(...))`` over ``functional_call`` — any model, memory
-  B·C·P per batch plus jacrev's intermediates;
-- ``"fused"``: one batched forward and C backward passes of Σ_b f_c(x_b) to every Linear layer's
-  output (in eval mode samples are independent, so the gradient restricted to sample b is the
-  per-sample δ), then each Linear weight's block is the outer product δ_c(b) a(b)ᵀ and its bias
-  block δ_c(b) — exact, no per-sample autograd. Models whose parametrised layers are all
-  ``nn.Linear`` on 2-d inputs (the ``mlp`` of the paper) take it; ``"auto"`` falls back to vmap for
-  anything else.
+Two implementations behind one signature (:class:`JacobianMethod`), the simplest the reference
+the other is tested against.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
 from hpcfl.entk._common import eval_mode
-from hpcfl.errors import ConfigError
+from hpcfl.errors import ConfigError, unknown
 
-JACOBIAN_METHODS = ("auto", "fused", "vmap")
+
+class JacobianMethod(StrEnum):
+    """How :func:`per_sample_jacobian` computes J (config: NTK-FL's ``params.jacobian``).
+
+    - ``VMAP``: ``torch.func.vmap(jacrev(...))`` over ``functional_call``. The reference: any
+      model, but memory B·C·P per batch plus jacrev's intermediates, and per-sample autograd; wins
+      only for a model ``FUSED`` does not take.
+    - ``FUSED``: one batched forward and C backward passes of Σ_b f_c(x_b) to every Linear layer's
+      output (in eval mode samples are independent, so the gradient restricted to sample b is the
+      per-sample δ), then each Linear weight's block is the outer product δ_c(b) a(b)ᵀ and its bias
+      block δ_c(b) — exact, no per-sample autograd. Wins whenever it applies: models whose
+      parametrised layers are all ``nn.Linear`` on 2-d inputs (the ``mlp`` of the paper); refused
+      for any other.
+    - ``AUTO``: ``FUSED`` when the model takes it (:func:`fusable`), else ``VMAP`` (the default).
+    """
+
+    AUTO = "auto"
+    FUSED = "fused"
+    VMAP = "vmap"
+
+    @classmethod
+    def parse(cls, value: JacobianMethod | str, *, key: str = "Jacobian method") -> JacobianMethod:
+        """``value`` as a member; a string from a config or the CLI that names none is one
+        :class:`ConfigError` line naming ``key`` and the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise unknown(key, str(value), [m.value for m in cls]) from None
+
+
+JACOBIAN_METHODS: tuple[str, ...] = tuple(m.value for m in JacobianMethod)
+"""The values :class:`JacobianMethod` accepts (the config's strings)."""
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -43,11 +67,25 @@ def fusable(model: nn.Module) -> bool:
     return True
 
 
+def resolve_method(model: nn.Module, method: JacobianMethod | str) -> JacobianMethod:
+    """The implementation ``method`` runs on ``model``: ``FUSED`` or ``VMAP`` (``AUTO`` resolved).
+
+    Raises:
+        ConfigError: an unknown ``method``, or ``FUSED`` on a model with non-Linear parameters.
+    """
+    chosen = JacobianMethod.parse(method)
+    if chosen is JacobianMethod.AUTO:
+        return JacobianMethod.FUSED if fusable(model) else JacobianMethod.VMAP
+    if chosen is JacobianMethod.FUSED and not fusable(model):
+        raise ConfigError("the fused Jacobian path needs a model whose parametrised layers are all nn.Linear")
+    return chosen
+
+
 def per_sample_jacobian(
     model: nn.Module,
     x: Tensor,
     *,
-    method: str = "auto",
+    method: JacobianMethod | str = JacobianMethod.AUTO,
     batch_size: int = 256,
     out: Tensor | None = None,
 ) -> Tensor:
@@ -59,11 +97,7 @@ def per_sample_jacobian(
     Raises:
         ConfigError: an unknown ``method``, or ``"fused"`` on a model with non-Linear parameters.
     """
-    if method not in JACOBIAN_METHODS:
-        raise ConfigError(f"unknown Jacobian method {method!r}; choose one of: {', '.join(JACOBIAN_METHODS)}")
-    if method == "fused" and not fusable(model):
-        raise ConfigError("the fused Jacobian path needs a model whose parametrised layers are all nn.Linear")
-    use_fused = method == "fused" or (method == "auto" and fusable(model))
+    use_fused = resolve_method(model, method) is JacobianMethod.FUSED
     named = _trainable(model)
     P = sum(p.numel() for _, p in named)
     n = x.shape[0]

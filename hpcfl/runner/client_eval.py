@@ -1,7 +1,7 @@
 """Per-client and personalised evaluation (issue 28): the global model on each client's held-out share.
 
 ``client_eval: F`` holds out a seeded share F of every client's own data (like ``validation:``, never
-trained on; :func:`hpcfl.runner.federation.split_clients`). In every round that writes a metrics row,
+trained on; :func:`hpcfl.runner.shares.split_clients`). In every round that writes a metrics row,
 :class:`ClientEval` evaluates the global model on the held-out share of every client (or of a seeded
 sample of ``client_eval_clients: M`` of them, a pure function of (seed, round)) and reports the
 spread of their accuracies; with ``finetune_eval: {steps: S, lr: η}`` each evaluated client first

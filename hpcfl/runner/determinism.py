@@ -4,8 +4,11 @@ hpcfl's results are a pure function of the config *and* of a few settings of the
 config does not fix: the torch threads each rank used (a CPU kernel's reduction order follows its
 thread count, so 1 process with 2 threads and 2 ranks with 1 thread each differ in the last bits),
 the ``reduction`` (with ``float32`` the round's sum also depends on the rank count), ``client_batch``
-(the vectorised step rounds differently from the one-by-one loop), the device, and the eNTK cost
-constants ``$HPCFL_ENTK_COSTS`` names (they choose each layer's form of TCT's features). ``threads`` is
+(the vectorised step rounds differently from the one-by-one loop), the device, and the eNTK path's
+settings (``entk:``, each overridden by its environment variable, :mod:`hpcfl.entk.settings`): the
+cost constants ``entk.costs`` / ``$HPCFL_ENTK_COSTS`` names (they choose each layer's form of TCT's
+features), CUDA-graph replay and Triton autotuning, recorded with their sources and the eNTK method
+the algorithm uses. ``threads`` is
 resumable and may be left unset (then it is the node's cores shared by its ranks), so the config
 alone cannot tell whether two runs should agree: every run writes what it actually used here, a
 resume that uses something else says so in one note, and ``hpcfl report`` of runs with the same
@@ -23,16 +26,26 @@ from hpcfl.files import atomic_write_text, read_yaml
 if TYPE_CHECKING:  # `hpcfl report` reads records: no torch, no config (which imports every algorithm)
     from hpcfl.comm.base import Communicator
     from hpcfl.config import Config
+    from hpcfl.entk.settings import EntkSettings
 
 RECORD = "determinism.json"
 
 
 def collect(
-    cfg: Config, comm: Communicator, *, client_batch_used: int | None = None, device: str | None = None
+    cfg: Config,
+    comm: Communicator,
+    *,
+    client_batch_used: int | None = None,
+    device: str | None = None,
+    entk: EntkSettings | None = None,
 ) -> dict[str, Any]:
     """This run's record (collective: every rank reports its thread count, host, node-local rank
     and device). ``client_batch_used``: the group size the setting resolved to (``auto`` chooses by
-    device and memory); ``device``: the one this rank resolved ``device`` to.
+    device and memory); ``device``: the one this rank resolved ``device`` to; ``entk``: the eNTK
+    settings the run holds in force (default: :func:`entk_settings` of ``cfg``). ``entk_costs``
+    (the fitted constants) is recorded whenever a costs file is in force, the ``entk`` entry (every
+    effective setting, its source and the method) when the algorithm computes eNTK features or
+    Jacobians.
 
     ``ranks`` (host, node-local rank, device per rank, and the GPUs SLURM made visible to it) is
     where a run says how it was laid over nodes; results never depend on it, so
@@ -61,12 +74,25 @@ def collect(
     }
     if client_batch_used is not None:
         record["client_batch_used"] = int(client_batch_used)
+    from hpcfl.entk import settings as entk_settings_module
     from hpcfl.entk.costs import fitted_record
 
-    costs = fitted_record()  # a bad file: one line before any work
+    entk = entk if entk is not None else entk_settings(cfg)  # a bad file or flag: one line before any work
+    with entk_settings_module.applied(entk):
+        costs = fitted_record()
     if costs is not None:
         record["entk_costs"] = costs
+    if entk.method is not None:
+        record["entk"] = entk_settings_module.record(entk)
     return record
+
+
+def entk_settings(cfg: Config) -> EntkSettings:
+    """The eNTK settings a run of ``cfg`` uses: its ``entk:`` section with the environment's
+    overrides, and the method its algorithm's params choose (:mod:`hpcfl.entk.settings`)."""
+    from hpcfl.entk.settings import resolve
+
+    return resolve(cfg.entk, method=cfg.params.entk_method())
 
 
 def read_record(run_dir: Path) -> dict[str, Any] | None:
@@ -108,6 +134,10 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     ca, cb = a.get("entk_costs"), b.get("entk_costs")
     if (ca or {}).get("fitted") != (cb or {}).get("fitted"):
         out.append(f"HPCFL_ENTK_COSTS {_costs(ca)} vs {_costs(cb)}")
+    ea, eb = a.get("entk"), b.get("entk")
+    if ea and eb and bool(ea.get("triton_autotune")) != bool(eb.get("triton_autotune")):
+        # a tile size sets a conv gather's reduction order (CUDA graphs replay the same kernels)
+        out.append(f"entk.triton_autotune {ea.get('triton_autotune')} vs {eb.get('triton_autotune')}")
     return out
 
 

@@ -26,6 +26,7 @@ from hpcfl.algorithms.base import Stage, resolve_hook, state_to_dict
 from hpcfl.algorithms.stage_types import StageInput, StagePlan
 from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config
+from hpcfl.entk.settings import applied as entk_settings_in_force
 from hpcfl.errors import ConfigError, HpcflError, PeerLostError, RunDirError
 from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.privacy.build import budget_line
@@ -352,8 +353,9 @@ def _run_locked(
             _collective_check(comm, lambda stage=stage: resolve_hook(stage.check)(fed, run_dir))
     held = fed.owned if comm.size > 1 else list(range(len(fed.parts)))  # states this rank may train
     every = list(range(len(fed.parts)))  # every rank checks all client files, so all pick one round
+    entk = determinism.entk_settings(cfg)  # config + environment, in force while the run runs
     record = determinism.collect(
-        cfg, comm, client_batch_used=fed.client_batch, device=str(fed.device)
+        cfg, comm, client_batch_used=fed.client_batch, device=str(fed.device), entk=entk
     )  # collective: the threads, host and device every rank uses
     if fed.heldout is not None:
         record["heldout_clients"] = list(fed.heldout.ids)  # partition ids, never trained on
@@ -388,7 +390,8 @@ def _run_locked(
     t0 = time.perf_counter()
     finished = False
     try:
-        server, done = drive_stages(fed, stages, run_dir, ckpt, book, reset=reset)
+        with entk_settings_in_force(entk):
+            server, done = drive_stages(fed, stages, run_dir, ckpt, book, reset=reset)
         finished = done >= total or book.budget_stop is not None
     finally:
         book.progress.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Trainer
@@ -31,10 +30,11 @@ from hpcfl.registry import MODEL_SPECS
 from hpcfl.runner.executor import resolve_client_batch
 from hpcfl.runner.heldout import HeldOut, HeldOutEval, hold_out
 from hpcfl.runner.observers import Drift, LayerCKA
+from hpcfl.runner.shares import split_clients
 from hpcfl.training.evaluate import JointCounts, accuracy_loss, shard_counts, with_probs
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.layout import StateLayout
-from hpcfl.training.seeds import seeded_generator, seeded_rng
+from hpcfl.training.seeds import seeded_generator
 from hpcfl.training.sgd import LocalSchedule
 from hpcfl.units import parse_client_batch
 
@@ -327,25 +327,6 @@ VALIDATION_SALT = 0x76616C
 
 #: The seed salt of ``client_eval``'s held-out shares ("cev"), apart from validation's.
 CLIENT_EVAL_SALT = 0x636576
-
-
-def split_clients(
-    parts: list[torch.Tensor], fraction: float, seed: int, *, salt: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per client, a seeded ``fraction`` of its samples (at least one, never its last) held out:
-    (the remaining indices, the held-out indices), both per client in client order. ``salt`` keeps
-    the draws of different hold-outs (validation, ``client_eval``) apart."""
-    rng = seeded_rng(seed, salt)
-    kept, held = [], []
-    for part in parts:
-        n = int(part.numel())
-        m = min(n - 1, max(1, round(fraction * n)))
-        chosen = np.zeros(n, dtype=bool)
-        chosen[rng.permutation(n)[:m]] = True
-        mask = torch.from_numpy(chosen)  # host: index bookkeeping
-        kept.append(part[~mask])
-        held.append(part[mask])
-    return kept, held
 
 
 def evaluation_notes(algorithm: Algorithm, client_eval: Sequence[torch.Tensor] | None) -> list[str]:

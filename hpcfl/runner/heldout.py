@@ -43,7 +43,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from hpcfl.algorithms import ClientData
@@ -51,7 +50,9 @@ from hpcfl.algorithms.base import ClientContext, NonFiniteLoss
 from hpcfl.algorithms.stage_types import EVAL_SLOT, Observer, RoundEnd
 from hpcfl.comm.local import LocalComm
 from hpcfl.comm.placement import place_round
+from hpcfl.runner.shares import split_clients
 from hpcfl.training.evaluate import shard_counts
+from hpcfl.training.seeds import seeded_generator, seeded_rng
 
 if TYPE_CHECKING:
     from hpcfl.config import Config
@@ -79,9 +80,7 @@ def hold_out(parts: list[torch.Tensor], cfg: Config) -> tuple[list[torch.Tensor]
     n = cfg.heldout_clients
     if n == 0:
         return parts, None
-    from hpcfl.runner.federation import split_clients  # the split every held-out share uses
-
-    rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, _CHOICE_SALT]))
+    rng = seeded_rng(cfg.seed, _CHOICE_SALT)
     ids = sorted(int(k) for k in rng.choice(len(parts), size=n, replace=False))
     held = [parts[k] for k in ids]
     train, evaluation = held, held
@@ -89,11 +88,6 @@ def hold_out(parts: list[torch.Tensor], cfg: Config) -> tuple[list[torch.Tensor]
         train, evaluation = split_clients(held, cfg.client_eval, cfg.seed, salt=_SHARE_SALT)
     kept = [p for k, p in enumerate(parts) if k not in set(ids)]
     return kept, HeldOut(tuple(ids), tuple(train), tuple(evaluation))
-
-
-def _generator(seed: int, salt: int, rnd: int, k: int) -> torch.Generator:
-    words = np.random.SeedSequence([seed, salt, rnd, k]).generate_state(2, dtype=np.uint32)
-    return torch.Generator().manual_seed(int(words[0]) << 32 | int(words[1]))
 
 
 class HeldOutEval(Observer):
@@ -120,7 +114,9 @@ class HeldOutEval(Observer):
         data = self._data(self.held.train[j], k)
 
         def ctx(salt: int) -> ClientContext:
-            return ClientContext(rnd, (), fed.population, fed.trainer, _generator(fed.cfg.seed, salt, rnd, k))
+            return ClientContext(
+                rnd, (), fed.population, fed.trainer, seeded_generator(fed.cfg.seed, salt, rnd, k)
+            )
 
         try:
             _, state = algo.client_update(end.server, algo.init_client(k, end.server), data, ctx(_ADAPT_SALT))
