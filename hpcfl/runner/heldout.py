@@ -142,7 +142,7 @@ class HeldOutEval(Observer):
                 models[3] = self.adapted(end, j)
             for col, vec in models.items():
                 if vec is None:
-                    table[j, col : col + 3] = torch.tensor([math.nan, math.nan, sizes[j]])
+                    table[j, col : col + 3] = table.new_tensor([math.nan, math.nan, sizes[j]])
                     continue
                 fed.flat.load(vec)
                 table[j, col : col + 3] = shard_counts(fed.flat.model, data.x, data.y, alone).cpu()[:3]
