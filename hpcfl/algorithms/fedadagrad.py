@@ -17,20 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from hpcfl.algorithms.base import (
-    Aggregate,
-    Algorithm,
-    ClientContext,
-    ClientData,
-    ClientState,
-    HyperParams,
-    LocalTask,
-    ServerContext,
-)
-from hpcfl.algorithms.fedadam import FedAdamServerState
-from hpcfl.algorithms.fedavg import local_training
+from hpcfl.algorithms.base import Aggregate, HyperParams, ServerContext
+from hpcfl.algorithms.fedadam import FedAdam, FedAdamServerState
 from hpcfl.algorithms.server_opt import adagrad_step, apply_step, pseudo_gradient
 from hpcfl.errors import ConfigError
 
@@ -59,20 +47,12 @@ class FedAdagradParams(HyperParams):
             raise ConfigError(f"config key 'params.tau' must be > 0, got {self.tau}")
 
 
-class FedAdagrad(Algorithm[FedAdagradParams, FedAdamServerState, ClientState]):
+class FedAdagrad(FedAdam):
+    """FedAdam's server state, initialisation and clients; only the server step differs."""
+
     name = "fedadagrad"
     dp_levels = ("client", "sample")  # the upload is the model and the server step reads its mean
-    Params = FedAdagradParams
-    divergence_params = ("server_lr",)
-
-    def init_server(self, x0: torch.Tensor) -> FedAdamServerState:
-        P = self.num_params
-        return FedAdamServerState(x=x0.clone(), m=x0.new_zeros(P), v=x0.new_full((P,), self.params.tau**2))
-
-    def local_task(
-        self, server: FedAdamServerState, client: ClientState, data: ClientData, ctx: ClientContext
-    ) -> LocalTask[ClientState]:
-        return local_training(server, client, data)
+    Params = FedAdagradParams  # type: ignore[assignment]
 
     def server_update(
         self, server: FedAdamServerState, aggregate: Aggregate, ctx: ServerContext
