@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcfl.algorithms.base import Aggregate, HyperParams, ServerContext
-from hpcfl.algorithms.fedadam import FedAdam, FedAdamServerState
-from hpcfl.algorithms.server_opt import adagrad_step, apply_step, pseudo_gradient
+import torch
+
+from hpcfl.algorithms.base import HyperParams
+from hpcfl.algorithms.fedadam import FedAdam
+from hpcfl.algorithms.server_opt import adagrad_step
 from hpcfl.errors import ConfigError
 
 
@@ -54,12 +56,8 @@ class FedAdagrad(FedAdam):
     dp_levels = ("client", "sample")  # the upload is the model and the server step reads its mean
     Params = FedAdagradParams  # type: ignore[assignment]
 
-    def server_update(
-        self, server: FedAdamServerState, aggregate: Aggregate, ctx: ServerContext
-    ) -> tuple[FedAdamServerState, dict[str, float]]:
-        assert server.m is not None and server.v is not None
+    def moment_step(
+        self, m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.params
-        mean, delta = pseudo_gradient(server.x, aggregate, self.num_params)
-        step, m, v = adagrad_step(server.m, server.v, delta, lr=p.server_lr, beta1=p.beta1, tau=p.tau)
-        x = apply_step(server.x, mean, step)
-        return FedAdamServerState(x=x, m=m, v=v), {"pseudo_grad_norm": float(delta.norm())}
+        return adagrad_step(m, v, delta, lr=p.server_lr, beta1=p.beta1, tau=p.tau)

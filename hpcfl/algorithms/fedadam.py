@@ -92,10 +92,15 @@ class FedAdam(Algorithm[FedAdamParams, FedAdamServerState, ClientState]):
         self, server: FedAdamServerState, aggregate: Aggregate, ctx: ServerContext
     ) -> tuple[FedAdamServerState, dict[str, float]]:
         assert server.m is not None and server.v is not None
-        p = self.params
         mean, delta = pseudo_gradient(server.x, aggregate, self.num_params)
-        step, m, v = adam_step(
-            server.m, server.v, delta, lr=p.server_lr, beta1=p.beta1, beta2=p.beta2, tau=p.tau
-        )
+        step, m, v = self.moment_step(server.m, server.v, delta)
         x = apply_step(server.x, mean, step)
         return FedAdamServerState(x=x, m=m, v=v), {"pseudo_grad_norm": float(delta.norm())}
+
+    def moment_step(
+        self, m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(step, m, v): the server optimiser's update of its moments from the pseudo-gradient (Adam's;
+        FedYogi and FedAdagrad change only this)."""
+        p = self.params
+        return adam_step(m, v, delta, lr=p.server_lr, beta1=p.beta1, beta2=p.beta2, tau=p.tau)

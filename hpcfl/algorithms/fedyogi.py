@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcfl.algorithms.base import Aggregate, ServerContext
-from hpcfl.algorithms.fedadam import FedAdam, FedAdamParams, FedAdamServerState
-from hpcfl.algorithms.server_opt import apply_step, pseudo_gradient, yogi_step
+import torch
+
+from hpcfl.algorithms.fedadam import FedAdam, FedAdamParams
+from hpcfl.algorithms.server_opt import yogi_step
 
 
 @dataclass(frozen=True)
@@ -39,14 +40,8 @@ class FedYogi(FedAdam):
     dp_levels = ("client", "sample")  # the upload is the model and the server step reads its mean
     Params = FedYogiParams
 
-    def server_update(
-        self, server: FedAdamServerState, aggregate: Aggregate, ctx: ServerContext
-    ) -> tuple[FedAdamServerState, dict[str, float]]:
-        assert server.m is not None and server.v is not None
+    def moment_step(
+        self, m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.params
-        mean, delta = pseudo_gradient(server.x, aggregate, self.num_params)
-        step, m, v = yogi_step(
-            server.m, server.v, delta, lr=p.server_lr, beta1=p.beta1, beta2=p.beta2, tau=p.tau
-        )
-        x = apply_step(server.x, mean, step)
-        return FedAdamServerState(x=x, m=m, v=v), {"pseudo_grad_norm": float(delta.norm())}
+        return yogi_step(m, v, delta, lr=p.server_lr, beta1=p.beta1, beta2=p.beta2, tau=p.tau)
