@@ -139,6 +139,7 @@ def test_params_and_a_section_of_the_algorithm_setting_one_key_twice_are_refused
     [
         ({"algorithm": "fedprox", "fedprox": {"muu": 1}}, "unknown config key 'fedprox.muu' (did you mean 'fedprox.mu'?)"),
         ({"algorithm": "ditto", "ditto": {"lam": -1}}, "config key 'ditto.lam' (Ditto's λ) must be >= 0"),
+        ({"algorithm": "fedprox", "fedprox": {"mu": -0.1}}, "config key 'fedprox.mu' (FedProx's μ) must be >= 0"),
         ({"algorithm": "tct", "stage2": {"pp": 1}}, "unknown config key 'stage2.pp' (did you mean 'stage2.p'?)"),
         ({"algorithm": "fedprox", "params": {"muu": 1}}, "unknown config key 'params.muu'"),
     ],

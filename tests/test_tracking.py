@@ -299,18 +299,18 @@ def test_bad_evaluation_and_logger_keys_give_one_line(tmp_path, capsys, override
     assert lines[-1].startswith("hpcfl: error:") and fragment in lines[-1], lines
 
 
-def test_client_eval_of_a_projected_ntk_model_is_refused_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize(("key", "value"), [("client_eval", "0.2"), ("heldout_clients", "2")])
+def test_raw_input_evaluation_of_a_projected_ntk_model_is_refused_in_one_line(tmp_path, capsys, key, value):
+    """client_eval and held-out clients score the configured network on raw inputs, which a CP-NTK-FL
+    run with a projection never trains (the held-out case was a traceback: a size mismatch)."""
     from tests.test_ntkfl import _small_cfg
 
     cfg = _small_cfg(tmp_path, "cp-ntkfl", params={"beta": 0.5, "projection_dim": 30, "keep": 0.2})
-    code = main(["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", "client_eval=0.2"])
+    code = main(["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", f"{key}={value}"])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert code != 0 and "Traceback" not in err
-    assert (
-        lines[-1].startswith("hpcfl: error:")
-        and "set client_eval: 0 or params.projection_dim: 0" in lines[-1]
-    )
+    assert lines[-1].startswith("hpcfl: error:") and f"set {key}: 0 or params.projection_dim: 0" in lines[-1]
 
 
 def test_a_missing_logger_package_names_the_pip_install(tmp_path, capsys, monkeypatch):

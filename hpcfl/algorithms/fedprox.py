@@ -19,6 +19,7 @@ from hpcfl.algorithms.base import (
     check_weighting,
     model_upload,
 )
+from hpcfl.errors import ConfigError
 from hpcfl.training.batched import LinearCorrection
 
 
@@ -33,6 +34,8 @@ class FedProxParams(HyperParams):
 
     def __post_init__(self) -> None:
         check_weighting(self.weighting)
+        if not self.mu >= 0:  # also refuses NaN; a negative μ pushes the model away from the server's
+            raise ConfigError(f"config key 'params.mu' (FedProx's μ) must be >= 0, got {self.mu}")
 
 
 class FedProx(Algorithm[FedProxParams, ServerState, ClientState]):

@@ -132,11 +132,16 @@ def enter_ntk(entry: StageInput) -> StagePlan:
     flat = fed.flat
     d_out = int(getattr(algo.params, "projection_dim", 0))
     input_dim = math.prod(fed.dataset.input_shape)
-    if d_out and fed.client_eval is not None:  # ClientEval scores the configured network on raw inputs
-        raise ConfigError(
-            f"client_eval needs the configured model on raw inputs; {algo.name} with params.projection_dim "
-            f"{d_out} trains a model on projected inputs: set client_eval: 0 or params.projection_dim: 0"
-        )
+    # ClientEval and the held-out clients' evaluation score the configured network on raw inputs
+    for key, on in (
+        ("client_eval", fed.client_eval is not None),
+        ("heldout_clients", fed.heldout is not None),
+    ):
+        if d_out and on:
+            raise ConfigError(
+                f"{key} needs the configured model on raw inputs; {algo.name} with params.projection_dim "
+                f"{d_out} trains a model on projected inputs: set {key}: 0 or params.projection_dim: 0"
+            )
     if d_out:
         flat, data, test_x = _projected(fed, d_out, int(getattr(algo.params, "projection_seed", 0)))
         algo = type(algo)(
