@@ -241,10 +241,37 @@ def stragglers(args: argparse.Namespace, protocol: Protocol) -> str:
         f"experiment, {lr:g}, chosen from {args.lrs} on validation for μ = 0 at {column(first)}. μ > 0 "
         f"chosen from {args.prox_mus} per level on validation at seed 0 ({chosen_text})."
     )
+    header += "\n\n" + paired_keep_table(cells, [column(f) for f in args.fractions], protocol)
     stem = args.results / f"{args.stem}_stragglers"
     text = write_tables(cells, protocol, targets, stem, header)
     plot_levels(cells, args.fractions, protocol, stem.with_name(stem.name + "_levels.png"))
     return text
+
+
+def paired_keep_table(cells: list[Cell], columns: list[str], protocol: Protocol) -> str:
+    """Keeping the stragglers' partial work against dropping them, paired by seed (same clients,
+    same stragglers each round): per level, mean ± std of the per-seed last-k differences, and each
+    seed's (percentage points)."""
+    from hpcfl.report.protocol import mean_std
+
+    lines = [
+        f"Paired by seed, last-{protocol.last_k} test accuracy, percentage points:",
+        "",
+        "| level | FedProx μ=0 (keep) − FedAvg (drop) | per seed | FedProx μ>0 − μ=0 | per seed |",
+        "|---|---:|---|---:|---|",
+    ]
+    for col in columns:
+        drop, keep, prox = (next(c for c in cells if c.column == col and c.row.startswith(p)) for p in _ROWS)
+        cells_text = []
+        for diffs in (keep.paired_last_k(drop, protocol.last_k), prox.paired_last_k(keep, protocol.last_k)):
+            m, s = mean_std(diffs)
+            cells_text += [f"{100 * m:+.2f} ± {100 * s:.2f}", ", ".join(f"{100 * d:+.2f}" for d in diffs)]
+        lines.append(f"| {col} | " + " | ".join(cells_text) + " |")
+    return "\n".join(lines)
+
+
+_ROWS = ("FedAvg (μ=0, drop", "FedProx μ=0 (keep", "FedProx μ>0")
+"""The straggler experiment's three rows, by the start of their names."""
 
 
 def plot_levels(cells: list[Cell], fractions: list[float], protocol: Protocol, path: Path) -> None:
@@ -257,12 +284,12 @@ def plot_levels(cells: list[Cell], fractions: list[float], protocol: Protocol, p
     from hpcfl.report.protocol import mean_std
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    labels = {
-        "FedAvg (μ=0, drop": "FedAvg (μ = 0, stragglers dropped)",
-        "FedProx μ=0 (keep": "FedProx μ = 0 (partial work kept)",
-        "FedProx μ>0": "FedProx μ > 0 (partial work kept)",
-    }
-    for method, label in labels.items():
+    labels = (
+        "FedAvg (μ = 0, stragglers dropped)",
+        "FedProx μ = 0 (partial work kept)",
+        "FedProx μ > 0 (partial work kept)",
+    )
+    for method, label in zip(_ROWS, labels, strict=True):
         xs, ms, ss = [], [], []
         for f in fractions:
             cell = next(c for c in cells if c.row.startswith(method) and c.column.startswith(f"{100 * f:g}%"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -344,3 +345,17 @@ def test_tcts_stage_1_curve_leaves_fedavgs_visible_in_the_accuracy_plot() -> Non
     assert under.get_linewidth() > over.get_linewidth() and under.get_markersize() > over.get_markersize()
     assert under.get_zorder() < over.get_zorder() and under.get_markerfacecolor() == "none"
     assert under.get_marker() != over.get_marker() and under.get_linestyle() != over.get_linestyle()
+
+
+def test_paired_last_k_differences_match_seeds_not_positions() -> None:
+    """Two cells' runs listed in different seed orders, one seed missing from one cell: the paired
+    differences are per common seed, in seed order."""
+    from hpcfl.report.methods import Cell
+
+    def run(seed: int, accs: list[float]) -> RunSummary:
+        return dataclasses.replace(_run(f"s{seed}", "fedavg", accs), config={"seed": seed})
+
+    drop = Cell("drop", "90%", [run(2, [0.1, 0.3, 0.5]), run(0, [0.2, 0.2, 0.2]), run(1, [0.0, 0.4, 0.4])])
+    keep = Cell("keep", "90%", [run(0, [0.1, 0.3, 0.5]), run(2, [0.3, 0.5, 0.7])])
+    assert keep.paired_last_k(drop, 2) == pytest.approx([0.4 - 0.2, 0.6 - 0.4])
+    assert drop.paired_last_k(keep, 2) == pytest.approx([-0.2, -0.2])

@@ -61,6 +61,19 @@ class Cell:
         """Each seed's mean of ``key`` (test accuracy) over its last ``k`` evaluated rounds."""
         return [v for v in (last_k_mean(r.rows, k, key) for r in self.runs) if v is not None]
 
+    def paired_last_k(self, other: Cell, k: int, key: str = TEST) -> list[float]:
+        """Per seed present in both cells, this cell's last-``k`` mean of ``key`` minus ``other``'s
+        (same seed: same clients drawn, same data order), in seed order: the paired comparison of two
+        methods, whose spread leaves out what the seeds share."""
+
+        def by_seed(cell: Cell) -> dict[object, float]:
+            return {
+                r.config.get("seed"): v for r in cell.runs if (v := last_k_mean(r.rows, k, key)) is not None
+            }
+
+        mine, theirs = by_seed(self), by_seed(other)
+        return [mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs), key=str)]
+
     def reached(self, target: float, window: int) -> list[tuple[int, float]]:
         """(rounds, bytes) to ``target`` on the running mean, of the seeds that reached it."""
         hits = (rounds_to_target(r, target, window=window) for r in self.runs)
