@@ -18,25 +18,28 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
     Recurrent layers on a CUDA device run without cuDNN meanwhile (:func:`cudnn_off_for_recurrent`).
     A model already in eval mode throughout (a TCT stage-2 model, a benchmark's) is left alone:
     ``model.eval()`` and the restore cost ~20 attribute sets per module tree on every call."""
-    training = [m for m in model.modules() if m.training]
+    modules = list(model.modules())
+    training = [m for m in modules if m.training]
     if training:
         model.eval()
     try:
-        with cudnn_off_for_recurrent(model):
+        with cudnn_off_for_recurrent(model, modules):
             yield
     finally:
         for m in training:
             m.training = True
 
 
-def cudnn_off_for_recurrent(model: nn.Module) -> contextlib.AbstractContextManager:
+def cudnn_off_for_recurrent(
+    model: nn.Module, modules: list[nn.Module] | None = None
+) -> contextlib.AbstractContextManager:
     """A context with cuDNN off when ``model`` has recurrent layers on a CUDA device, else a no-op.
 
     Gradients taken in eval mode (eNTK features, NTK-FL's Jacobians) would reach cuDNN's RNN
     backward, which refuses eval mode ("cudnn RNN backward can only be called in training mode");
     PyTorch's native CUDA LSTM/GRU kernels run it. Other layers keep cuDNN (it is only turned off
-    while the context is open)."""
-    recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+    while the context is open). ``modules``: the model's modules when the caller has listed them."""
+    recurrent = any(isinstance(m, nn.RNNBase) for m in (model.modules() if modules is None else modules))
     first = next(model.parameters(), None)
     if recurrent and first is not None and first.device.type == "cuda":
         return torch.backends.cudnn.flags(enabled=False)

@@ -72,7 +72,7 @@ class Cell:
             }
 
         mine, theirs = by_seed(self), by_seed(other)
-        return [mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs), key=str)]
+        return [mine[s] - theirs[s] for s in sorted(set(mine) & set(theirs))]
 
     def reached(self, target: float, window: int) -> list[tuple[int, float]]:
         """(rounds, bytes) to ``target`` on the running mean, of the seeds that reached it."""

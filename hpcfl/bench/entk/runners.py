@@ -144,10 +144,12 @@ def make_runner(spec: dict[str, Any]) -> tuple[Callable[[], None], int, str, Any
             note += ", train mode (cuDNN's recurrent backward; no dropout or BatchNorm: same function)"
 
         def run() -> None:
-            model.train(train)
+            if train:
+                model.train()
             model.zero_grad(set_to_none=True)
             model(x)[:, 0].sum().backward()
-            model.eval()
+            if train:
+                model.eval()
 
         return run, batch, note, out
     if method in OPACUS_MODES:
