@@ -14,8 +14,12 @@ A synchronous round lasts as long as its slowest arrival (the ``sim_time`` metri
 up); an asynchronous run (:mod:`hpcfl.runner.asynchronous`) orders its updates by these times.
 
 Distributions (``kind``): ``constant`` (``value``), ``uniform`` [``low``, ``high``], ``lognormal``
-exp(N(``mu``, ``sigma``²)) (e.g. the FedBuff paper's heterogeneous client durations). A speed must be
-positive, a delay non-negative: a distribution that can draw otherwise is refused in one line.
+exp(N(``mu``, ``sigma``²)) (e.g. the FedBuff paper's heterogeneous client durations), clipped to
+[:data:`LOGNORMAL_LOW`, :data:`LOGNORMAL_HIGH`] as ``system.work``'s lognormal is clipped to its bounds
+(the logarithm is clipped before ``exp``, so no mu or sigma overflows or draws a zero speed). A speed
+must be positive, a delay non-negative: a distribution that can draw otherwise is refused in one
+line, and so is an update whose duration is not a finite number (a tiny constant speed, a huge
+delay): the ``sim_time`` column must stay a number.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from hpcfl.errors import ConfigError
 from hpcfl.training.seeds import seeded_rng
 
 DISTRIBUTIONS = ("constant", "uniform", "lognormal")
+#: the bounds a lognormal speed (samples per simulated second) or delay (seconds) is clipped to:
+#: finite and positive, so every duration ``samples / speed + delay`` is finite (issue 61)
+LOGNORMAL_LOW, LOGNORMAL_HIGH = 1e-9, 1e9
+_LOG_LOW, _LOG_HIGH = math.log(LOGNORMAL_LOW), math.log(LOGNORMAL_HIGH)
 
 # seed-sequence salts that keep the clock's draws apart from every other draw of the run
 _SPEED_SALT = 0x73706564  # "sped"
@@ -53,7 +61,9 @@ class Distribution:
             return float(self.value)
         if self.kind == "uniform":
             return float(rng.uniform(self.low, self.high))
-        return math.exp(float(rng.normal(self.mu, self.sigma)))
+        z = float(rng.normal(self.mu, self.sigma))  # may be ±inf for a sigma near the float limit
+        z = min(_LOG_HIGH + 1.0, max(_LOG_LOW - 1.0, z))  # clipped before exp: never 0 nor an overflow
+        return min(LOGNORMAL_HIGH, max(LOGNORMAL_LOW, math.exp(z)))
 
 
 @dataclass
@@ -182,9 +192,17 @@ class VirtualClock:
         return speed, delay
 
     def seconds(self, stage: int, rnd: int, k: int, samples: int) -> float:
-        """How long client ``k``'s update of round ``rnd`` lasts: ``samples / speed + delay``."""
+        """How long client ``k``'s update of round ``rnd`` lasts: ``samples / speed + delay``; a
+        duration that is not a finite number is one :class:`ConfigError` line."""
         speed, delay = self.speed_delay(stage, rnd, k)
-        return samples / speed + delay
+        seconds = samples / speed + delay
+        if not math.isfinite(seconds):
+            raise ConfigError(
+                f"system.clock: client {k}'s update of round {rnd + 1} ({samples} samples at speed {speed:g}, "
+                f"delay {delay:g}) lasts {seconds} simulated seconds, not a finite number; raise the speed "
+                "or lower the delay"
+            )
+        return seconds
 
 
 def update_samples(steps: int, batch_size: int, n: int) -> int:

@@ -222,7 +222,7 @@ def load_roles(root: Path) -> Roles:
         raise DataError(
             f"{path} is damaged or not the PyPI file: md5 {actual}, expected {ARCHIVE_MD5}; replace it"
         )
-    cache = _cache_dir() / f"{ARCHIVE_MD5}-v{PARSER_VERSION}.npz"
+    cache = _cache_dir() / f"{actual}-v{PARSER_VERSION}.npz"  # keyed by the digest computed, not hoped
     roles = _read_cache(cache)
     if roles is None:
         roles = parse_archive(path)

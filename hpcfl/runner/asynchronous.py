@@ -31,6 +31,7 @@ previous row, in order).
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,17 @@ class Step:
     dispatched: tuple[int, ...]
     arrivals: tuple[Arrival, ...]
     time: float
+
+
+def _finite(seconds: float, rnd: int) -> float:
+    """``seconds`` (the simulated time at the end of round ``rnd``, 0-based), or one
+    :class:`ConfigError` line when the sum of finite durations overflowed to infinity."""
+    if not math.isfinite(seconds):
+        raise ConfigError(
+            f"system.clock: the simulated time passes the largest float at round {rnd + 1}; "
+            "raise the speeds or lower the delays"
+        )
+    return seconds
 
 
 def plan_clock(plan: RoundPlan) -> VirtualClock:
@@ -98,7 +110,7 @@ def async_schedule(plan: RoundPlan, steps: int, round_offset: int = 0) -> tuple[
         rng = seeded_rng(plan.seed, _DISPATCH_SALT, plan.stage_index, version, len(mine))
         k = pool[int(rng.integers(len(pool)))]
         seconds, dropped = _update(plan, clock, version, round_offset + version + 1, k)
-        heapq.heappush(heap, (now + seconds, seq, k, version, dropped))
+        heapq.heappush(heap, (_finite(now + seconds, version), seq, k, version, dropped))
         seq += 1
         in_flight.add(k)
         mine.append(k)
@@ -196,7 +208,7 @@ def clock_record(
     elif plan.clock is not None and plan.trainer is not None:
         clock, total, elapsed, applied = plan.clock, 0.0, [], None
         for r, (who, system) in enumerate(draws):
-            total += round_seconds(plan, r, who, system, clock)
+            total = _finite(total + round_seconds(plan, r, who, system, clock), r)
             elapsed.append(total)
         counts = [len(who) for who, _ in draws]
     else:
