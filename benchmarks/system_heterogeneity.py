@@ -44,6 +44,7 @@ from typing import Any
 
 from _runs import Setting, column_targets, run_dir_of, run_protocol, write_tables
 
+from hpcfl.bench.machine import with_machine
 from hpcfl.report.methods import Cell
 from hpcfl.report.protocol import VALIDATION, Protocol, last_k_mean
 
@@ -330,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = "\n\n".join(parts) + f"\nWall time of this invocation: {wall:.0f} s (finished runs count 0).\n"
     (args.results / f"{args.stem}.md").write_text(summary)
     (args.results / f"{args.stem}_args.json").write_text(
-        json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, indent=1)
+        json.dumps(
+            with_machine({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}), indent=1
+        )
     )
     print(summary)
     return 0
