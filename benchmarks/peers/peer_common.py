@@ -94,8 +94,11 @@ class Experiment:
         return list(self.draws[seed][rnd - 1])
 
 
-def load_experiment(directory: str | os.PathLike[str]) -> Experiment:
-    """Read the bundle (arrays as torch tensors); a missing or incomplete bundle is a ValueError."""
+def load_experiment(directory: str | os.PathLike[str], *, mmap: bool = False) -> Experiment:
+    """Read the bundle (arrays as torch tensors); a missing or incomplete bundle is a ValueError.
+
+    ``mmap=True`` maps the arrays copy-on-write instead of reading them (a process that trains a
+    few clients, such as a Ray actor, reads only their rows)."""
     d = Path(directory)
     missing = [f for f in BUNDLE_FILES if not (d / f).is_file()]
     if missing:
@@ -104,7 +107,7 @@ def load_experiment(directory: str | os.PathLike[str]) -> Experiment:
         )
 
     def arr(name: str) -> Tensor:
-        return torch.from_numpy(np.ascontiguousarray(np.load(d / name)))
+        return torch.from_numpy(np.load(d / name, mmap_mode="c" if mmap else None))
 
     draws = {
         int(s): [list(map(int, r)) for r in rounds]
