@@ -6,7 +6,8 @@
 # Dispatches to benchmarks/peers/envs/NAME.sh, one file per peer, which pins its versions.
 # Idempotent: an env whose .peers/NAME/READY exists is left alone (delete the folder to rebuild).
 # READY (holding the pinned versions) is written only after a smoke import succeeds, so a
-# half-built env never looks complete. Prints one line per peer; exits non-zero if any failed.
+# half-built env never looks complete; a failed build leaves .peers/NAME/FAILED with its last log
+# line instead (retried on the next call). Prints one line per peer; exits non-zero if any failed.
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
@@ -39,9 +40,13 @@ for name in "${names[@]}"; do
     log="$PEERS_DIR/$name.log"
     # Each env script runs in its own bash with the helpers of envs/_lib.sh; its output goes to the log.
     if ENV_DIR="$env_dir" NAME="$name" bash -c 'set -euo pipefail; source "$HERE/envs/_lib.sh"; source "$1"' _ "$script" >"$log" 2>&1; then
+        rm -f "$env_dir/FAILED"
         echo "$name: built ($(tr '\n' ' ' < "$env_dir/READY"))"
     else
-        echo "$name: FAILED ($(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200); full log: $log)"
+        # FAILED (never READY) holds the reason: the harness gives the peer one row saying it
+        reason="$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200)"
+        mkdir -p "$env_dir" && rm -f "$env_dir/READY" && echo "$reason" > "$env_dir/FAILED"
+        echo "$name: FAILED ($reason; full log: $log)"
         status=1
     fi
 done
