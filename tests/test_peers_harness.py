@@ -135,7 +135,7 @@ def _harness(args: list[str], env_extra: dict[str, str]) -> subprocess.Completed
         ),
         (
             ["--frameworks", "hpcfl", "--modes", "ray9"],
-            "harness: none of the modes ['ray9'] is a mode of hpcfl",
+            "harness: none of the modes ['ray9'] is a cpu mode of hpcfl",
         ),
     ],
 )

@@ -87,9 +87,12 @@ def framework_python(framework: str) -> tuple[Path | None, str | None]:
     )
 
 
-def choose_modes(framework: str, wanted: list[str]) -> list[str]:
-    """The framework's modes named by ``wanted`` (``all``, ``default``, KEY or FRAMEWORK:KEY)."""
-    modes = list(runner_modes(framework))
+def choose_modes(framework: str, wanted: list[str], device: str = "cpu") -> list[str]:
+    """The framework's modes on ``device`` named by ``wanted`` (``all``, ``default``, KEY or
+    FRAMEWORK:KEY); a mode whose key starts with ``cuda`` is a GPU mode."""
+    modes = [m for m in runner_modes(framework) if m.startswith("cuda") == (device == "cuda")]
+    if not modes:
+        return []
     if "all" in wanted:
         return modes
     chosen = [m for m in modes if m in wanted or f"{framework}:{m}" in wanted]
@@ -364,14 +367,14 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     save_figure(fig, path, dpi=110, fmt="png")
 
 
-def write_outputs(out: Path, doc: dict[str, Any]) -> None:
+def write_outputs(out: Path, doc: dict[str, Any], name: str = "peers_cpu") -> None:
     from hpcfl.files import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "peers_cpu.json", json.dumps(doc, indent=1) + "\n")
-    atomic_write_text(out / "peers_cpu.csv", write_csv(doc["rows"]))
-    atomic_write_text(out / "peers_cpu.md", markdown(doc))
-    plot(doc["records"], out / "peers_cpu.png")
+    atomic_write_text(out / f"{name}.json", json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(out / f"{name}.csv", write_csv(doc["rows"]))
+    atomic_write_text(out / f"{name}.md", markdown(doc))
+    plot(doc["records"], out / f"{name}.png")
 
 
 def machine() -> str:
@@ -386,6 +389,16 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu})"
 
 
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        return "unknown GPU"
+
+
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -394,6 +407,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="default: the bundle's (50)")
     p.add_argument(
         "--modes", nargs="+", default=None, help="all (default) | default | KEY | FRAMEWORK:KEY ..."
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the frameworks' GPU modes (only hpcfl has them: the peers' environments are built "
+        "here, not on a lent GPU) -> peers_cuda.*",
     )
     p.add_argument("--experiment", default=str(REPO / "bench-out" / "peers" / "experiment"))
     p.add_argument("--data-root", default=None)
@@ -404,20 +424,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    full = all(getattr(args, k) is None for k in ("frameworks", "seeds", "rounds", "modes"))
+    full = args.device == "cpu" and all(
+        getattr(args, k) is None for k in ("frameworks", "seeds", "rounds", "modes")
+    )
     out = Path(args.out) if args.out else (FULL_OUT if full else SMOKE_OUT)
     try:
-        frameworks = args.frameworks or list(FRAMEWORKS)
+        frameworks = args.frameworks or (list(FRAMEWORKS) if args.device == "cpu" else ["hpcfl"])
         unknown = [f for f in frameworks if f not in FRAMEWORKS]
         if unknown:
             raise HarnessError(f"unknown framework {unknown[0]!r}; known: {', '.join(FRAMEWORKS)}")
         plan: list[tuple[str, str]] = []
         for fw in frameworks:  # refuse before anything runs
             framework_python(fw)
-            modes = choose_modes(fw, args.modes or ["all"])
+            modes = choose_modes(fw, args.modes or ["all"], args.device)
             if not modes:
                 raise HarnessError(
-                    f"none of the modes {args.modes} is a mode of {fw} ({', '.join(runner_modes(fw))})"
+                    f"none of the modes {args.modes or ['all']} is a {args.device} mode of {fw} "
+                    f"({', '.join(runner_modes(fw))})"
                 )
             plan += [(fw, m) for m in modes]
         import experiment
@@ -460,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"per round, {spec['local_epochs']} local epoch, batch {spec['batch_size']}, SGD lr {spec['lr']}, "
                 f"{spec['model']} ({spec['num_params']:,} parameters), sample-weighted, test every {spec['eval_every']} rounds"
             ),
-            "machine": machine(),
+            "machine": machine() + (f", {gpu_name()}" if args.device == "cuda" else ""),
             "load_start": load_start,
             "load_end": loadavg(),
             "rounds": rounds,
@@ -472,10 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarise(rows),
         "records": records,
     }
-    write_outputs(out, doc)
-    print(
-        f"harness: {len(records)} runs, {sum(r['status'] != 'ok' for r in records)} failed -> {out}/peers_cpu.{{json,csv,md,png}}"
-    )
+    name = f"peers_{args.device}"
+    write_outputs(out, doc, name)
+    failed = sum(r["status"] != "ok" for r in records)
+    print(f"harness: {len(records)} runs, {failed} failed -> {out}/{name}.{{json,csv,md,png}}")
     return 0
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import os  # noqa: E402
+import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import peer_common as pc  # noqa: E402  (first: the script's start time)
@@ -100,8 +101,10 @@ def drawn_fedavg(exp: pc.Experiment, seed: int, rec: pc.Recorder, threads: set[i
             self.node_of: dict[int, int] = {}
 
         def map_nodes(self, grid: Grid) -> None:
-            """partition-id → node id, from one query message to every node."""
-            nodes = list(grid.get_node_ids())
+            """partition-id → node id, from one query message to every node (once all have
+            connected: Flower's own sampling waits for them the same way)."""
+            while len(nodes := list(grid.get_node_ids())) < exp.num_clients:
+                time.sleep(0.1)
             msgs = [
                 Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n) for n in nodes
             ]

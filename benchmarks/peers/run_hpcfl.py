@@ -36,8 +36,17 @@ MODES = {
     "mpi2": "mpiexec -n 2 hpcfl run (2 MPI ranks x 1 thread)",
     "batch-auto": "hpcfl run, 1 process, client_batch auto",
     "batch-10": "hpcfl run, 1 process, client_batch 10 (the round's clients as one vectorised step)",
+    "cuda": "hpcfl run, 1 process, 1 GPU, client_batch 1",
+    "cuda-auto": "hpcfl run, 1 process, 1 GPU, client_batch auto",
 }
-CLIENT_BATCH = {"1proc": "1", "mpi2": "1", "batch-auto": "auto", "batch-10": "10"}
+CLIENT_BATCH = {
+    "1proc": "1",
+    "mpi2": "1",
+    "batch-auto": "auto",
+    "batch-10": "10",
+    "cuda": "1",
+    "cuda-auto": "auto",
+}
 REPO = pc.HERE.parent.parent
 _BAR = re.compile(r"\b(\d+)/(\d+) \[")  # tqdm's "  4/50 [00:12<..." (the rounds done)
 
@@ -65,7 +74,7 @@ def hpcfl_config(exp_dir: Path, spec: dict[str, Any], seed: int, rounds: int, mo
         "eval_every": int(spec["eval_every"]),
         "clients_per_round": int(spec["clients_per_round"]),
         "seed": seed,
-        "device": "cpu",
+        "device": "cuda" if mode.startswith("cuda") else "cpu",
         "client_batch": CLIENT_BATCH[mode],
         # the peers keep no checkpoint: one at the end (hpcfl's default is every round)
         "checkpoint_every": rounds,
