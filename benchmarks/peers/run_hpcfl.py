@@ -13,7 +13,10 @@ round's bookkeeping) is read as it is printed and time-stamped here; its first p
 start of round 1 (``startup_s``: this script's start to then, so the ``hpcfl`` process's start, its
 imports, the data and the setup are in it) and each later one ends a round (``round_eval_s``). On
 an evaluated round, ``metrics.jsonl``'s ``eval_s`` (the server step, the evaluation and the row's
-other work) is taken off to give ``round_s`` (train + aggregation), as the peers time it.
+other work) is taken off to give ``round_s`` (train + aggregation), as the peers time it. The
+stamps are taken when this process reads the bar: on an idle machine within milliseconds; on a
+loaded one they lag while it waits for a core (a smoke run at load 14 on 2 cores gave one round of
+0.16 s beside rounds of 0.6-1.6 s), so only the idle run's figures are quoted.
 """
 
 from __future__ import annotations
