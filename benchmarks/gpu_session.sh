@@ -54,6 +54,10 @@
 #   stage2      TCT stage 2's closed form on the GPU vs the same machine's CPU at n_k = 6,000,
 #               p = 100,000, M = 500 (the CPU run: one timed round, its primal extrapolated from 3
 #               steps; session 2's CPU run without that bound did not reach its timed round in 90 s)
+#   peers       the peers harness's experiment (benchmarks/peers: FedAvg, Fashion-MNIST dir:0.5, 100
+#               clients, 10 a round, 50 rounds, seed 0) through `hpcfl run` on the GPU, client_batch 1
+#               and auto -> peers_cuda.{json,csv,md,png}; hpcfl only: the peers' own environments
+#               (Flower with Ray, ...) are built on this CPU machine and cannot be carried to the GPU
 #   frameworks  BlazeFL's/Flower's published setup (100 clients x 500, 5 epochs, batch 50; CNN, ResNet-18)
 #   tcttable    TCT's Fashion-MNIST Table 2 at the largest budget that fits a step (not the paper's 200
 #               rounds x 5 epochs, p = 1e5): #C = 1 and #C = 2, SimpleCNN, 10 clients, 20 rounds x 1
@@ -74,14 +78,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUTDIR=benchmarks/out/gpu_session
-STEPS_ALL=(tests entk stage2 tcttable batched gathertune layercosts checkpoint entk18 main round profile dp text frameworks)
+STEPS_ALL=(tests entk stage2 tcttable batched gathertune layercosts checkpoint entk18 main round profile dp text peers frameworks)
 STEPS_NAMED=(shakespeare) # run only when named: `run shakespeare`
 
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
     [tests]="200 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="120 30" [main]="120 60" [round]="120 50"
     [batched]="120 40" [entk]="200 40" [profile]="45 20" [dp]="90 40" [text]="180 60" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
-    [tcttable]="200 90" [shakespeare]="570 120"
+    [tcttable]="200 90" [shakespeare]="570 120" [peers]="150 60"
 )
 declare -A CMD=(
     [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py tests/test_entk_forms.py tests/test_entk_cuda_graph.py --junitxml $OUTDIR/pytest_gpu.xml"
@@ -99,6 +103,7 @@ declare -A CMD=(
     [gathertune]="python3 benchmarks/entk_layer_costs.py --device cuda --autotune --models simplecnn resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
     [tcttable]="python3 benchmarks/tct_fmnist_table.py --device cuda --jobs 2 --partitions classes:1 classes:2 --seeds 1 --lrs 0.05 --rounds 20 --local-steps 0 --local-epochs 1 --p 20000 --no-figure3 --out $OUTDIR/tct_fmnist --results $OUTDIR/tct_fmnist_results"
     [shakespeare]="python3 benchmarks/shakespeare_table.py --device cuda --model char-lstm --rows fedavg fedprox tct --split temporal --window role --sample-roles 143 --test-samples 0 --clients 143 --clients-per-round 10 --rounds 40 --local-epochs 20 --batch 10 --lrs 0.8 --validation 0 --seeds 1 --last 3 --eval-every 5 --jobs 1 --threads 4 --out $OUTDIR/shakespeare --results $OUTDIR/shakespeare_results --stem shakespeare_fedprox_budget"
+    [peers]="python3 benchmarks/peers/harness.py --device cuda --seeds 0 --out $OUTDIR/peers_cuda"
     [frameworks]="python3 benchmarks/fl_frameworks_setup.py --device cuda --models simplecnn resnet18 --batches auto --out $OUTDIR/fl_frameworks_setup_cuda"
 )
 
