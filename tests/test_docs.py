@@ -7,6 +7,7 @@
 - Every fenced ``python`` block of the README and the guides runs as written, in a fresh process
   with ``$HPCFL_DATA`` set, unless an HTML comment ``<!-- notest: why -->`` stands right above it
   (a fragment of a file, shown and checked elsewhere).
+- Every fenced ``yaml`` block is a config (or a fragment of one) that validates.
 - Every ``hpcfl ...`` command the README and the guides show parses with the real command line
   (argument parsing only, nothing runs); a synopsis with placeholders (``hpcfl run CONFIG.yaml
   [--set k=v ...]``) names a real sub-command and only its real options; a config path it names
@@ -194,6 +195,7 @@ def test_the_pages_show_runnable_examples() -> None:
     """The collection below is not empty by accident (a changed fence syntax would skip them all)."""
     assert {b.page.name for b in PYTHON_BLOCKS} >= {"README.md", "runs.md", "plugins.md"}
     assert len(COMMANDS) >= 20 and any(not synopsis for _, _, synopsis in COMMANDS)
+    assert {b.page.name for b in YAML_BLOCKS} >= {"runs.md", "privacy.md", "async.md", "heterogeneity.md"}
 
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.where)
@@ -209,6 +211,33 @@ def test_python_block_runs(block: Block, tmp_path: Path, data_root: Path) -> Non
         timeout=300,
     )
     assert proc.returncode == 0, f"{block.where}:\n{proc.stderr[-3000:]}"
+
+
+# a small federation under each YAML example: the example's keys replace these
+_CONFIG_BASE = {
+    "dataset": "synthetic",
+    "num_clients": 200,
+    "model": "mlp",
+    "algorithm": "fedavg",
+    "rounds": 1,
+}
+YAML_BLOCKS = [b for page in PAGES for b in _blocks(page) if b.lang == "yaml" and not b.notest]
+
+
+@pytest.mark.parametrize("block", YAML_BLOCKS, ids=lambda b: b.where)
+def test_yaml_block_is_a_valid_config(block: Block) -> None:
+    """Every config example validates (keys, sections, values) over a small base: a renamed or
+    removed key in a guide fails here."""
+    import yaml
+
+    from hpcfl.config import config_from_dict
+
+    keys = yaml.safe_load(block.text)
+    assert isinstance(keys, dict) and keys, block.where
+    cfg = config_from_dict({**_CONFIG_BASE, **keys})
+    for key, value in keys.items():
+        if not isinstance(value, dict):
+            assert getattr(cfg, key) == value or value is None, f"{block.where}: {key}"
 
 
 @pytest.mark.parametrize(("where", "command", "synopsis"), COMMANDS, ids=lambda v: str(v)[:60])
