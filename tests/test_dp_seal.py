@@ -175,7 +175,7 @@ def test_a_server_step_that_trains_while_no_private_step_was_taken_is_refused(tm
     assert str(err.value) == (
         f"privacy.level=sample: algorithm {ServerTrains.name!r}, round 1: the server step changed the model "
         "although no participant has taken a DP-SGD step yet; under sample-level DP only the participants' "
-        "DP-SGD steps may train (README: what sample-level DP checks)"
+        "DP-SGD steps may train (docs/privacy.md: what sample-level DP checks)"
     )
 
 

@@ -40,8 +40,8 @@ Where the texts differ: LEAF parses Gutenberg's complete works in one file (``pg
 two-space indentation, with a special case for *The Comedy of Errors*); hpcfl parses the PyPI
 archive's single plays (``*_gut.txt``; the folio copies ``*_gut_f.txt`` and the poems skipped), by
 the layout above, names plays by their file names (``LEAR_KENT``) and drops lines wholly in
-brackets (stage directions). So the roles and counts are LEAF-like, not LEAF's bytes (README,
-"Text: Shakespeare", puts the statistics side by side). Parsing the archive takes a few seconds; the
+brackets (stage directions). So the roles and counts are LEAF-like, not LEAF's bytes (docs/text.md
+puts the statistics side by side). Parsing the archive takes a few seconds; the
 parsed roles are cached as an ``.npz`` under ``$XDG_CACHE_HOME/hpcfl/shakespeare/`` keyed by the
 archive's md5 and the parser's version, with a SHA-256 sidecar: a cache whose digest does not match
 is parsed afresh.

@@ -369,7 +369,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
             f"privacy.level=sample: algorithm {self.name!r}, client {data.k}, round {ctx.round + 1}: its upload "
             f"differs from the model it received, but it took {taken} of its {due} DP-SGD steps; under "
             "sample-level DP a participant trains only through ctx.trainer (its train/run/steps), every step "
-            "of its schedule (README: what sample-level DP checks)"
+            "of its schedule (docs/privacy.md: what sample-level DP checks)"
         )
 
     def clipped(self, server: ServerState, upload: Upload) -> Upload:
@@ -397,7 +397,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         raise ConfigError(
             f"privacy.level=sample: algorithm {self.name!r}, round {rnd + 1}: the server step changed the model "
             "although no participant has taken a DP-SGD step yet; under sample-level DP only the participants' "
-            "DP-SGD steps may train (README: what sample-level DP checks)"
+            "DP-SGD steps may train (docs/privacy.md: what sample-level DP checks)"
         )
 
     def server_update(

@@ -147,7 +147,7 @@ class ClientEval(Observer):
         self.last_only, self.sample, self.seed = last_only, sample, seed
         self.personal, self.val_score = personal, val_score
         #: a run under DP: its personal models are built outside the accountant (their figures are
-        #: labelled ``personal_private: false``; README, what sample-level DP checks)
+        #: labelled ``personal_private: false``; docs/privacy.md, what sample-level DP checks)
         self.private = private
         self._ids: list[int] = []
         self._tuned = False
