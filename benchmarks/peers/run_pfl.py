@@ -194,14 +194,25 @@ def run(args, exp: pc.Experiment, rec: pc.Recorder, info: dict) -> None:
            str(Path(__file__).resolve()), *sys.argv[1:]]  # fmt: skip
     proc = subprocess.run(cmd, env={**os.environ, WORKER_OUT: str(out)}, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
-        tail = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
-        raise RuntimeError(f"torchrun exited {proc.returncode}: {tail[-1] if tail else 'no output'}")
+        raise RuntimeError(f"torchrun exited {proc.returncode}: {_root_cause(proc.stderr or proc.stdout)}")
     got = json.loads(out.read_text())
     rec.startup_s = got["first_round_wall"] - wall_start
     rec.round_s, rec.round_eval_s = got["round_s"], got["round_eval_s"]
     rec.samples_per_round, rec.evals = got["samples_per_round"], got["eval"]
     info["version"], info["num_params"] = got["version"], got["num_params"]
     info["notes"] = f"{NOTES} {got['world_size']} workers, torch threads per worker {got['threads']}."
+
+
+def _root_cause(text: str) -> str:
+    """The failing worker as torchrun's summary names it (rank, exit code, signal), else the last
+    error line a worker printed."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if "Root Cause (first observed failure):" in lines:
+        cause = lines[lines.index("Root Cause (first observed failure):") :]
+        fields = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in cause) if k.strip() in ("rank", "exitcode", "traceback")}  # fmt: skip
+        return "; ".join(f"{k} {v}" for k, v in fields.items())
+    errors = [ln for ln in lines if "Error" in ln and not ln.startswith("File ")]
+    return errors[-1] if errors else (lines[-1] if lines else "no output")
 
 
 def worker() -> int:
