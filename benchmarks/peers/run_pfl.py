@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -196,6 +197,7 @@ def run(args, exp: pc.Experiment, rec: pc.Recorder, info: dict) -> None:
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"torchrun exited {proc.returncode}: {_root_cause(proc.stderr or proc.stdout)}")
     got = json.loads(out.read_text())
+    shutil.rmtree(work, ignore_errors=True)
     rec.startup_s = got["first_round_wall"] - wall_start
     rec.round_s, rec.round_eval_s = got["round_s"], got["round_eval_s"]
     rec.samples_per_round, rec.evals = got["samples_per_round"], got["eval"]
