@@ -49,10 +49,15 @@ class CommError(HpcflError):
 
 class PeerLostError(CommError):
     """A collective's peers did not answer within the deadline (or MPI reported their failure). The
-    communicator raises it on the one rank chosen to say so; the command prints it without a rank
-    prefix and ends every rank with :data:`EXIT_PEER_LOST`."""
+    communicator raises it on the one rank chosen to speak for its side; the command prints it
+    without a rank prefix and ends every rank with :data:`EXIT_PEER_LOST`. ``requeue`` is False on a
+    side that is not a majority (a tie without rank 0): it ends without asking for a requeue."""
 
     exit_code = EXIT_PEER_LOST
+
+    def __init__(self, message: str, *, requeue: bool = True) -> None:
+        super().__init__(message)
+        self.requeue = requeue
 
 
 class StoreError(HpcflError):

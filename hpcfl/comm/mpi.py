@@ -4,15 +4,22 @@ Tensors go through the buffer protocol without copies when they live on the CPU;
 are staged through host memory unless the MPI library reports CUDA awareness.
 
 No collective can hang: each is a nonblocking call polled against the deadline of
-:mod:`hpcfl.comm.deadline` (objects are pickled and travel as bytes: sizes first, then the bytes).
-The communicators use ``MPI.ERRORS_RETURN``, so a peer's failure that MPI notices (a connection
-reset) comes back as an exception and counts like a passed deadline. Then the ranks that still run
-find out which peers they can reach (:meth:`MPIComm._reachable`, a token to and from every rank on
-a communicator of its own, answered by every rank that waits in a collective); the side that holds
-a majority of the ranks (a tie: the side of rank 0) speaks through its lowest rank, which raises
-:class:`~hpcfl.errors.PeerLostError` (one line naming the lost ranks and hosts, then ``MPI_Abort``
-with :data:`~hpcfl.errors.EXIT_PEER_LOST` by the command's error path); every other rank waits for
-that abort or, on the minority side, exits at once with the same code and says nothing.
+:mod:`hpcfl.comm.deadline` (objects are pickled and travel as bytes: sizes first, then the bytes);
+so is the start-up exchange (the node's shared-memory split, the hosts, the side channel's secret
+and addresses). The communicators use ``MPI.ERRORS_RETURN``, so a peer's failure that MPI notices
+(a connection reset) comes back as an exception and counts like a passed deadline. Then the ranks
+that still run find out which peers they can reach over the side channel of
+:mod:`hpcfl.comm.liveness` (:meth:`MPIComm._side`): every rank knocks on the coordinators
+(:func:`coordinators`), a coordinator on every rank, and a rank that hears no coordinator on every
+rank too. Each side of a loss then speaks once, through rank 0 if it is on that side, else the
+other coordinator, else its lowest rank, which raises :class:`~hpcfl.errors.PeerLostError` (one
+line naming the ranks and hosts that did not answer, then ``MPI_Abort`` with
+:data:`~hpcfl.errors.EXIT_PEER_LOST` by the command's error path, and the line appended to the run's
+``PEER_LOST``). A side that holds a majority of the ranks (a tie: the side of rank 0) asks for the
+requeue; any other side cannot tell a dead majority from a cut link, so it says what it saw and that
+it ends without requeueing (:func:`lost_message`). Every other rank waits for its speaker's abort.
+Before the side channel is up (a rank lost during the start-up exchange), the survivors speak in
+rank order, each after a pause that lets the lower ones' abort land first (:meth:`MPIComm._end_at_start`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -30,12 +38,15 @@ import numpy as np
 import torch
 
 from hpcfl.comm.deadline import Deadline, poll
-from hpcfl.comm.liveness import Address, Beacon, knock
+from hpcfl.comm.liveness import Address, Beacon, bind_address, host_addresses, knock, new_secret
 from hpcfl.errors import EXIT_PEER_LOST, CommError, PeerLostError
 
 PROBE_MAX_S = 10.0  # the liveness probe waits min(PROBE_MAX_S, deadline / 4) for the tokens
-SPEAKER_WAIT_S = 30.0  # a rank of the speaking side that is not the speaker waits this long for its abort
-MINORITY_WAIT_S = 5.0  # a rank of the silent side waits this long before it exits: the speaker goes first
+SPEAKER_WAIT_S = 30.0  # a rank that is not its side's speaker waits this long for the speaker's abort
+START_STAGGER_S = (
+    1.0  # at start-up (no side channel yet) rank r speaks after min(r, START_STAGGER_MAX) of these
+)
+START_STAGGER_MAX = 8
 _ACTIVE: list[MPIComm] = []  # communicators whose probe receive must be cancelled before MPI_Finalize
 
 
@@ -122,22 +133,45 @@ def coordinators(hosts: list[str]) -> tuple[int, int | None]:
     return 0, other
 
 
-def lost_message(lost: list[int], hosts: list[str], cause: str) -> str:
+def lost_message(lost: list[int], hosts: list[str], cause: str, side: list[int] | None = None) -> str:
     """The one line that names the lost ranks, grouped by host, and ``cause`` (e.g. "did not answer
-    within 300 s")."""
+    within 300 s"). ``side``: the ranks that answered, when they are not a majority (a tie without
+    rank 0 included): the line then says that this side ends the job without requeueing it."""
     groups: dict[str, list[int]] = {}
     for r in lost:
-        groups.setdefault(hosts[r], []).append(r)
+        groups.setdefault(hosts[r] if r < len(hosts) else "unknown", []).append(r)
     parts = [
         f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} (host {host})"
         for host, ranks in groups.items()
     ]
     who = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
-    return (
-        f"{who} {cause} (its node was lost or its link cut); ending the job — resume with --resume"
-        if len(lost) == 1
-        else f"{who} {cause} (their nodes were lost or their links cut); ending the job — resume with --resume"
+    why = (
+        "its node was lost or its link cut" if len(lost) == 1 else "their nodes were lost or their links cut"
     )
+    if side is None:
+        return f"{who} {cause} ({why}); ending the job — resume with --resume"
+    size = len(lost) + len(side)
+    answered = f"{'rank' if len(side) == 1 else 'ranks'} {', '.join(map(str, side))}"
+    share = (
+        f"half of the {size} ranks, without rank 0"
+        if 2 * len(side) == size
+        else f"a minority of the {size} ranks"
+    )
+    return (
+        f"{who} {cause} ({why}); only {answered} answered, {share}, "
+        "so this side ends the job without requeueing it (the other side may still run) — resume with "
+        "--resume once the job has ended"
+    )
+
+
+class _ThreadRequest:
+    """A blocking call on a helper thread, seen as a request: ``Test`` is True once it returned."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self._thread = thread
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's request interface
+        return not self._thread.is_alive()
 
 
 class MPIComm:
@@ -154,22 +188,56 @@ class MPIComm:
         self._mpi.COMM_SELF.Set_errhandler(self._mpi.ERRORS_RETURN)
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
-        node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank: int = node.Get_rank()
-        self.local_size: int = node.Get_size()
-        node.Free()
         self._cuda_aware = _cuda_aware(self._mpi)
         self.deadline = Deadline(timeout)
-        self._beacon = Beacon(self.rank)  # the liveness side channel (hpcfl.comm.liveness)
-        every = self._comm.allgather((socket.gethostname(), self._beacon.address))
-        self.hosts: list[str] = [str(h) for h, _ in every]
-        self._beacons: dict[int, Address] = {r: a for r, (_, a) in enumerate(every)}
-        self._beacon.set_peers(self._beacons)
         self._lost: PeerLostError | None = None
+        self._beacon: Beacon | None = None  # the liveness side channel (hpcfl.comm.liveness)
+        self._beacons: dict[int, Address] = {}
+        self.hosts: list[str] = []
+        self._coordinators: tuple[int, int | None] = (0, None)
+        # the start-up exchange, every step under the deadline: a rank lost here ends the job too
+        self.local_rank, self.local_size = self._node_rank()
+        every = self.allgather((socket.gethostname(), host_addresses()))
+        self.hosts = [str(h) for h, _ in every]
         self._coordinators = coordinators(self.hosts)
+        secret = self.bcast(new_secret() if self.rank == 0 else None)  # shared while every rank is alive
+        beacon = Beacon(self.rank, secret, bind_address(self.rank, self.hosts, [a for _, a in every]))
+        self._beacons = dict(enumerate(self.allgather(beacon.address)))
+        beacon.set_peers(self._beacons)
+        self._beacon = beacon
         if not _ACTIVE:  # runs before mpi4py's own finalize at exit (registered after it)
             atexit.register(_close_all)
         _ACTIVE.append(self)
+
+    def _node_rank(self) -> tuple[int, int]:
+        """(This rank's number, the rank count) on its node's shared-memory communicator.
+
+        ``Split_type`` has no nonblocking form: it runs on a helper thread (mpi4py initialises MPI
+        with ``MPI_THREAD_MULTIPLE``) while this thread waits under the deadline; where the library
+        gives less, a bounded barrier first makes sure every rank reached it."""
+        if self.size == 1:
+            return 0, 1
+        if self._mpi.Query_thread() < self._mpi.THREAD_MULTIPLE:
+            self.barrier()
+            node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
+            result = (node.Get_rank(), node.Get_size())
+            node.Free()
+            return result
+        out: list[Any] = []
+
+        def split() -> None:
+            try:
+                node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
+                out.append((node.Get_rank(), node.Get_size()))
+                node.Free()
+            except self._mpi.Exception as err:
+                out.append(err)
+
+        worker = threading.Thread(target=split, name="hpcfl-split-type", daemon=True)
+        self._collective(lambda: (worker.start(), _ThreadRequest(worker))[1])
+        if isinstance(out[0], BaseException):
+            self._end(self.deadline.limit(), cause="stopped answering (MPI reported a failure)")
+        return out[0]
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_contiguous():
@@ -218,7 +286,8 @@ class MPIComm:
 
     def close(self) -> None:
         """Close the liveness listener (before ``MPI_Finalize``)."""
-        self._beacon.close()
+        if self._beacon is not None:
+            self._beacon.close()
 
     def _collective(self, start: Callable[[], Any]) -> None:
         """Start a nonblocking collective and wait for it within the deadline, or end the job."""
@@ -235,58 +304,78 @@ class MPIComm:
 
     def _heard_ping(self, limit: float) -> None:
         """While waiting: a knock on this rank's beacon means another rank's deadline passed; join."""
-        if self._beacon.waiting():
+        if self._beacon is not None and self._beacon.waiting():
             self._end(limit, cause=f"did not answer within {_seconds(limit)} s")
 
     def _end(self, limit: float, cause: str) -> NoReturn:
-        """Find the reachable ranks, then speak and end the job, wait for the speaker, or exit.
+        """Find this rank's side (the ranks it reaches), then speak for it and end the job, or wait
+        for the side's speaker to do so.
 
-        Only the coordinators (:func:`coordinators`) count who answers: every rank knocks on their
-        beacons, and a coordinator also knocks on every rank's so that ranks still waiting in their
-        collective join at once. The knocks go outside MPI (:mod:`hpcfl.comm.liveness`): a send to
-        a rank on a vanished host can block inside MPI itself."""
+        The knocks go outside MPI (:mod:`hpcfl.comm.liveness`): a send to a rank on a vanished host
+        can block inside MPI itself."""
+        if self._beacon is None or not self._beacons:
+            self._end_at_start(limit)
         window = min(PROBE_MAX_S, limit / 4)
-        reachable, heard_coordinator = self._reachable(window)
-        lost = [r for r in range(self.size) if r not in reachable]
-        first, second = self._coordinators
-        if self.rank == first:  # rank 0's side speaks when it holds a majority or half
-            speaks = 2 * len(reachable) >= self.size
-        elif self.rank == second:  # the other coordinator only when rank 0 is gone from its side
-            speaks = first not in reachable and 2 * len(reachable) > self.size
-        else:
-            speaks = False
-        if speaks:
-            if lost:
-                message = lost_message(lost, self.hosts, cause)
-            else:
+        side, speaker = self._side(window)
+        if self.rank == speaker:
+            lost = [r for r in range(self.size) if r not in side]
+            if not lost:
                 message = (
                     f"a collective did not complete within {_seconds(limit)} s although every rank "
                     "answered (raise comm_timeout); ending the job — resume with --resume"
                 )
-            self._lost = PeerLostError(message)
+                self._lost = PeerLostError(message)
+            elif 2 * len(side) > self.size or (2 * len(side) == self.size and 0 in side):
+                self._lost = PeerLostError(lost_message(lost, self.hosts, cause))
+            else:
+                message = lost_message(lost, self.hosts, cause, side=sorted(side))
+                self._lost = PeerLostError(message, requeue=False)
             raise self._lost
         sys.stdout.flush()
         sys.stderr.flush()
-        # the speaker's abort ends this process; should it not come, end anyway. A rank that heard
-        # no coordinator is on the silent side and waits less; its exit must still not reach the
-        # launcher (srun --kill-on-bad-exit) before the speaker's line.
-        time.sleep(max(SPEAKER_WAIT_S, window) if heard_coordinator else MINORITY_WAIT_S)
+        time.sleep(max(SPEAKER_WAIT_S, 2 * window))  # the speaker's abort ends this process
         os._exit(EXIT_PEER_LOST)
 
-    def _reachable(self, window: float) -> tuple[set[int], bool]:
-        """(The ranks heard within ``window`` seconds, with this one; whether a coordinator was
-        among them.) A coordinator knocks on every rank, every other rank on the coordinators;
-        each knocked rank's beacon thread replies at once, whatever its main thread is doing."""
+    def _end_at_start(self, limit: float) -> NoReturn:
+        """A start-up step missed its deadline before the side channel was up: nobody can learn
+        who is gone, so every rank that is left says so, in rank order (the first one's abort ends
+        the others before their turn)."""
+        sys.stdout.flush()
+        time.sleep(START_STAGGER_S * min(self.rank, START_STAGGER_MAX))
+        self._lost = PeerLostError(
+            f"the start-up exchange did not complete within {_seconds(limit)} s (a rank was lost or "
+            "stopped before it joined); ending the job — resume with --resume"
+        )
+        raise self._lost
+
+    def _side(self, window: float) -> tuple[set[int], int]:
+        """(The ranks this rank reaches within about ``window`` seconds, itself included; the rank
+        that speaks for them.)
+
+        A coordinator knocks on every rank, every other rank on the coordinators; each knocked
+        rank's beacon thread replies at once, whatever its main thread is doing. A rank that hears
+        no coordinator knocks on every rank as well, so a side without coordinators still learns
+        its members (and its lowest rank speaks)."""
+        coords = {c for c in self._coordinators if c is not None}
+        others = {r: a for r, a in self._beacons.items() if r != self.rank}
+        targets = others if self.rank in coords else {c: others[c] for c in coords if c in others}
+        heard = self._listen(targets, window)
+        if not (heard & coords) and self.rank not in coords:
+            heard |= self._listen(others, window)
+        side = {self.rank} | {r for r in heard if 0 <= r < self.size}
+        first, second = self._coordinators
+        if first in side:
+            return side, first
+        if second is not None and second in side:
+            return side, second
+        return side, min(side)
+
+    def _listen(self, targets: dict[int, Address], window: float) -> set[int]:
+        """Knock on ``targets``; the ranks heard from (knocks and replies) within ``window``."""
+        assert self._beacon is not None
         until = time.monotonic() + window
-        if self.rank in self._coordinators:
-            targets = {r: a for r, a in self._beacons.items() if r != self.rank}
-        else:
-            targets = {c: self._beacons[c] for c in self._coordinators if c is not None and c != self.rank}
-        knock(targets, self.rank, window / 2)
-        heard = self._beacon.heard(max(0.0, until - time.monotonic()), enough=len(targets))
-        reachable = {self.rank} | {r for r in heard if 0 <= r < self.size}
-        others = {c for c in self._coordinators if c is not None and c != self.rank}
-        return reachable, bool(reachable & others)
+        knock(targets, self.rank, window / 2, self._beacon.secret)
+        return self._beacon.heard(max(0.0, until - time.monotonic()), enough=len(targets))
 
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, size={self.size}, local_rank={self.local_rank})"
