@@ -277,9 +277,20 @@ def test_a_run_whose_rank_0_stops_says_so_from_rank_1_and_leaves_peer_lost(tmp_p
 @pytest.mark.mpi
 @pytest.mark.parametrize("stopped", ["0", "1"])
 def test_a_rank_stopped_before_the_start_up_exchange_ends_the_job_in_one_line(stopped: str) -> None:
+    # the rank stops after MPI_Init, before the communicator's roll call: nobody knows its host yet
     proc = _stopping_job(2, "start", stopped)
     assert proc.returncode == EXIT_PEER_LOST, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"hpcfl: error: the start-up exchange did not complete within {TIMEOUT_S} s (a rank was lost or "
-        "stopped before it joined); ending the job — resume with --resume"
+        f"hpcfl: error: rank {stopped} (host unknown) did not answer within {TIMEOUT_S} s (its node was "
+        "lost or its link cut); ending the job — resume with --resume"
+    ]
+
+
+@pytest.mark.mpi
+def test_a_rank_stopped_before_the_start_up_exchange_is_named_among_three() -> None:
+    proc = _stopping_job(3, "start", "2")
+    assert proc.returncode == EXIT_PEER_LOST, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"hpcfl: error: rank 2 (host unknown) did not answer within {TIMEOUT_S} s (its node was "
+        "lost or its link cut); ending the job — resume with --resume"
     ]

@@ -5,8 +5,8 @@ are staged through host memory unless the MPI library reports CUDA awareness.
 
 No collective can hang: each is a nonblocking call polled against the deadline of
 :mod:`hpcfl.comm.deadline` (objects are pickled and travel as bytes: sizes first, then the bytes);
-so is the start-up exchange (the node's shared-memory split, the hosts, the side channel's secret
-and addresses). The communicators use ``MPI.ERRORS_RETURN``, so a peer's failure that MPI notices
+so is the start-up exchange (the hosts, the side channel's secret and addresses, the node's
+shared-memory split). The communicators use ``MPI.ERRORS_RETURN``, so a peer's failure that MPI notices
 (a connection reset) comes back as an exception and counts like a passed deadline. Then the ranks
 that still run find out which peers they can reach over the side channel of
 :mod:`hpcfl.comm.liveness` (:meth:`MPIComm._side`): every rank knocks on the coordinators
@@ -18,8 +18,8 @@ line naming the ranks and hosts that did not answer, then ``MPI_Abort`` with
 ``PEER_LOST``). A side that holds a majority of the ranks (a tie: the side of rank 0) asks for the
 requeue; any other side cannot tell a dead majority from a cut link, so it says what it saw and that
 it ends without requeueing (:func:`lost_message`). Every other rank waits for its speaker's abort.
-Before the side channel is up (a rank lost during the start-up exchange), the survivors speak in
-rank order, each after a pause that lets the lower ones' abort land first (:meth:`MPIComm._end_at_start`).
+Before the side channel is up, the start-up exchange is a roll call (:meth:`MPIComm._roll_call`):
+rank 0 gathers every rank's part point to point, so a rank lost there is named all the same.
 """
 
 from __future__ import annotations
@@ -43,10 +43,7 @@ from hpcfl.errors import EXIT_PEER_LOST, CommError, PeerLostError
 
 PROBE_MAX_S = 10.0  # the liveness probe waits min(PROBE_MAX_S, deadline / 4) for the tokens
 SPEAKER_WAIT_S = 30.0  # a rank that is not its side's speaker waits this long for the speaker's abort
-START_STAGGER_S = (
-    1.0  # at start-up (no side channel yet) rank r speaks after min(r, START_STAGGER_MAX) of these
-)
-START_STAGGER_MAX = 8
+_ROLL_TAG, _VERDICT_TAG = 0x6870, 0x6871  # the start-up roll call's point-to-point messages
 _ACTIVE: list[MPIComm] = []  # communicators whose probe receive must be cancelled before MPI_Finalize
 
 
@@ -196,18 +193,90 @@ class MPIComm:
         self.hosts: list[str] = []
         self._coordinators: tuple[int, int | None] = (0, None)
         # the start-up exchange, every step under the deadline: a rank lost here ends the job too
-        self.local_rank, self.local_size = self._node_rank()
-        every = self.allgather((socket.gethostname(), host_addresses()))
-        self.hosts = [str(h) for h, _ in every]
+        secret = new_secret() if self.rank == 0 else b""  # shared while every rank is alive
+        every = self._roll_call((socket.gethostname(), host_addresses(), secret))
+        self.hosts = [str(h) for h, _, _ in every]
         self._coordinators = coordinators(self.hosts)
-        secret = self.bcast(new_secret() if self.rank == 0 else None)  # shared while every rank is alive
-        beacon = Beacon(self.rank, secret, bind_address(self.rank, self.hosts, [a for _, a in every]))
-        self._beacons = dict(enumerate(self.allgather(beacon.address)))
+        beacon = Beacon(self.rank, every[0][2], bind_address(self.rank, self.hosts, [a for _, a, _ in every]))
+        try:
+            self._beacons = dict(enumerate(self._roll_call(beacon.address)))
+        except BaseException:
+            beacon.close()
+            raise
         beacon.set_peers(self._beacons)
         self._beacon = beacon
+        self.local_rank, self.local_size = self._node_rank()  # the side channel answers from here on
         if not _ACTIVE:  # runs before mpi4py's own finalize at exit (registered after it)
             atexit.register(_close_all)
         _ACTIVE.append(self)
+
+    def _roll_call(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (rank order), gathered by rank 0 and sent back to each rank, point
+        to point under the deadline: the start-up exchange, before the side channel is up.
+
+        Unlike a collective that misses its deadline, a roll call knows who is missing: rank 0 names
+        the ranks whose value did not come (their hosts when known) and tells the ranks that did
+        that it speaks; a rank that hears neither the values nor that from rank 0 names rank 0 (the
+        lowest such rank first: each waits its rank's turn, so the first one's abort ends the rest)."""
+        limit, until = self.deadline.start()
+        cause = f"did not answer within {_seconds(limit)} s"
+        comm = self._comm
+        if self.size == 1:
+            return [value]
+        try:
+            if self.rank == 0:
+                got: dict[int, Any] = {0: value}
+
+                def gathered() -> bool:
+                    for r in range(1, self.size):
+                        if r not in got and (msg := comm.improbe(source=r, tag=_ROLL_TAG)) is not None:
+                            got[r] = msg.recv()
+                    return len(got) == self.size
+
+                if not poll(gathered, until):
+                    # they wait for the values: tell them rank 0 speaks
+                    told = [comm.isend(None, dest=r, tag=_VERDICT_TAG) for r in got if r]  # noqa: F841
+                    missing = [r for r in range(self.size) if r not in got]
+                    self._lost = PeerLostError(lost_message(missing, self._known_hosts(), cause))
+                    raise self._lost
+                every = [got[r] for r in range(self.size)]
+                sends = [comm.isend(every, dest=r, tag=_ROLL_TAG) for r in range(1, self.size)]
+                if not poll(lambda: self._mpi.Request.Testall(sends), until + limit):
+                    missing = [r for r, q in enumerate(sends, start=1) if not q.Test()]
+                    self._lost = PeerLostError(lost_message(missing, self._known_hosts(), cause))
+                    raise self._lost
+                return every
+            sent = comm.isend(value, dest=0, tag=_ROLL_TAG)
+            box: list[Any] = []
+
+            def answered() -> bool:
+                if (msg := comm.improbe(source=0, tag=_ROLL_TAG)) is not None:
+                    box.append(msg.recv())
+                return bool(box)
+
+            if poll(answered, until):
+                sent.Wait()  # rank 0 has it
+                return box[0]
+        except self._mpi.Exception:  # a peer's failure reported by MPI: who is unknown
+            if self.rank == 0:
+                self._lost = PeerLostError(
+                    "a rank stopped answering during the start-up exchange (MPI reported a failure); "
+                    "ending the job — resume with --resume"
+                )
+                raise self._lost from None
+        if self.rank != 0:
+            grace = min(PROBE_MAX_S, max(1.0, limit / 4))
+            if poll(lambda: comm.iprobe(source=0, tag=_VERDICT_TAG), time.monotonic() + grace):
+                sys.stderr.flush()
+                time.sleep(SPEAKER_WAIT_S)  # rank 0 speaks; its abort ends this process
+                os._exit(EXIT_PEER_LOST)
+            time.sleep(min(self.rank - 1, 8) * 1.0)  # the lowest rank left speaks first
+        self._lost = PeerLostError(lost_message([0], self._known_hosts(), cause))
+        raise self._lost
+
+    def _known_hosts(self) -> list[str]:
+        """Each rank's host as far as the start-up exchange got (``unknown`` before it)."""
+        return self.hosts if len(self.hosts) == self.size else ["unknown"] * self.size
 
     def _node_rank(self) -> tuple[int, int]:
         """(This rank's number, the rank count) on its node's shared-memory communicator.
@@ -313,8 +382,6 @@ class MPIComm:
 
         The knocks go outside MPI (:mod:`hpcfl.comm.liveness`): a send to a rank on a vanished host
         can block inside MPI itself."""
-        if self._beacon is None or not self._beacons:
-            self._end_at_start(limit)
         window = min(PROBE_MAX_S, limit / 4)
         side, speaker = self._side(window)
         if self.rank == speaker:
@@ -335,18 +402,6 @@ class MPIComm:
         sys.stderr.flush()
         time.sleep(max(SPEAKER_WAIT_S, 2 * window))  # the speaker's abort ends this process
         os._exit(EXIT_PEER_LOST)
-
-    def _end_at_start(self, limit: float) -> NoReturn:
-        """A start-up step missed its deadline before the side channel was up: nobody can learn
-        who is gone, so every rank that is left says so, in rank order (the first one's abort ends
-        the others before their turn)."""
-        sys.stdout.flush()
-        time.sleep(START_STAGGER_S * min(self.rank, START_STAGGER_MAX))
-        self._lost = PeerLostError(
-            f"the start-up exchange did not complete within {_seconds(limit)} s (a rank was lost or "
-            "stopped before it joined); ending the job — resume with --resume"
-        )
-        raise self._lost
 
     def _side(self, window: float) -> tuple[set[int], int]:
         """(The ranks this rank reaches within about ``window`` seconds, itself included; the rank
