@@ -127,13 +127,16 @@ def _route_source(destination: str) -> str | None:
 def bind_address(me: int, hosts: list[str], addresses: list[tuple[str, ...]]) -> str:
     """The one address rank ``me``'s listener binds, from every rank's host name and addresses:
     loopback when all ranks share this host, else the local address the kernel routes from to most
-    of the other hosts (ties: the first such host's), else this host's first address."""
-    others = [addrs for host, addrs in zip(hosts, addresses, strict=True) if host != hosts[me]]
+    of the other hosts (ties: the first such host's), else this host's first address. An address
+    another host shares with this one (a container bridge's, 172.17.0.1 on every Docker host) says
+    nothing about the route between them and is skipped."""
+    others = {host: addrs for host, addrs in zip(hosts, addresses, strict=True) if host != hosts[me]}
     if not others:
         return "127.0.0.1"
+    mine = set(addresses[me])
     sources: list[str] = []
-    for addrs in others:
-        outside = [a for a in addrs if not a.startswith("127.")]
+    for addrs in others.values():
+        outside = [a for a in addrs if not a.startswith("127.") and a not in mine]
         if outside and (src := _route_source(outside[0])) is not None and not src.startswith("127."):
             sources.append(src)
     if sources:
