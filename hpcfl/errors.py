@@ -18,7 +18,8 @@ sweep use it; SLURM scripts requeue on it."""
 EXIT_PEER_LOST = 76
 """Exit code of a job ended because a peer rank did not answer within the collective deadline
 (``comm_timeout``: its node was lost or its link cut). The work up to the last checkpoint is kept:
-resume with ``--resume``; SLURM scripts requeue on it, as on 75."""
+resume with ``--resume``; SLURM scripts requeue on it, as on 75, unless the only lines in the run's
+``PEER_LOST`` come from a side without a majority (they say "without requeueing")."""
 
 
 class HpcflError(Exception):

@@ -2,7 +2,7 @@
 beacon listens but not the job's secret can neither end a healthy job, nor change its results, nor
 make a frozen rank look alive, nor exhaust a rank's file descriptors.
 
-The stranger is a separate process (:mod:`hpcfl.testing.stranger`) on loopback, bounded in time and
+The stranger is a separate process (:mod:`tests.stranger`) on loopback, bounded in time and
 count; the jobs are real ``mpiexec`` jobs (the mpich wheel's), as in tests/test_peer_lost.py.
 """
 
@@ -30,8 +30,8 @@ from hpcfl.comm.liveness import (
     seal,
 )
 from hpcfl.errors import EXIT_PEER_LOST
-from hpcfl.testing.stranger import forged
 from tests.helpers import MPIEXEC, REPO, repo_env
+from tests.stranger import forged
 from tests.test_peer_lost import HOST, TIMEOUT_S, _rank_process
 
 PROGRAM = REPO / "tests" / "mpi_programs" / "peer_lost.py"
@@ -39,7 +39,7 @@ PROGRAM = REPO / "tests" / "mpi_programs" / "peer_lost.py"
 
 def _stranger(*args: object) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "hpcfl.testing.stranger", *map(str, args)],
+        [sys.executable, "-m", "tests.stranger", *map(str, args)],
         env=repo_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -43,7 +43,7 @@ from hpcfl.errors import EXIT_PEER_LOST, CommError, PeerLostError
 
 PROBE_MAX_S = 10.0  # the liveness probe waits min(PROBE_MAX_S, deadline / 4) for the tokens
 SPEAKER_WAIT_S = 30.0  # a rank that is not its side's speaker waits this long for the speaker's abort
-_ROLL_TAG, _VERDICT_TAG = 0x6870, 0x6871  # the start-up roll call's point-to-point messages
+_ROLL_TAG, _VERDICT_TAG = 0x6870, 0x686F  # the start-up roll calls' messages (the n-th: _ROLL_TAG + n)
 _ACTIVE: list[MPIComm] = []  # communicators whose probe receive must be cancelled before MPI_Finalize
 
 
@@ -192,6 +192,7 @@ class MPIComm:
         self._beacons: dict[int, Address] = {}
         self.hosts: list[str] = []
         self._coordinators: tuple[int, int | None] = (0, None)
+        self._roll_calls = 0
         # the start-up exchange, every step under the deadline: a rank lost here ends the job too
         secret = new_secret() if self.rank == 0 else b""  # shared while every rank is alive
         every = self._roll_call((socket.gethostname(), host_addresses(), secret))
@@ -223,15 +224,20 @@ class MPIComm:
         comm = self._comm
         if self.size == 1:
             return [value]
+        self._roll_calls += 1
+        tag = _ROLL_TAG + self._roll_calls
         try:
             if self.rank == 0:
                 got: dict[int, Any] = {0: value}
+                status = self._mpi.Status()
 
                 def gathered() -> bool:
-                    for r in range(1, self.size):
-                        if r not in got and (msg := comm.improbe(source=r, tag=_ROLL_TAG)) is not None:
-                            got[r] = msg.recv()
-                    return len(got) == self.size
+                    while len(got) < self.size:
+                        msg = comm.improbe(source=self._mpi.ANY_SOURCE, tag=tag, status=status)
+                        if msg is None:
+                            return False
+                        got[status.Get_source()] = msg.recv()
+                    return True
 
                 if not poll(gathered, until):
                     # they wait for the values: tell them rank 0 speaks
@@ -240,17 +246,17 @@ class MPIComm:
                     self._lost = PeerLostError(lost_message(missing, self._known_hosts(), cause))
                     raise self._lost
                 every = [got[r] for r in range(self.size)]
-                sends = [comm.isend(every, dest=r, tag=_ROLL_TAG) for r in range(1, self.size)]
+                sends = [comm.isend(every, dest=r, tag=tag) for r in range(1, self.size)]
                 if not poll(lambda: self._mpi.Request.Testall(sends), until + limit):
                     missing = [r for r, q in enumerate(sends, start=1) if not q.Test()]
                     self._lost = PeerLostError(lost_message(missing, self._known_hosts(), cause))
                     raise self._lost
                 return every
-            sent = comm.isend(value, dest=0, tag=_ROLL_TAG)
+            sent = comm.isend(value, dest=0, tag=tag)
             box: list[Any] = []
 
             def answered() -> bool:
-                if (msg := comm.improbe(source=0, tag=_ROLL_TAG)) is not None:
+                if (msg := comm.improbe(source=0, tag=tag)) is not None:
                     box.append(msg.recv())
                 return bool(box)
 

@@ -1,10 +1,10 @@
 """A stranger on the host who knows where a rank's beacon listens but not the job's secret.
 
 The tests of :mod:`hpcfl.comm.liveness` run it as a separate process (``python -m
-hpcfl.testing.stranger ACTION HOST PORT ...``) against a healthy job: the job must neither end nor
+tests.stranger ACTION HOST PORT ...``) against a healthy job: the job must neither end nor
 change its results, and a frozen rank must still be found. Every action is bounded in time and
 count, talks to one loopback (or test-namespace) address, and closes what it opened. Standard
-library only.
+library and the beacon's message layout only.
 
 Actions (each prints one summary line ``ACTION N`` with the number of messages sent or connections
 held):
