@@ -9,6 +9,7 @@ count; the jobs are real ``mpiexec`` jobs (the mpich wheel's), as in tests/test_
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -209,7 +210,8 @@ def test_strangers_neither_end_nor_change_a_healthy_job() -> None:
     assert counts[0] > 5 * MAX_CONNECTIONS and all(n > 0 for n in counts), counts
     assert job.returncode == 0, err
     assert err.strip() == ""
-    assert out.split() == ["OK", f"{_expected_total(steps):.1f}"] * 2
+    # the two ranks' lines may interleave on the launcher's stdout
+    assert re.findall(r"OK ([0-9]+\.[0-9])", out) == [f"{_expected_total(steps):.1f}"] * 2, out
 
 
 @pytest.mark.mpi
