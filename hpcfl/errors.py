@@ -18,7 +18,8 @@ sweep use it; SLURM scripts requeue on it."""
 EXIT_PEER_LOST = 76
 """Exit code of a job ended because a peer rank did not answer within the collective deadline
 (``comm_timeout``: its node was lost or its link cut). The work up to the last checkpoint is kept:
-resume with ``--resume``; SLURM scripts requeue on it, as on 75."""
+resume with ``--resume``; SLURM scripts requeue on it, as on 75, unless the only lines in the run's
+``PEER_LOST`` come from a side without a majority (they say "without requeueing")."""
 
 
 class HpcflError(Exception):
@@ -49,10 +50,15 @@ class CommError(HpcflError):
 
 class PeerLostError(CommError):
     """A collective's peers did not answer within the deadline (or MPI reported their failure). The
-    communicator raises it on the one rank chosen to say so; the command prints it without a rank
-    prefix and ends every rank with :data:`EXIT_PEER_LOST`."""
+    communicator raises it on the one rank chosen to speak for its side; the command prints it
+    without a rank prefix and ends every rank with :data:`EXIT_PEER_LOST`. ``requeue`` is False on a
+    side that is not a majority (a tie without rank 0): it ends without asking for a requeue."""
 
     exit_code = EXIT_PEER_LOST
+
+    def __init__(self, message: str, *, requeue: bool = True) -> None:
+        super().__init__(message)
+        self.requeue = requeue
 
 
 class StoreError(HpcflError):

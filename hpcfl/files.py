@@ -214,6 +214,17 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append one line with a single ``O_APPEND`` write and flush it to disk: writers on several
+    hosts (each side of a lost link) add their lines without overwriting each other's."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line.rstrip("\n") + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, turning every failure into one clear line."""
     import yaml

@@ -184,3 +184,113 @@ def test_parse_timeout_accepts_auto_and_seconds() -> None:
     assert parse_timeout(2) == 2.0 and parse_timeout("0.5") == 0.5
     with pytest.raises(ConfigError):
         parse_timeout(True)
+
+
+# Every loss is said (issue 61): whichever side survives names the ranks that did not answer and
+# says why it ends; a side that is not a majority (a tie without rank 0 included) ends without
+# requeueing, saying so. The probe's silent cases, frozen (SIGSTOP) and killed (SIGKILL, nothing but
+# the communicator noticing).
+def _minority_line(lost: str, answered: str, share: str) -> str:
+    who = (
+        "its node was lost or its link cut"
+        if lost.startswith("rank ")
+        else "their nodes were lost or their links cut"
+    )
+    return (
+        f"hpcfl: error: {lost} (host {HOST}) did not answer within {TIMEOUT_S} s ({who}); only {answered} "
+        f"answered, {share}, so this side ends the job without requeueing it (the other side may still "
+        "run) — resume with --resume once the job has ended"
+    )
+
+
+SILENT_BEFORE = {  # ranks, the stopped ranks -> the line the surviving side says
+    (2, "0"): _minority_line("rank 0", "rank 1", "half of the 2 ranks, without rank 0"),
+    (4, "0,1"): _minority_line("ranks 0, 1", "ranks 2, 3", "half of the 4 ranks, without rank 0"),
+    (3, "1,2"): _minority_line("ranks 1, 2", "rank 0", "a minority of the 3 ranks"),
+}
+
+
+def _stopping_job(
+    ranks: int, mode: str, stopped: str, *launcher: str, guard: bool = True
+) -> subprocess.CompletedProcess:
+    env = repo_env()
+    env.pop("HPCFL_RANK_GUARD", None)
+    env.pop("HPCFL_COMM_TIMEOUT", None)
+    rank = [sys.executable, str(PROGRAM), mode, str(TIMEOUT_S), stopped]
+    if not guard:  # a killed rank's exit reaches the launcher as a plain exit code, not a signal
+        env["HPCFL_RANK_GUARD"] = "0"
+        # hydra may signal a dead rank's survivors with SIGUSR1 under -disable-auto-cleanup; the
+        # shell, standing where a node's own process would, must not die of it
+        rank = ["sh", "-c", "trap : USR1; " + " ".join(rank)]
+    return subprocess.run(
+        [MPIEXEC, *launcher, "-n", str(ranks), *rank], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("ranks", "stopped"), list(SILENT_BEFORE))
+def test_a_side_without_a_majority_says_what_it_saw(ranks: int, stopped: str) -> None:
+    proc = _stopping_job(ranks, "stop", stopped)
+    assert proc.returncode == EXIT_PEER_LOST, proc.stderr
+    assert proc.stderr.strip().splitlines() == [SILENT_BEFORE[ranks, stopped]]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("ranks", "stopped"), [(2, "0"), (3, "1,2")])
+def test_a_side_without_a_majority_says_what_it_saw_when_the_others_are_killed(
+    ranks: int, stopped: str
+) -> None:
+    proc = _stopping_job(ranks, "kill", stopped, "-disable-auto-cleanup", guard=False)
+    assert proc.returncode == EXIT_PEER_LOST, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln != "Killed"]  # the shell's own note
+    assert lines == [SILENT_BEFORE[ranks, stopped]]
+
+
+@pytest.mark.mpi
+def test_a_run_whose_rank_0_stops_says_so_from_rank_1_and_leaves_peer_lost(tmp_path) -> None:
+    cfg = synthetic_config(tmp_path, rounds=500, algorithm="fedavg", comm_timeout=TIMEOUT_S)
+    run = tmp_path / "run"
+    env = repo_env()
+    env.pop("HPCFL_RANK_GUARD", None)
+    env.pop("HPCFL_COMM_TIMEOUT", None)
+    job = subprocess.Popen(
+        mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(run)), env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        metrics, until = run / "metrics.jsonl", time.monotonic() + 60
+        while time.monotonic() < until and (
+            not metrics.exists() or len(metrics.read_text().splitlines()) < 2
+        ):
+            time.sleep(0.1)
+        pid = _rank_process(job.pid, 0)
+        assert pid is not None and job.poll() is None, "the run did not get going"
+        os.kill(pid, signal.SIGSTOP)
+        _, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    line = SILENT_BEFORE[2, "0"]
+    assert job.returncode == EXIT_PEER_LOST, err
+    assert err.strip().splitlines() == [line]
+    assert (run / "PEER_LOST").read_text() == line.removeprefix("hpcfl: error: ") + "\n"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stopped", ["0", "1"])
+def test_a_rank_stopped_before_the_start_up_exchange_ends_the_job_in_one_line(stopped: str) -> None:
+    # the rank stops after MPI_Init, before the communicator's roll call: nobody knows its host yet
+    proc = _stopping_job(2, "start", stopped)
+    assert proc.returncode == EXIT_PEER_LOST, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"hpcfl: error: rank {stopped} (host unknown) did not answer within {TIMEOUT_S} s (its node was "
+        "lost or its link cut); ending the job — resume with --resume"
+    ]
+
+
+@pytest.mark.mpi
+def test_a_rank_stopped_before_the_start_up_exchange_is_named_among_three() -> None:
+    proc = _stopping_job(3, "start", "2")
+    assert proc.returncode == EXIT_PEER_LOST, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"hpcfl: error: rank 2 (host unknown) did not answer within {TIMEOUT_S} s (its node was "
+        "lost or its link cut); ending the job — resume with --resume"
+    ]

@@ -4,15 +4,22 @@ Tensors go through the buffer protocol without copies when they live on the CPU;
 are staged through host memory unless the MPI library reports CUDA awareness.
 
 No collective can hang: each is a nonblocking call polled against the deadline of
-:mod:`hpcfl.comm.deadline` (objects are pickled and travel as bytes: sizes first, then the bytes).
-The communicators use ``MPI.ERRORS_RETURN``, so a peer's failure that MPI notices (a connection
-reset) comes back as an exception and counts like a passed deadline. Then the ranks that still run
-find out which peers they can reach (:meth:`MPIComm._reachable`, a token to and from every rank on
-a communicator of its own, answered by every rank that waits in a collective); the side that holds
-a majority of the ranks (a tie: the side of rank 0) speaks through its lowest rank, which raises
-:class:`~hpcfl.errors.PeerLostError` (one line naming the lost ranks and hosts, then ``MPI_Abort``
-with :data:`~hpcfl.errors.EXIT_PEER_LOST` by the command's error path); every other rank waits for
-that abort or, on the minority side, exits at once with the same code and says nothing.
+:mod:`hpcfl.comm.deadline` (objects are pickled and travel as bytes: sizes first, then the bytes);
+so is the start-up exchange (the hosts, the side channel's secret and addresses, the node's
+shared-memory split). The communicators use ``MPI.ERRORS_RETURN``, so a peer's failure that MPI notices
+(a connection reset) comes back as an exception and counts like a passed deadline. Then the ranks
+that still run find out which peers they can reach over the side channel of
+:mod:`hpcfl.comm.liveness` (:meth:`MPIComm._side`): every rank knocks on the coordinators
+(:func:`coordinators`), a coordinator on every rank, and a rank that hears no coordinator on every
+rank too. Each side of a loss then speaks once, through rank 0 if it is on that side, else the
+other coordinator, else its lowest rank, which raises :class:`~hpcfl.errors.PeerLostError` (one
+line naming the ranks and hosts that did not answer, then ``MPI_Abort`` with
+:data:`~hpcfl.errors.EXIT_PEER_LOST` by the command's error path, and the line appended to the run's
+``PEER_LOST``). A side that holds a majority of the ranks (a tie: the side of rank 0) asks for the
+requeue; any other side cannot tell a dead majority from a cut link, so it says what it saw and that
+it ends without requeueing (:func:`lost_message`). Every other rank waits for its speaker's abort.
+Before the side channel is up, the start-up exchange is a roll call (:meth:`MPIComm._roll_call`):
+rank 0 gathers every rank's part point to point, so a rank lost there is named all the same.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -30,12 +38,12 @@ import numpy as np
 import torch
 
 from hpcfl.comm.deadline import Deadline, poll
-from hpcfl.comm.liveness import Address, Beacon, knock
+from hpcfl.comm.liveness import Address, Beacon, bind_address, host_addresses, knock, new_secret
 from hpcfl.errors import EXIT_PEER_LOST, CommError, PeerLostError
 
 PROBE_MAX_S = 10.0  # the liveness probe waits min(PROBE_MAX_S, deadline / 4) for the tokens
-SPEAKER_WAIT_S = 30.0  # a rank of the speaking side that is not the speaker waits this long for its abort
-MINORITY_WAIT_S = 5.0  # a rank of the silent side waits this long before it exits: the speaker goes first
+SPEAKER_WAIT_S = 30.0  # a rank that is not its side's speaker waits this long for the speaker's abort
+_ROLL_TAG, _VERDICT_TAG = 0x6870, 0x686F  # the start-up roll calls' messages (the n-th: _ROLL_TAG + n)
 _ACTIVE: list[MPIComm] = []  # communicators whose probe receive must be cancelled before MPI_Finalize
 
 
@@ -122,22 +130,45 @@ def coordinators(hosts: list[str]) -> tuple[int, int | None]:
     return 0, other
 
 
-def lost_message(lost: list[int], hosts: list[str], cause: str) -> str:
+def lost_message(lost: list[int], hosts: list[str], cause: str, side: list[int] | None = None) -> str:
     """The one line that names the lost ranks, grouped by host, and ``cause`` (e.g. "did not answer
-    within 300 s")."""
+    within 300 s"). ``side``: the ranks that answered, when they are not a majority (a tie without
+    rank 0 included): the line then says that this side ends the job without requeueing it."""
     groups: dict[str, list[int]] = {}
     for r in lost:
-        groups.setdefault(hosts[r], []).append(r)
+        groups.setdefault(hosts[r] if r < len(hosts) else "unknown", []).append(r)
     parts = [
         f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} (host {host})"
         for host, ranks in groups.items()
     ]
     who = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
-    return (
-        f"{who} {cause} (its node was lost or its link cut); ending the job — resume with --resume"
-        if len(lost) == 1
-        else f"{who} {cause} (their nodes were lost or their links cut); ending the job — resume with --resume"
+    why = (
+        "its node was lost or its link cut" if len(lost) == 1 else "their nodes were lost or their links cut"
     )
+    if side is None:
+        return f"{who} {cause} ({why}); ending the job — resume with --resume"
+    size = len(lost) + len(side)
+    answered = f"{'rank' if len(side) == 1 else 'ranks'} {', '.join(map(str, side))}"
+    share = (
+        f"half of the {size} ranks, without rank 0"
+        if 2 * len(side) == size
+        else f"a minority of the {size} ranks"
+    )
+    return (
+        f"{who} {cause} ({why}); only {answered} answered, {share}, "
+        "so this side ends the job without requeueing it (the other side may still run) — resume with "
+        "--resume once the job has ended"
+    )
+
+
+class _ThreadRequest:
+    """A blocking call on a helper thread, seen as a request: ``Test`` is True once it returned."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self._thread = thread
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's request interface
+        return not self._thread.is_alive()
 
 
 class MPIComm:
@@ -154,22 +185,134 @@ class MPIComm:
         self._mpi.COMM_SELF.Set_errhandler(self._mpi.ERRORS_RETURN)
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
-        node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank: int = node.Get_rank()
-        self.local_size: int = node.Get_size()
-        node.Free()
         self._cuda_aware = _cuda_aware(self._mpi)
         self.deadline = Deadline(timeout)
-        self._beacon = Beacon(self.rank)  # the liveness side channel (hpcfl.comm.liveness)
-        every = self._comm.allgather((socket.gethostname(), self._beacon.address))
-        self.hosts: list[str] = [str(h) for h, _ in every]
-        self._beacons: dict[int, Address] = {r: a for r, (_, a) in enumerate(every)}
-        self._beacon.set_peers(self._beacons)
         self._lost: PeerLostError | None = None
+        self._beacon: Beacon | None = None  # the liveness side channel (hpcfl.comm.liveness)
+        self._beacons: dict[int, Address] = {}
+        self.hosts: list[str] = []
+        self._coordinators: tuple[int, int | None] = (0, None)
+        self._roll_calls = 0
+        # the start-up exchange, every step under the deadline: a rank lost here ends the job too
+        secret = new_secret() if self.rank == 0 else b""  # shared while every rank is alive
+        every = self._roll_call((socket.gethostname(), host_addresses(), secret))
+        self.hosts = [str(h) for h, _, _ in every]
         self._coordinators = coordinators(self.hosts)
+        beacon = Beacon(self.rank, every[0][2], bind_address(self.rank, self.hosts, [a for _, a, _ in every]))
+        try:
+            self._beacons = dict(enumerate(self._roll_call(beacon.address)))
+        except BaseException:
+            beacon.close()
+            raise
+        beacon.set_peers(self._beacons)
+        self._beacon = beacon
+        self.local_rank, self.local_size = self._node_rank()  # the side channel answers from here on
         if not _ACTIVE:  # runs before mpi4py's own finalize at exit (registered after it)
             atexit.register(_close_all)
         _ACTIVE.append(self)
+
+    def _roll_call(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (rank order), gathered by rank 0 and sent back to each rank, point
+        to point under the deadline: the start-up exchange, before the side channel is up.
+
+        Unlike a collective that misses its deadline, a roll call knows who is missing: rank 0 names
+        the ranks whose value did not come (their hosts when known) and tells the ranks that did
+        that it speaks; a rank that hears neither the values nor that from rank 0 names rank 0 (the
+        lowest such rank first: each waits its rank's turn, so the first one's abort ends the rest)."""
+        limit, until = self.deadline.start()
+        cause = f"did not answer within {_seconds(limit)} s"
+        comm = self._comm
+        if self.size == 1:
+            return [value]
+        self._roll_calls += 1
+        tag = _ROLL_TAG + self._roll_calls
+        try:
+            if self.rank == 0:
+                got: dict[int, Any] = {0: value}
+                status = self._mpi.Status()
+
+                def gathered() -> bool:
+                    while len(got) < self.size:
+                        msg = comm.improbe(source=self._mpi.ANY_SOURCE, tag=tag, status=status)
+                        if msg is None:
+                            return False
+                        got[status.Get_source()] = msg.recv()
+                    return True
+
+                if not poll(gathered, until):
+                    # they wait for the values: tell them rank 0 speaks
+                    told = [comm.isend(None, dest=r, tag=_VERDICT_TAG) for r in got if r]  # noqa: F841
+                    missing = [r for r in range(self.size) if r not in got]
+                    self._lost = PeerLostError(lost_message(missing, self._known_hosts(), cause))
+                    raise self._lost
+                every = [got[r] for r in range(self.size)]
+                sends = [comm.isend(every, dest=r, tag=tag) for r in range(1, self.size)]
+                if not poll(lambda: self._mpi.Request.Testall(sends), until + limit):
+                    missing = [r for r, q in enumerate(sends, start=1) if not q.Test()]
+                    self._lost = PeerLostError(lost_message(missing, self._known_hosts(), cause))
+                    raise self._lost
+                return every
+            sent = comm.isend(value, dest=0, tag=tag)
+            box: list[Any] = []
+
+            def answered() -> bool:
+                if (msg := comm.improbe(source=0, tag=tag)) is not None:
+                    box.append(msg.recv())
+                return bool(box)
+
+            if poll(answered, until):
+                sent.Wait()  # rank 0 has it
+                return box[0]
+        except self._mpi.Exception:  # a peer's failure reported by MPI: who is unknown
+            if self.rank == 0:
+                self._lost = PeerLostError(
+                    "a rank stopped answering during the start-up exchange (MPI reported a failure); "
+                    "ending the job — resume with --resume"
+                )
+                raise self._lost from None
+        if self.rank != 0:
+            grace = min(PROBE_MAX_S, max(1.0, limit / 4))
+            if poll(lambda: comm.iprobe(source=0, tag=_VERDICT_TAG), time.monotonic() + grace):
+                sys.stderr.flush()
+                time.sleep(SPEAKER_WAIT_S)  # rank 0 speaks; its abort ends this process
+                os._exit(EXIT_PEER_LOST)
+            time.sleep(min(self.rank - 1, 8) * 1.0)  # the lowest rank left speaks first
+        self._lost = PeerLostError(lost_message([0], self._known_hosts(), cause))
+        raise self._lost
+
+    def _known_hosts(self) -> list[str]:
+        """Each rank's host as far as the start-up exchange got (``unknown`` before it)."""
+        return self.hosts if len(self.hosts) == self.size else ["unknown"] * self.size
+
+    def _node_rank(self) -> tuple[int, int]:
+        """(This rank's number, the rank count) on its node's shared-memory communicator.
+
+        ``Split_type`` has no nonblocking form: it runs on a helper thread (mpi4py initialises MPI
+        with ``MPI_THREAD_MULTIPLE``) while this thread waits under the deadline; where the library
+        gives less, a bounded barrier first makes sure every rank reached it."""
+        if self.size == 1:
+            return 0, 1
+        if self._mpi.Query_thread() < self._mpi.THREAD_MULTIPLE:
+            self.barrier()
+            node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
+            result = (node.Get_rank(), node.Get_size())
+            node.Free()
+            return result
+        out: list[Any] = []
+
+        def split() -> None:
+            try:
+                node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
+                out.append((node.Get_rank(), node.Get_size()))
+                node.Free()
+            except self._mpi.Exception as err:
+                out.append(err)
+
+        worker = threading.Thread(target=split, name="hpcfl-split-type", daemon=True)
+        self._collective(lambda: (worker.start(), _ThreadRequest(worker))[1])
+        if isinstance(out[0], BaseException):
+            self._end(self.deadline.limit(), cause="stopped answering (MPI reported a failure)")
+        return out[0]
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_contiguous():
@@ -218,7 +361,8 @@ class MPIComm:
 
     def close(self) -> None:
         """Close the liveness listener (before ``MPI_Finalize``)."""
-        self._beacon.close()
+        if self._beacon is not None:
+            self._beacon.close()
 
     def _collective(self, start: Callable[[], Any]) -> None:
         """Start a nonblocking collective and wait for it within the deadline, or end the job."""
@@ -235,58 +379,64 @@ class MPIComm:
 
     def _heard_ping(self, limit: float) -> None:
         """While waiting: a knock on this rank's beacon means another rank's deadline passed; join."""
-        if self._beacon.waiting():
+        if self._beacon is not None and self._beacon.waiting():
             self._end(limit, cause=f"did not answer within {_seconds(limit)} s")
 
     def _end(self, limit: float, cause: str) -> NoReturn:
-        """Find the reachable ranks, then speak and end the job, wait for the speaker, or exit.
+        """Find this rank's side (the ranks it reaches), then speak for it and end the job, or wait
+        for the side's speaker to do so.
 
-        Only the coordinators (:func:`coordinators`) count who answers: every rank knocks on their
-        beacons, and a coordinator also knocks on every rank's so that ranks still waiting in their
-        collective join at once. The knocks go outside MPI (:mod:`hpcfl.comm.liveness`): a send to
-        a rank on a vanished host can block inside MPI itself."""
+        The knocks go outside MPI (:mod:`hpcfl.comm.liveness`): a send to a rank on a vanished host
+        can block inside MPI itself."""
         window = min(PROBE_MAX_S, limit / 4)
-        reachable, heard_coordinator = self._reachable(window)
-        lost = [r for r in range(self.size) if r not in reachable]
-        first, second = self._coordinators
-        if self.rank == first:  # rank 0's side speaks when it holds a majority or half
-            speaks = 2 * len(reachable) >= self.size
-        elif self.rank == second:  # the other coordinator only when rank 0 is gone from its side
-            speaks = first not in reachable and 2 * len(reachable) > self.size
-        else:
-            speaks = False
-        if speaks:
-            if lost:
-                message = lost_message(lost, self.hosts, cause)
-            else:
+        side, speaker = self._side(window)
+        if self.rank == speaker:
+            lost = [r for r in range(self.size) if r not in side]
+            if not lost:
                 message = (
                     f"a collective did not complete within {_seconds(limit)} s although every rank "
                     "answered (raise comm_timeout); ending the job — resume with --resume"
                 )
-            self._lost = PeerLostError(message)
+                self._lost = PeerLostError(message)
+            elif 2 * len(side) > self.size or (2 * len(side) == self.size and 0 in side):
+                self._lost = PeerLostError(lost_message(lost, self.hosts, cause))
+            else:
+                message = lost_message(lost, self.hosts, cause, side=sorted(side))
+                self._lost = PeerLostError(message, requeue=False)
             raise self._lost
         sys.stdout.flush()
         sys.stderr.flush()
-        # the speaker's abort ends this process; should it not come, end anyway. A rank that heard
-        # no coordinator is on the silent side and waits less; its exit must still not reach the
-        # launcher (srun --kill-on-bad-exit) before the speaker's line.
-        time.sleep(max(SPEAKER_WAIT_S, window) if heard_coordinator else MINORITY_WAIT_S)
+        time.sleep(max(SPEAKER_WAIT_S, 2 * window))  # the speaker's abort ends this process
         os._exit(EXIT_PEER_LOST)
 
-    def _reachable(self, window: float) -> tuple[set[int], bool]:
-        """(The ranks heard within ``window`` seconds, with this one; whether a coordinator was
-        among them.) A coordinator knocks on every rank, every other rank on the coordinators;
-        each knocked rank's beacon thread replies at once, whatever its main thread is doing."""
+    def _side(self, window: float) -> tuple[set[int], int]:
+        """(The ranks this rank reaches within about ``window`` seconds, itself included; the rank
+        that speaks for them.)
+
+        A coordinator knocks on every rank, every other rank on the coordinators; each knocked
+        rank's beacon thread replies at once, whatever its main thread is doing. A rank that hears
+        no coordinator knocks on every rank as well, so a side without coordinators still learns
+        its members (and its lowest rank speaks)."""
+        coords = {c for c in self._coordinators if c is not None}
+        others = {r: a for r, a in self._beacons.items() if r != self.rank}
+        targets = others if self.rank in coords else {c: others[c] for c in coords if c in others}
+        heard = self._listen(targets, window)
+        if not (heard & coords) and self.rank not in coords:
+            heard |= self._listen(others, window)
+        side = {self.rank} | {r for r in heard if 0 <= r < self.size}
+        first, second = self._coordinators
+        if first in side:
+            return side, first
+        if second is not None and second in side:
+            return side, second
+        return side, min(side)
+
+    def _listen(self, targets: dict[int, Address], window: float) -> set[int]:
+        """Knock on ``targets``; the ranks heard from (knocks and replies) within ``window``."""
+        assert self._beacon is not None
         until = time.monotonic() + window
-        if self.rank in self._coordinators:
-            targets = {r: a for r, a in self._beacons.items() if r != self.rank}
-        else:
-            targets = {c: self._beacons[c] for c in self._coordinators if c is not None and c != self.rank}
-        knock(targets, self.rank, window / 2)
-        heard = self._beacon.heard(max(0.0, until - time.monotonic()), enough=len(targets))
-        reachable = {self.rank} | {r for r in heard if 0 <= r < self.size}
-        others = {c for c in self._coordinators if c is not None and c != self.rank}
-        return reachable, bool(reachable & others)
+        knock(targets, self.rank, window / 2, self._beacon.secret)
+        return self._beacon.heard(max(0.0, until - time.monotonic()), enough=len(targets))
 
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, size={self.size}, local_rank={self.local_rank})"

@@ -128,11 +128,14 @@ class HpcflJob(submitit.helpers.Checkpointable):
 
     def _requeue_after_lost_peer(self, err: PeerLostError) -> NoReturn:
         """A peer was lost (:mod:`hpcfl.comm.deadline`): say the one line, ask SLURM to requeue
-        this job (the rerun resumes from the last checkpoint; the job always resumes), and end
+        this job when this side holds a majority (``err.requeue``) (the rerun resumes from the last checkpoint; the job always resumes), and end
         every rank with exit 76. ``scontrol`` directly, not submitit's checkpoint-and-requeue:
         the speaking rank need not be rank 0, and the state is the run directory's checkpoints."""
         print(f"hpcfl: error: {err}", file=sys.stderr, flush=True)
         _record_error(err)
+        if not err.requeue:  # not a majority: the line says it ends without requeueing
+            abort_world(EXIT_PEER_LOST)
+            sys.exit(EXIT_PEER_LOST)
         job_id = str(submitit.JobEnvironment().job_id)
         proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
         if proc.returncode != 0:

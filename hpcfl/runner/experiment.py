@@ -28,7 +28,7 @@ from hpcfl.comm import Communicator, get_comm
 from hpcfl.config import Config, dump_config
 from hpcfl.entk.settings import applied as entk_settings_in_force
 from hpcfl.errors import ConfigError, HpcflError, PeerLostError, RunDirError
-from hpcfl.files import append_jsonl, atomic_write_text, read_jsonl, write_jsonl
+from hpcfl.files import append_jsonl, append_line, atomic_write_text, read_jsonl, write_jsonl
 from hpcfl.privacy.build import budget_line
 from hpcfl.runner import determinism
 from hpcfl.runner.checkpoint import Checkpoint, load_checkpoint, placed_state, save_checkpoint
@@ -318,8 +318,8 @@ def run_experiment(
         return _run_locked(
             cfg, run_dir, resume=resume, overwrite=overwrite, comm=comm, stop=stop, reset=reset_clients
         )
-    except PeerLostError as err:  # the speaking rank: leave the line where a batch script looks
-        atomic_write_text(run_dir / PEER_LOST, f"{err}\n")
+    except PeerLostError as err:  # a side's speaking rank: leave its line where a batch script looks
+        append_line(run_dir / PEER_LOST, str(err))  # both sides of a cut link may speak
         raise
     finally:
         if lock is not None:

@@ -30,9 +30,10 @@ BUDGET_STOP = "privacy_budget"
 SWEEP_MANIFEST = "sweep.json"  # a sweep directory's manifest (hpcfl.sweep.plan)
 SWEEP_RUNS = "runs"  # the points' run directories: SWEEP_DIR/runs/<point name>
 FAILED = "FAILED"  # a sweep point's one-line error (hpcfl.sweep.local); never beside DONE
-# the line of a run that ended because a peer was lost (hpcfl.comm's deadline); a batch script
-# requeues on it whatever exit status the launcher reports (srun's is the signal it killed with),
-# and the next start of the run removes it
+# the lines of a run that ended because a peer was lost (hpcfl.comm's deadline), one per side that
+# spoke; a batch script requeues on a majority's line whatever exit status the launcher reports
+# (srun's is the signal it killed with), not on a line that says "without requeueing"; the next
+# start of the run removes it
 PEER_LOST = "PEER_LOST"
 MARKER = ".hpcfl-run"  # written when hpcfl starts a run in a directory
 #: Everything hpcfl writes at the top of a run directory (``slurm/`` holds job history and stays),

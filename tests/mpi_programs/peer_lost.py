@@ -1,14 +1,18 @@
-"""Run under ``mpiexec -n N``: the last rank stops answering mid-run while the others wait in a collective.
+"""Run under ``mpiexec -n N``: some ranks stop answering while the others wait in a collective.
 
-``MODE`` is ``stop`` (the rank SIGSTOPs itself: a host that vanished without its processes exiting)
-or ``kill`` (SIGKILL; run with the rank guard off and ``-disable-auto-cleanup``, so nothing but the
-communicator notices). ``TIMEOUT`` is the collective deadline in seconds. It goes through the same
-rank guard and error path as ``hpcfl``.
+``MODE`` is ``stop`` (the ranks SIGSTOP themselves mid-run: a host that vanished without its
+processes exiting), ``kill`` (SIGKILL mid-run; run with the rank guard off and
+``-disable-auto-cleanup``, so nothing but the communicator notices), ``start`` (SIGSTOP after MPI is
+initialised, before the communicator's start-up exchange) or ``run`` (nobody stops; the job runs
+``STEPS`` steps, a healthy job for strangers to knock on). ``TIMEOUT`` is the collective deadline in
+seconds; ``RANKS`` the comma-separated ranks that stop (default: the last). It goes through the same
+rank guard and error path as ``hpcfl``. Every rank prints ``OK <sum>`` when the job ends normally.
 """
 
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -18,19 +22,28 @@ from hpcfl.comm import get_comm, launched_world_size, launcher_rank, supervise_r
 supervise_rank([__file__, *sys.argv[1:]], rank=launcher_rank(), world_size=launched_world_size())
 
 MODE, TIMEOUT = sys.argv[1], sys.argv[2]
+STOPPING = [int(r) for r in sys.argv[3].split(",")] if len(sys.argv) > 3 else [launched_world_size() - 1]
+STEPS = int(sys.argv[4]) if len(sys.argv) > 4 else 3
 
 
 def body() -> int:
+    if MODE == "start":
+        from mpi4py import MPI  # initialises MPI: every rank is past MPI_Init
+
+        if MPI.COMM_WORLD.Get_rank() in STOPPING:
+            os.kill(os.getpid(), signal.SIGSTOP)
     comm = get_comm("auto", TIMEOUT)
-    total = torch.ones(1000, dtype=torch.float64)
-    for step in range(3):
-        comm.allreduce(total)
-        comm.allgather(step)
-        comm.bcast(step)
-    if comm.rank == comm.size - 1:
+    total = 0.0
+    for step in range(STEPS):
+        total += float(comm.allreduce(torch.full((1000,), float(step + 1), dtype=torch.float64)).sum())
+        total += sum(comm.allgather(step)) + comm.bcast(step)
+        if MODE == "run":
+            time.sleep(0.01)  # a step of work: strangers knock while the ranks compute and wait
+    if MODE in ("stop", "kill") and comm.rank in STOPPING:
         os.kill(os.getpid(), signal.SIGSTOP if MODE == "stop" else signal.SIGKILL)
-    comm.allreduce(total)  # the other ranks would wait here forever
+    comm.allreduce(torch.ones(1000, dtype=torch.float64))  # the other ranks would wait here forever
     comm.barrier()
+    print(f"OK {total:.1f}", flush=True)
     return 0
 
 
