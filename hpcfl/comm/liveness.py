@@ -8,12 +8,14 @@ connect gives a bounded answer: accepted, refused, or silent until the time is u
 
 Each rank listens on an ephemeral port on every interface, served by a daemon thread; the ranks
 exchange their addresses once at start-up (through the communicator, while everyone is alive).
-When a collective's deadline passes, a rank knocks on the beacons of the ranks it must tell (its
-rank number, 4 bytes, and a kind byte); the serving thread of a knocked rank records the knock and
-knocks back at once with a reply. So a rank answers whatever its main thread is doing — computing a
-long local update included — as long as its process runs and its host is reachable; a stopped
-process or a vanished host stays silent. Nothing else ever travels on these sockets. Standard
-library only.
+Two conversations use them. While a collective waits past its deadline, the waiting rank pings
+every other rank (:meth:`Beacon.ping`): the serving thread of a pinged rank answers with a pong and
+records nothing, so a rank that is only slow keeps the collective waiting. When the job must end,
+a rank knocks on the beacons of the ranks it must tell (its rank number, 4 bytes, and a kind byte);
+the serving thread of a knocked rank records the knock (its rank joins the count) and knocks back
+at once with a reply. So a rank answers whatever its main thread is doing — computing a long local
+update included — as long as its process runs and its host is reachable; a stopped process or a
+vanished host stays silent. Nothing else ever travels on these sockets. Standard library only.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import time
 
 Address = tuple[tuple[str, ...], int]  # (the host's IPv4 addresses, the port)
 
-KNOCK, REPLY = 0, 1
+KNOCK, REPLY = 0, 1  # the job ends: join the count / counted
+PING, PONG = 2, 3  # are you there (a collective waits past its deadline) / here, keep waiting
 _MESSAGE = struct.Struct("!iB")  # the sender's rank, the kind
 _SIOCGIFADDR = 0x8915
 _BATCH = 256  # connections in flight at once (file descriptors are finite)
@@ -65,6 +68,7 @@ class Beacon:
         self.address: Address = (host_addresses(), int(self._sock.getsockname()[1]))
         self._peers: dict[int, Address] = {}
         self._knocked: set[int] = set()  # ranks whose knock or reply arrived
+        self._ponged: set[int] = set()  # ranks whose pong arrived since the last ping
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="hpcfl-beacon", daemon=True)
@@ -88,6 +92,21 @@ class Beacon:
                 got = set(self._knocked)
             if (enough is not None and len(got) >= enough) or time.monotonic() >= until:
                 return got
+            time.sleep(0.002)
+
+    def ping(self, targets: dict[int, Address], seconds: float) -> set[int]:
+        """The target ranks that did not answer a ping within ``seconds`` (each serving thread
+        answers whatever its rank's main thread does; only a stopped process or an unreachable host
+        stays silent). Called by the main thread only."""
+        until = time.monotonic() + seconds
+        with self._lock:
+            self._ponged.clear()
+        knock(targets, self.rank, seconds / 2, kind=PING)
+        while True:
+            with self._lock:
+                missing = set(targets) - self._ponged
+            if not missing or time.monotonic() >= until:
+                return missing
             time.sleep(0.002)
 
     def close(self) -> None:
@@ -128,6 +147,13 @@ class Beacon:
     def _received(self, sender: int, kind: int) -> None:
         if sender not in self._peers:
             return  # not a rank of this job
+        if kind == PING:
+            knock({sender: self._peers[sender]}, self.rank, REPLY_S, kind=PONG)
+            return
+        if kind == PONG:
+            with self._lock:
+                self._ponged.add(sender)
+            return
         with self._lock:
             self._knocked.add(sender)
         if kind == KNOCK:

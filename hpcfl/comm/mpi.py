@@ -5,8 +5,11 @@ are staged through host memory unless the MPI library reports CUDA awareness.
 
 No collective can hang: each is a nonblocking call polled against the deadline of
 :mod:`hpcfl.comm.deadline` (objects are pickled and travel as bytes: sizes first, then the bytes).
+When the deadline passes, the waiting rank pings every other rank's side channel
+(:meth:`~hpcfl.comm.liveness.Beacon.ping`): while all answer, it keeps waiting (a slow rank is not a
+lost one); a rank silent to :data:`~hpcfl.comm.deadline.KNOCK_TRIES` pings in a row is lost.
 The communicators use ``MPI.ERRORS_RETURN``, so a peer's failure that MPI notices (a connection
-reset) comes back as an exception and counts like a passed deadline. Then the ranks that still run
+reset) comes back as an exception and counts like a lost rank. Then the ranks that still run
 find out which peers they can reach (:meth:`MPIComm._reachable`, a token to and from every rank on
 a communicator of its own, answered by every rank that waits in a collective); the side that holds
 a majority of the ranks (a tie: the side of rank 0) speaks through its lowest rank, which raises
@@ -29,11 +32,10 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from hpcfl.comm.deadline import Deadline, poll
+from hpcfl.comm.deadline import KNOCK_TRIES, CommDeadline, poll
 from hpcfl.comm.liveness import Address, Beacon, knock
 from hpcfl.errors import EXIT_PEER_LOST, CommError, PeerLostError
 
-PROBE_MAX_S = 10.0  # the liveness probe waits min(PROBE_MAX_S, deadline / 4) for the tokens
 SPEAKER_WAIT_S = 30.0  # a rank of the speaking side that is not the speaker waits this long for its abort
 MINORITY_WAIT_S = 5.0  # a rank of the silent side waits this long before it exits: the speaker goes first
 _ACTIVE: list[MPIComm] = []  # communicators whose probe receive must be cancelled before MPI_Finalize
@@ -142,10 +144,10 @@ def lost_message(lost: list[int], hosts: list[str], cause: str) -> str:
 
 class MPIComm:
     """``MPI.COMM_WORLD`` (or a given communicator) behind the :class:`Communicator` interface, each
-    collective bounded by a deadline: ``timeout`` seconds, or ``auto`` (None; see
-    :mod:`hpcfl.comm.deadline`)."""
+    collective bounded by a deadline: a resolved :class:`~hpcfl.comm.deadline.CommDeadline`,
+    ``timeout`` seconds, or ``auto`` (None; see :mod:`hpcfl.comm.deadline`)."""
 
-    def __init__(self, comm: Any | None = None, timeout: float | None = None) -> None:
+    def __init__(self, comm: Any | None = None, timeout: CommDeadline | float | None = None) -> None:
         self._mpi = _import_mpi()
         self._comm = comm if comm is not None else self._mpi.COMM_WORLD
         self._comm.Set_errhandler(self._mpi.ERRORS_RETURN)
@@ -159,7 +161,7 @@ class MPIComm:
         self.local_size: int = node.Get_size()
         node.Free()
         self._cuda_aware = _cuda_aware(self._mpi)
-        self.deadline = Deadline(timeout)
+        self.deadline = CommDeadline.given(timeout)  # read by the collectives and the run record
         self._beacon = Beacon(self.rank)  # the liveness side channel (hpcfl.comm.liveness)
         every = self._comm.allgather((socket.gethostname(), self._beacon.address))
         self.hosts: list[str] = [str(h) for h, _ in every]
@@ -224,14 +226,31 @@ class MPIComm:
         """Start a nonblocking collective and wait for it within the deadline, or end the job."""
         if self._lost is not None:  # a peer is already known lost: waiting again would only stall
             raise self._lost
-        limit, until = self.deadline.start()
+        limit = self.deadline.seconds
         try:
             request = start()
-            if poll(request.Test, until, idle=lambda: self._heard_ping(limit)):
-                return
+            while True:
+                if poll(request.Test, time.monotonic() + limit, idle=lambda: self._heard_ping(limit)):
+                    return
+                # past the deadline: keep waiting while every rank answers (slow is not lost); a
+                # collective that completed during the pings is tested at once by the next poll
+                if self._silent() and not request.Test():
+                    break
         except self._mpi.Exception:  # a peer's failure reported by MPI (connection reset, ...)
             self._end(limit, cause="stopped answering (MPI reported a failure)")
         self._end(limit, cause=f"did not answer within {_seconds(limit)} s")
+
+    def _silent(self) -> set[int]:
+        """The ranks that answered none of :data:`KNOCK_TRIES` pings in a row (each awaited
+        ``probe_s``), the collective having waited its deadline: empty while every rank answers,
+        however long its main thread computes."""
+        missing = {r for r in self._beacons if r != self.rank}
+        for _ in range(KNOCK_TRIES):
+            missing = self._beacon.ping({r: self._beacons[r] for r in missing}, self.deadline.probe_s)
+            if not missing:
+                break
+            self._heard_ping(self.deadline.seconds)  # another rank may already be ending the job
+        return missing
 
     def _heard_ping(self, limit: float) -> None:
         """While waiting: a knock on this rank's beacon means another rank's deadline passed; join."""
@@ -245,7 +264,7 @@ class MPIComm:
         beacons, and a coordinator also knocks on every rank's so that ranks still waiting in their
         collective join at once. The knocks go outside MPI (:mod:`hpcfl.comm.liveness`): a send to
         a rank on a vanished host can block inside MPI itself."""
-        window = min(PROBE_MAX_S, limit / 4)
+        window = self.deadline.probe_s
         reachable, heard_coordinator = self._reachable(window)
         lost = [r for r in range(self.size) if r not in reachable]
         first, second = self._coordinators
@@ -260,8 +279,8 @@ class MPIComm:
                 message = lost_message(lost, self.hosts, cause)
             else:
                 message = (
-                    f"a collective did not complete within {_seconds(limit)} s although every rank "
-                    "answered (raise comm_timeout); ending the job — resume with --resume"
+                    f"a collective failed although every rank answered the count ({cause}); ending "
+                    "the job — resume with --resume"
                 )
             self._lost = PeerLostError(message)
             raise self._lost

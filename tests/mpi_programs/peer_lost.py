@@ -2,13 +2,16 @@
 
 ``MODE`` is ``stop`` (the rank SIGSTOPs itself: a host that vanished without its processes exiting)
 or ``kill`` (SIGKILL; run with the rank guard off and ``-disable-auto-cleanup``, so nothing but the
-communicator notices). ``TIMEOUT`` is the collective deadline in seconds. It goes through the same
-rank guard and error path as ``hpcfl``.
+communicator notices), or ``slow SECONDS``: the last rank computes (matrix products, its main thread
+busy) for SECONDS, many deadlines long, before the collective the others wait in; every rank then
+prints ``OK <rank> waited <seconds>`` when the sums are right. ``TIMEOUT`` is the collective deadline
+in seconds. It goes through the same rank guard and error path as ``hpcfl``.
 """
 
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -27,10 +30,19 @@ def body() -> int:
         comm.allreduce(total)
         comm.allgather(step)
         comm.bcast(step)
-    if comm.rank == comm.size - 1:
+    if MODE == "slow" and comm.rank == comm.size - 1:
+        torch.set_num_threads(1)
+        a, until = torch.randn(256, 256, dtype=torch.float64), time.monotonic() + float(sys.argv[3])
+        while time.monotonic() < until:  # compute, not sleep: the main thread stays busy
+            a = torch.tanh(a @ a)
+    elif comm.rank == comm.size - 1:
         os.kill(os.getpid(), signal.SIGSTOP if MODE == "stop" else signal.SIGKILL)
+    started = time.monotonic()
     comm.allreduce(total)  # the other ranks would wait here forever
+    waited = time.monotonic() - started
     comm.barrier()
+    assert torch.equal(total, torch.full_like(total, float(comm.size) ** 4)), total[:3]
+    print(f"OK {comm.rank} waited {waited:.1f}", flush=True)
     return 0
 
 
