@@ -460,3 +460,47 @@ def test_a_cut_link_ends_the_job_in_one_line_and_the_rerun_resumes_bit_identical
     assert [r["round"] for r in _rows(run_dir)] == list(range(1, FAULT_ROUNDS + 1))
     assert _results(run_dir) == _results(reference)
     assert torch.equal(final_state(run_dir), final_state(reference))
+
+
+def test_a_cut_link_on_the_batch_host_requeues_a_job_that_runs(
+    cluster: SlurmCluster, fault_reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """slurm/cpu.sbatch: node 1 — the batch host, rank 0's node — loses its link mid-round. Rank
+    0's side (a tie) says the line, but node 1 cannot reach the controller to requeue: SLURM
+    requeues the job on the node's failure, the batch script keeps trying instead of reporting an
+    end the rerun could be taken for, and once the link is mended the rerun resumes bit-identically."""
+    cfg, reference = fault_reference
+    run_dir = tmp_path / "run"
+    gate = _gate(cfg)
+    job = cluster.sbatch(
+        (REPO / "slurm" / "cpu.sbatch").read_text(),
+        args=["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        env={
+            **repo_env(),
+            "CONFIG": str(cfg),
+            "RUN_DIR": str(run_dir),
+            "HPCFL": f"{sys.executable} -m hpcfl",
+        },
+    )
+    log = cluster.output_path(job)
+    t_hit = _strike_mid_round(run_dir, gate, lambda: cluster.network.cut(1))
+    try:
+        _wait_for(lambda: (run_dir / "PEER_LOST").exists(), 60, "the lost peer's line")
+        said = time.monotonic() - t_hit
+        _wait_for(lambda: cluster.squeue_state(job) in ("PENDING", "REQUEUED"), 120, "the requeue")
+        requeued = time.monotonic() - t_hit
+    finally:
+        cluster.network.mend(1)
+    state = cluster.wait_state(job, ["COMPLETED"], timeout=240)
+    print(f"\nnode 1's link cut: the line {said:.1f} s later, requeued {requeued:.1f} s later")
+    assert state == "COMPLETED", log.read_text() + cluster.log_tails(20)
+    text = log.read_text()
+    errors = [x for x in text.splitlines() if x.startswith("hpcfl: error:")]
+    assert (  # rank 0's side speaks (node 2's side may say what it saw too)
+        "hpcfl: error: ranks 2, 3 (host node2) did not answer within 4 s (their nodes were lost or their "
+        "links cut); ending the job — resume with --resume"
+    ) in errors, text
+    assert "run 1: 4 ranks" in text, text
+    assert [r["round"] for r in _rows(run_dir)] == list(range(1, FAULT_ROUNDS + 1))
+    assert _results(run_dir) == _results(reference)
+    assert torch.equal(final_state(run_dir), final_state(reference))
