@@ -467,8 +467,10 @@ def test_a_cut_link_on_the_batch_host_requeues_a_job_that_runs(
 ) -> None:
     """slurm/cpu.sbatch: node 1 — the batch host, rank 0's node — loses its link mid-round. Rank
     0's side (a tie) says the line, but node 1 cannot reach the controller to requeue: SLURM
-    requeues the job on the node's failure, the batch script keeps trying instead of reporting an
-    end the rerun could be taken for, and once the link is mended the rerun resumes bit-identically."""
+    requeues the job on the node's failure, and once the link is mended the rerun resumes
+    bit-identically. (Here srun stays blocked while the link is down, so the batch script is ended
+    by slurmd when node 1 registers again; where srun returns first, the script keeps asking the
+    controller instead of reporting an end the rerun could be taken for: tests/test_requeue.py.)"""
     cfg, reference = fault_reference
     run_dir = tmp_path / "run"
     gate = _gate(cfg)

@@ -253,7 +253,8 @@ class MPIComm:
         return missing
 
     def _heard_ping(self, limit: float) -> None:
-        """While waiting: a knock on this rank's beacon means another rank's deadline passed; join."""
+        """While waiting: a knock on this rank's beacon (not a ping) means another rank found a
+        rank lost, or MPI failed it; join the count."""
         if self._beacon.waiting():
             self._end(limit, cause=f"did not answer within {_seconds(limit)} s")
 
