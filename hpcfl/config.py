@@ -75,7 +75,7 @@ class Config:
     # auto | SECONDS: the deadline of every collective under MPI: past it, the waiting rank knocks on the
     # others' side channel and keeps waiting while all answer (slow is not lost); a rank silent to two
     # knocks (its node lost, its link cut) ends the job with one line and exit 76 (requeue / --resume)
-    # within SECONDS + 3 x min(10, SECONDS/4). auto = 20 s (noticed within 35 s); $HPCFL_COMM_TIMEOUT overrides
+    # within SECONDS + 3 x SECONDS/4 (0.5..10 s). auto = 20 s (noticed within 35 s); $HPCFL_COMM_TIMEOUT overrides
     comm_timeout: str = "auto"
     progress: bool = True
     cka_metrics: bool = False  # per-layer CKA of each client's model vs the global model in metrics rows

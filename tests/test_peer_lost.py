@@ -100,6 +100,7 @@ def test_the_default_notices_a_lost_rank_within_a_minute() -> None:
     assert deadline.bound_s <= 60
     assert CommDeadline.resolve("4", environ={}).bound_s == 4 + 3 * 1.0
     assert CommDeadline.resolve("200", environ={}).probe_s == 10.0  # the knocks wait at most 10 s
+    assert CommDeadline.resolve("0.02", environ={}).probe_s == 0.5  # and at least 0.5 s
 
 
 @pytest.mark.mpi

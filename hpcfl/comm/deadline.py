@@ -31,7 +31,10 @@ from hpcfl.errors import ConfigError
 
 ENV = "HPCFL_COMM_TIMEOUT"
 AUTO_S = 20.0  # auto: knock after this long in one collective (a lost rank is noticed within 35 s)
-PROBE_MAX_S = 10.0  # a knock's answers are awaited min(PROBE_MAX_S, seconds / 4)
+PROBE_MAX_S = 10.0  # a knock's answers are awaited min(PROBE_MAX_S, max(PROBE_MIN_S, seconds / 4))
+# ... and never less than this: a busy or loaded host answers in milliseconds, but not always in 5
+# (measured: a 0.02 s deadline's 5 ms wait took a computing rank on another emulated node for lost)
+PROBE_MIN_S = 0.5
 KNOCK_TRIES = 2  # a rank is lost only after this many unanswered knocks in a row
 # Polling: spin (each test drives MPI's progress engine, and a large message needs many of those)
 # for SPIN_S, then sleep between tests, doubling from SLEEP_MIN_S up to SLEEP_CAP_S so a collective
@@ -99,7 +102,7 @@ class CommDeadline:
     @property
     def probe_s(self) -> float:
         """Seconds one round of knocks (and the count of who answers, when the job ends) waits."""
-        return min(PROBE_MAX_S, self.seconds / 4)
+        return min(PROBE_MAX_S, max(PROBE_MIN_S, self.seconds / 4))
 
     @property
     def bound_s(self) -> float:
