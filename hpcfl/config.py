@@ -72,9 +72,10 @@ class Config:
     device: str = "cpu"  # cpu | cuda (the GPU of the rank's local index)
     threads: int | None = None  # torch intra-op threads per rank (None: torch's default)
     comm: str = "auto"  # auto | local | mpi
-    # auto | SECONDS: the deadline of every collective under MPI; a peer that does not answer within it
-    # (its node lost, its link cut) ends the job with one line and exit 76 (requeue / --resume). auto =
-    # max(300 s, 10 x the longest interval between collectives seen so far); $HPCFL_COMM_TIMEOUT overrides
+    # auto | SECONDS: the deadline of every collective under MPI: past it, the waiting rank knocks on the
+    # others' side channel and keeps waiting while all answer (slow is not lost); a rank silent to two
+    # knocks (its node lost, its link cut) ends the job with one line and exit 76 (requeue / --resume)
+    # within SECONDS + 3 x SECONDS/4 (0.5..10 s). auto = 20 s (noticed within 35 s); $HPCFL_COMM_TIMEOUT overrides
     comm_timeout: str = "auto"
     progress: bool = True
     cka_metrics: bool = False  # per-layer CKA of each client's model vs the global model in metrics rows

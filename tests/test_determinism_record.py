@@ -34,6 +34,8 @@ def test_run_records_the_threads_of_every_rank(tmp_path):
         "device": "cpu",
         "comm_timeout": "auto",
         "comm_timeout_from": "config",
+        "comm_knock_after_s": 20.0,
+        "comm_lost_noticed_within_s": 35.0,
     }
 
 

@@ -1,15 +1,19 @@
-"""A peer that stops answering without its process exiting ends the MPI job in one line (issue 50).
+"""A peer that stops answering without its process exiting ends the MPI job in one line (issue 50);
+a peer that only computes for long is waited for (issue 61).
 
 A host that vanishes (a node lost, a link cut) leaves its peers waiting in a collective; the
 deadline of :mod:`hpcfl.comm.deadline` bounds that wait. Here a rank SIGSTOPs itself (it neither
 dies nor answers) or is SIGKILLed where the launcher does not notice; the job must end within the
-deadline plus the probe with exactly one line naming the rank and its host, and exit 76.
+deadline plus the knocks and the count with exactly one line naming the rank and its host, and exit
+76. A rank that computes for many deadlines answers the knocks (its beacon thread serves them), so
+the others keep waiting and the job ends well.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from hpcfl.cli.main import main
-from hpcfl.comm.deadline import FACTOR, FLOOR_S, Deadline, parse_timeout, resolve_timeout
+from hpcfl.comm.deadline import AUTO_S, CommDeadline, parse_timeout
 from hpcfl.comm.mpi import lost_message
 from hpcfl.errors import EXIT_PEER_LOST, ConfigError
 from tests.helpers import MPIEXEC, REPO, mpiexec_cmd, repo_env, run_mpi_program, synthetic_config
@@ -38,14 +42,20 @@ def _line(rank: int) -> str:
 
 
 def _job(
-    ranks: int, mode: str, *launcher: str, guard: bool = True, wrap: bool = False
+    ranks: int,
+    mode: str,
+    *launcher: str,
+    guard: bool = True,
+    wrap: bool = False,
+    timeout_s: float = TIMEOUT_S,
+    extra: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     env = repo_env()
     env.pop("HPCFL_RANK_GUARD", None)
     env.pop("HPCFL_COMM_TIMEOUT", None)
     if not guard:
         env["HPCFL_RANK_GUARD"] = "0"
-    rank = [sys.executable, str(PROGRAM), mode, str(TIMEOUT_S)]
+    rank = [sys.executable, str(PROGRAM), mode, str(timeout_s), *extra]
     if wrap:  # the killed rank's exit reaches the launcher as a plain exit code, not a signal
         rank = ["sh", "-c", " ".join(rank)]
     # a hang would end in TimeoutExpired
@@ -60,6 +70,37 @@ def test_a_stopped_rank_ends_the_job_with_one_line(ranks: int) -> None:
     proc = _job(ranks, "stop")
     assert proc.returncode == EXIT_PEER_LOST, proc.stderr
     assert proc.stderr.strip().splitlines() == [_line(ranks - 1)]
+
+
+SLOW_TIMEOUT_S = 4  # the slow rank's job: knocks every 4 s, each awaited 1 s
+SLOW_S = 10  # the slow rank computes this long before the collective: two rounds of knocks
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_rank_that_computes_for_many_deadlines_is_waited_for(ranks: int) -> None:
+    """Being slow is not being gone: the others knock while they wait, the busy rank's beacon
+    thread answers, and the collective completes with the right sums and no line."""
+    proc = _job(ranks, "slow", timeout_s=SLOW_TIMEOUT_S, extra=(str(SLOW_S),))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == ""
+    # the ranks' lines reach mpiexec's stdout interleaved (one may end inside another): find each
+    waited = {int(r): float(w) for r, w in re.findall(r"OK (\d+) waited (\d+\.\d)", proc.stdout)}
+    assert sorted(waited) == list(range(ranks))
+    # the others waited through several deadlines (the knocks kept them waiting), not ended at one
+    assert all(waited[r] > 1.5 * SLOW_TIMEOUT_S for r in range(ranks - 1)), waited
+    print(f"\nwaited past {SLOW_TIMEOUT_S} s deadlines for a busy rank: {waited}")
+
+
+def test_the_default_notices_a_lost_rank_within_a_minute() -> None:
+    """auto knocks after 20 s; a rank silent to two knocks (5 s each) is lost and the count takes
+    5 s more: 35 s from the moment the others wait for it, with no upper limit on a slow rank."""
+    deadline = CommDeadline.resolve("auto", environ={})
+    assert (deadline.seconds, deadline.probe_s, deadline.bound_s) == (AUTO_S, 5.0, 35.0)
+    assert deadline.bound_s <= 60
+    assert CommDeadline.resolve("4", environ={}).bound_s == 4 + 3 * 1.0
+    assert CommDeadline.resolve("200", environ={}).probe_s == 10.0  # the knocks wait at most 10 s
+    assert CommDeadline.resolve("0.02", environ={}).probe_s == 0.5  # and at least 0.5 s
 
 
 @pytest.mark.mpi
@@ -133,15 +174,23 @@ def test_lost_ranks_are_named_grouped_by_host() -> None:
     )
 
 
-def test_auto_deadline_is_the_floor_or_ten_times_the_longest_interval() -> None:
-    now = [0.0]
-    deadline = Deadline(None, clock=lambda: now[0])
-    assert deadline.start() == (FLOOR_S, FLOOR_S)
-    now[0] = 40.0
-    deadline.start()
-    now[0] = 45.0
-    assert deadline.start() == (FACTOR * 40.0, 45.0 + FACTOR * 40.0)
-    assert Deadline(2.5).start()[0] == 2.5
+def test_the_deadline_is_resolved_once_from_the_config_or_the_environment() -> None:
+    env = {"HPCFL_COMM_TIMEOUT": "120"}
+    assert CommDeadline.resolve("90", environ={}) == CommDeadline(90.0, False, "config")
+    assert CommDeadline.resolve("90", environ=env) == CommDeadline(
+        120.0, False, "environment HPCFL_COMM_TIMEOUT"
+    )
+    assert CommDeadline.resolve("7", environ={"HPCFL_COMM_TIMEOUT": "auto"}).auto
+    resolved = CommDeadline.resolve("3", environ={})
+    assert CommDeadline.resolve(resolved, environ={}) is resolved  # already resolved: kept as is
+    assert CommDeadline.given(2.5) == CommDeadline(2.5, False, "argument")
+    assert CommDeadline.given(None) == CommDeadline()
+    assert CommDeadline.resolve("auto", environ={}).record() == {
+        "comm_timeout": "auto",
+        "comm_timeout_from": "config",
+        "comm_knock_after_s": AUTO_S,
+        "comm_lost_noticed_within_s": 35.0,
+    }
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "soon", "nan", "inf"])
@@ -172,8 +221,8 @@ def test_the_record_says_which_deadline_ran_and_who_set_it(tmp_path, monkeypatch
     assert main(["run", str(cfg), "--run-dir", str(tmp_path / "a"), "--set", "comm_timeout=90"]) == 0
     record = json.loads((tmp_path / "a" / "determinism.json").read_text())
     assert (record["comm_timeout"], record["comm_timeout_from"]) == (90.0, "config")
+    assert record["comm_lost_noticed_within_s"] == 90 + 3 * 10.0
     monkeypatch.setenv("HPCFL_COMM_TIMEOUT", "120")
-    assert resolve_timeout("90") == (120.0, "environment HPCFL_COMM_TIMEOUT")
     assert main(["run", str(cfg), "--run-dir", str(tmp_path / "b"), "--set", "comm_timeout=90"]) == 0
     record = json.loads((tmp_path / "b" / "determinism.json").read_text())
     assert (record["comm_timeout"], record["comm_timeout_from"]) == (120.0, "environment HPCFL_COMM_TIMEOUT")

@@ -20,6 +20,7 @@ from hpcfl.comm.placement import place_clients, place_round
 
 if TYPE_CHECKING:
     from hpcfl.comm.base import Communicator
+    from hpcfl.comm.deadline import CommDeadline
 
 # torch loads with the communicators, not with the launcher helpers every command uses
 lazy_exports(__name__, {"hpcfl.comm.base": ["Communicator"], "hpcfl.comm.local": ["LocalComm"]})
@@ -46,22 +47,23 @@ def launcher_rank() -> int:
     return 0
 
 
-def get_comm(kind: str = "auto", timeout: object = "auto") -> Communicator:
+def get_comm(kind: str = "auto", timeout: object | CommDeadline = "auto") -> Communicator:
     """Return the communicator for this process: ``local``, ``mpi`` or ``auto`` (MPI if launched so).
 
     ``timeout``: the ``comm_timeout`` setting (``auto`` or seconds; ``$HPCFL_COMM_TIMEOUT`` overrides
-    it), the deadline of each MPI collective (:mod:`hpcfl.comm.deadline`).
+    it) or a resolved :class:`~hpcfl.comm.deadline.CommDeadline`. It is resolved here, once; the
+    communicator carries it as ``deadline`` for its collectives and for the run record.
     """
+    from hpcfl.comm.deadline import CommDeadline
+
+    deadline = CommDeadline.resolve(timeout)  # a bad value fails here, before MPI starts
     if kind == "local" or (kind == "auto" and launched_world_size() <= 1):
         from hpcfl.comm.local import LocalComm
 
-        return LocalComm()
-    from hpcfl.comm.deadline import resolve_timeout
-
-    seconds, _ = resolve_timeout(timeout)  # a bad value fails here, before MPI starts
+        return LocalComm(deadline)
     from hpcfl.comm.mpi import MPIComm
 
-    return MPIComm(timeout=seconds)
+    return MPIComm(timeout=deadline)
 
 
 def mpi_initialized() -> bool:

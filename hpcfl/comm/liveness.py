@@ -6,11 +6,14 @@ with MPICH's OFI/TCP netmod: still blocked 6 s after a node was killed (the conn
 reset), and minutes behind a cut link (TCP's SYN retries). A plain socket with a non-blocking
 connect gives a bounded answer: accepted, refused, or silent until the time is up.
 
-When a collective's deadline passes, a rank knocks on the beacons of the ranks it must tell; the
-serving thread (a daemon) of a knocked rank records the knock and knocks back at once with a reply.
-So a rank answers whatever its main thread is doing — computing a long local update included — as
-long as its process runs and its host is reachable; a stopped process or a vanished host stays
-silent. Nothing else ever travels on these sockets. Standard library only.
+Two conversations use them. While a collective waits past its deadline, the waiting rank pings
+every other rank (:meth:`Beacon.ping`): the serving thread (a daemon) of a pinged rank answers with
+a pong and records nothing, so a rank that is only slow keeps the collective waiting. When the job
+must end, a rank knocks on the beacons of the ranks it must tell; the serving thread of a knocked
+rank records the knock (its rank joins the count) and knocks back at once with a reply. So a rank
+answers whatever its main thread is doing — computing a long local update included — as long as its
+process runs and its host is reachable; a stopped process or a vanished host stays silent. Nothing
+else ever travels on these sockets. Standard library only.
 
 **The side channel answers only the job** (a stranger on the host, or in another network
 namespace, must not be able to end a healthy job, make a frozen rank look alive, or exhaust a
@@ -20,11 +23,12 @@ rank's file descriptors):
   every rank is alive (:class:`hpcfl.comm.mpi.MPIComm`); it never leaves the job's processes.
 - *Message* (:data:`MESSAGE_BYTES` = 53 bytes, one per connection)::
 
-      sender rank (int32, big-endian) | kind (1 byte: 0 knock, 1 reply) | nonce (16 random bytes)
+      sender rank (int32, big-endian) | kind (1 byte: 0 knock, 1 reply, 2 ping, 3 pong)
+      | nonce (16 random bytes)
       | HMAC-SHA256(secret, b"hpcfl-beacon-v1" | sender | receiver | kind | nonce)   (32 bytes)
 
   The proof covers the receiver's rank, so a message meant for one rank proves nothing to another;
-  it covers the kind, so a knock cannot be turned into a reply or back; a fresh nonce per message
+  it covers the kind, so a knock cannot be turned into a reply (or a ping into a pong) or back; a fresh nonce per message
   and a receiver that remembers the nonces it accepted make a replayed message count for nothing.
 - *Receiving.* The serving thread reads at most :data:`MESSAGE_BYTES` from a connection, gives it
   :data:`CONNECTION_S` to arrive, and drops whatever fails the check (``hmac.compare_digest``)
@@ -53,7 +57,8 @@ from collections import Counter, OrderedDict
 
 Address = tuple[tuple[str, ...], int]  # (the addresses to try, in order, the port)
 
-KNOCK, REPLY = 0, 1
+KNOCK, REPLY = 0, 1  # the job ends: join the count / counted
+PING, PONG = 2, 3  # are you there (a collective waits past its deadline) / here, keep waiting
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 _HEAD = struct.Struct(f"!iB{NONCE_BYTES}s")  # the sender's rank, the kind, the nonce
@@ -88,7 +93,7 @@ def open_sealed(secret: bytes, receiver: int, data: bytes) -> tuple[int, int, by
     if len(data) != MESSAGE_BYTES:
         return None
     sender, kind, nonce = _HEAD.unpack(data[: _HEAD.size])
-    if kind not in (KNOCK, REPLY):
+    if kind not in (KNOCK, REPLY, PING, PONG):
         return None
     if not hmac.compare_digest(data[_HEAD.size :], _proof(secret, sender, receiver, kind, nonce)):
         return None
@@ -159,6 +164,7 @@ class Beacon:
         self.address: Address = ((host,), int(self._sock.getsockname()[1]))
         self._peers: dict[int, Address] = {}
         self._knocked: set[int] = set()  # ranks whose knock or reply arrived
+        self._ponged: set[int] = set()  # ranks whose pong arrived since the last ping
         self._nonces: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -173,6 +179,21 @@ class Beacon:
         """Whether some rank has knocked: cheap enough to poll between MPI tests."""
         with self._lock:
             return bool(self._knocked)
+
+    def ping(self, targets: dict[int, Address], seconds: float) -> set[int]:
+        """The target ranks that did not answer a ping within ``seconds`` (each serving thread
+        answers whatever its rank's main thread does; only a stopped process or an unreachable host
+        stays silent). Called by the main thread only."""
+        until = time.monotonic() + seconds
+        with self._lock:
+            self._ponged.clear()
+        knock(targets, self.rank, seconds / 2, self.secret, kind=PING)
+        while True:
+            with self._lock:
+                missing = set(targets) - self._ponged
+            if not missing or time.monotonic() >= until:
+                return missing
+            time.sleep(0.002)
 
     def heard(self, seconds: float, *, enough: int | None = None) -> set[int]:
         """The ranks heard from (knocks and replies) after waiting up to ``seconds``, or as soon
@@ -263,8 +284,13 @@ class Beacon:
             self._nonces[nonce] = None
             if len(self._nonces) > _NONCES_KEPT:
                 self._nonces.popitem(last=False)
-            self._knocked.add(sender)
-        if kind == KNOCK:
+            if kind == PONG:
+                self._ponged.add(sender)
+            elif kind != PING:
+                self._knocked.add(sender)
+        if kind == PING:
+            knock({sender: self._peers[sender]}, self.rank, REPLY_S, self.secret, kind=PONG)
+        elif kind == KNOCK:
             knock({sender: self._peers[sender]}, self.rank, REPLY_S, self.secret, kind=REPLY)
         return True
 

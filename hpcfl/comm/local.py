@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from hpcfl.comm.deadline import CommDeadline
+
 
 class LocalComm:
     """One rank that owns every client; every collective is the identity."""
@@ -15,6 +17,10 @@ class LocalComm:
     size = 1
     local_rank = 0
     local_size = 1
+
+    def __init__(self, deadline: CommDeadline | None = None) -> None:
+        # never waited on with one rank; carried so the run record states the setting in force
+        self.deadline = deadline if deadline is not None else CommDeadline()
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

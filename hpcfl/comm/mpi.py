@@ -37,11 +37,10 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from hpcfl.comm.deadline import Deadline, poll
+from hpcfl.comm.deadline import KNOCK_TRIES, CommDeadline, poll
 from hpcfl.comm.liveness import Address, Beacon, bind_address, host_addresses, knock, new_secret
 from hpcfl.errors import EXIT_PEER_LOST, CommError, PeerLostError
 
-PROBE_MAX_S = 10.0  # the liveness probe waits min(PROBE_MAX_S, deadline / 4) for the tokens
 SPEAKER_WAIT_S = 30.0  # a rank that is not its side's speaker waits this long for the speaker's abort
 _ROLL_TAG, _VERDICT_TAG = 0x6870, 0x686F  # the start-up roll calls' messages (the n-th: _ROLL_TAG + n)
 _ACTIVE: list[MPIComm] = []  # communicators whose probe receive must be cancelled before MPI_Finalize
@@ -173,10 +172,10 @@ class _ThreadRequest:
 
 class MPIComm:
     """``MPI.COMM_WORLD`` (or a given communicator) behind the :class:`Communicator` interface, each
-    collective bounded by a deadline: ``timeout`` seconds, or ``auto`` (None; see
-    :mod:`hpcfl.comm.deadline`)."""
+    collective bounded by a deadline: a resolved :class:`~hpcfl.comm.deadline.CommDeadline`,
+    ``timeout`` seconds, or ``auto`` (None; see :mod:`hpcfl.comm.deadline`)."""
 
-    def __init__(self, comm: Any | None = None, timeout: float | None = None) -> None:
+    def __init__(self, comm: Any | None = None, timeout: CommDeadline | float | None = None) -> None:
         self._mpi = _import_mpi()
         self._comm = comm if comm is not None else self._mpi.COMM_WORLD
         self._comm.Set_errhandler(self._mpi.ERRORS_RETURN)
@@ -186,7 +185,7 @@ class MPIComm:
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
         self._cuda_aware = _cuda_aware(self._mpi)
-        self.deadline = Deadline(timeout)
+        self.deadline = CommDeadline.given(timeout)  # read by the collectives and the run record
         self._lost: PeerLostError | None = None
         self._beacon: Beacon | None = None  # the liveness side channel (hpcfl.comm.liveness)
         self._beacons: dict[int, Address] = {}
@@ -219,7 +218,8 @@ class MPIComm:
         the ranks whose value did not come (their hosts when known) and tells the ranks that did
         that it speaks; a rank that hears neither the values nor that from rank 0 names rank 0 (the
         lowest such rank first: each waits its rank's turn, so the first one's abort ends the rest)."""
-        limit, until = self.deadline.start()
+        limit = self.deadline.seconds  # no side channel yet: slow and gone look alike here
+        until = time.monotonic() + limit
         cause = f"did not answer within {_seconds(limit)} s"
         comm = self._comm
         if self.size == 1:
@@ -271,7 +271,7 @@ class MPIComm:
                 )
                 raise self._lost from None
         if self.rank != 0:
-            grace = min(PROBE_MAX_S, max(1.0, limit / 4))
+            grace = max(1.0, self.deadline.probe_s)
             if poll(lambda: comm.iprobe(source=0, tag=_VERDICT_TAG), time.monotonic() + grace):
                 sys.stderr.flush()
                 time.sleep(SPEAKER_WAIT_S)  # rank 0 speaks; its abort ends this process
@@ -311,7 +311,7 @@ class MPIComm:
         worker = threading.Thread(target=split, name="hpcfl-split-type", daemon=True)
         self._collective(lambda: (worker.start(), _ThreadRequest(worker))[1])
         if isinstance(out[0], BaseException):
-            self._end(self.deadline.limit(), cause="stopped answering (MPI reported a failure)")
+            self._end(self.deadline.seconds, cause="stopped answering (MPI reported a failure)")
         return out[0]
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -368,17 +368,37 @@ class MPIComm:
         """Start a nonblocking collective and wait for it within the deadline, or end the job."""
         if self._lost is not None:  # a peer is already known lost: waiting again would only stall
             raise self._lost
-        limit, until = self.deadline.start()
+        limit = self.deadline.seconds
         try:
             request = start()
-            if poll(request.Test, until, idle=lambda: self._heard_ping(limit)):
-                return
+            while True:
+                if poll(request.Test, time.monotonic() + limit, idle=lambda: self._heard_ping(limit)):
+                    return
+                # past the deadline: keep waiting while every rank answers (slow is not lost); a
+                # collective that completed during the pings is tested at once by the next poll
+                if self._silent() and not request.Test():
+                    break
         except self._mpi.Exception:  # a peer's failure reported by MPI (connection reset, ...)
             self._end(limit, cause="stopped answering (MPI reported a failure)")
         self._end(limit, cause=f"did not answer within {_seconds(limit)} s")
 
+    def _silent(self) -> set[int]:
+        """The ranks that answered none of :data:`KNOCK_TRIES` pings in a row (each awaited
+        ``probe_s``), the collective having waited its deadline: empty while every rank answers,
+        however long its main thread computes."""
+        missing = {r for r in range(self.size) if r != self.rank}
+        if self._beacon is None:  # before the side channel is up nobody can be asked
+            return missing
+        for _ in range(KNOCK_TRIES):
+            missing = self._beacon.ping({r: self._beacons[r] for r in missing}, self.deadline.probe_s)
+            if not missing:
+                break
+            self._heard_ping(self.deadline.seconds)  # another rank may already be ending the job
+        return missing
+
     def _heard_ping(self, limit: float) -> None:
-        """While waiting: a knock on this rank's beacon means another rank's deadline passed; join."""
+        """While waiting: a knock on this rank's beacon (not a ping) means another rank found a
+        rank lost, or MPI failed it; join the count."""
         if self._beacon is not None and self._beacon.waiting():
             self._end(limit, cause=f"did not answer within {_seconds(limit)} s")
 
@@ -388,14 +408,14 @@ class MPIComm:
 
         The knocks go outside MPI (:mod:`hpcfl.comm.liveness`): a send to a rank on a vanished host
         can block inside MPI itself."""
-        window = min(PROBE_MAX_S, limit / 4)
+        window = self.deadline.probe_s
         side, speaker = self._side(window)
         if self.rank == speaker:
             lost = [r for r in range(self.size) if r not in side]
             if not lost:
                 message = (
-                    f"a collective did not complete within {_seconds(limit)} s although every rank "
-                    "answered (raise comm_timeout); ending the job — resume with --resume"
+                    f"a collective failed although every rank answered the count ({cause}); ending "
+                    "the job — resume with --resume"
                 )
                 self._lost = PeerLostError(message)
             elif 2 * len(side) > self.size or (2 * len(side) == self.size and 0 in side):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from hpcfl.comm import abort_world, finalize_mpi
 from hpcfl.config import config_from_dict
 from hpcfl.errors import EXIT_PEER_LOST, ConfigError, PeerLostError, StoppedError
 from hpcfl.launch.records import error_path, missing_slurm_extra
+from hpcfl.launch.requeue import requeue_lost_peer
 
 try:
     import submitit
@@ -136,12 +136,7 @@ class HpcflJob(submitit.helpers.Checkpointable):
         if not err.requeue:  # not a majority: the line says it ends without requeueing
             abort_world(EXIT_PEER_LOST)
             sys.exit(EXIT_PEER_LOST)
-        job_id = str(submitit.JobEnvironment().job_id)
-        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            print(
-                f"hpcfl: requeue of job {job_id} refused: {proc.stderr.strip()}", file=sys.stderr, flush=True
-            )
+        requeue_lost_peer(str(submitit.JobEnvironment().job_id))  # also from a batch host cut off
         abort_world(EXIT_PEER_LOST)
         sys.exit(EXIT_PEER_LOST)
 

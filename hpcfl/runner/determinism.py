@@ -55,23 +55,25 @@ def collect(
 
     import torch
 
-    from hpcfl.comm.deadline import resolve_timeout
+    from hpcfl.comm.deadline import CommDeadline
 
     where = {"host": socket.gethostname(), "local_rank": int(comm.local_rank), "device": device or cfg.device}
     if where["device"].startswith("cuda") and "CUDA_VISIBLE_DEVICES" in os.environ:
         where["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]  # the GPU SLURM bound
     every = comm.allgather((int(torch.get_num_threads()), where))
-    timeout, source = resolve_timeout(cfg.comm_timeout)
+    # the deadline the communicator's collectives hold (resolved once, when it was made)
+    deadline = getattr(comm, "deadline", None)
+    if not isinstance(deadline, CommDeadline):  # a communicator of the caller's own
+        deadline = CommDeadline.resolve(cfg.comm_timeout)
     record: dict[str, Any] = {
         "threads_per_rank": [t for t, _ in every],
         "ranks": [w for _, w in every],
         "reduction": cfg.reduction,
         "client_batch": str(cfg.client_batch),
         "device": cfg.device,
-        # not a bit-identity setting: the collective deadline (hpcfl.comm.deadline) and who set it
-        "comm_timeout": "auto" if timeout is None else timeout,
-        "comm_timeout_from": source,
     }
+    # not a bit-identity setting: the collective deadline (hpcfl.comm.deadline), who set it, its bound
+    record.update(deadline.record())
     if client_batch_used is not None:
         record["client_batch_used"] = int(client_batch_used)
     from hpcfl.entk import settings as entk_settings_module
