@@ -6,6 +6,7 @@ the contract suite's (tests/test_contract.py is parametrised over every register
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,12 @@ from hpcfl.algorithms.clock import ClockSection, Distribution, VirtualClock, upd
 from hpcfl.cli.main import main
 from hpcfl.comm import LocalComm
 from hpcfl.config import config_from_dict
+from hpcfl.errors import ConfigError
 from hpcfl.runner import run_experiment
-from hpcfl.runner.asynchronous import async_schedule
+from hpcfl.runner.asynchronous import AsyncSchedule, Step, _update, async_schedule, plan_clock
 from hpcfl.runner.federation import build_federation, model_plan
 from hpcfl.training.layout import StateLayout
+from hpcfl.training.seeds import seeded_rng
 from tests.helpers import synthetic_config
 from tests.test_contract import BASE, _rows, _StopAfterRows, two_rank_runs
 
@@ -138,6 +141,69 @@ def test_the_schedule_is_a_bounded_event_simulation_in_arrival_order(hetero: boo
         assert all(min(abs(b - m) for m in moments) < 1e-9 for b in begun.values())
     for t in moments:
         assert sum(1 for key, end in arrivals.items() if begun[key] <= t < end) <= 4
+
+
+def _eager_schedule(plan: Any, steps: int, round_offset: int = 0) -> tuple[Any, ...]:
+    """The former up-front schedule (hpcfl before issue 63), verbatim: the reference."""
+    algo = plan.algorithm
+    clock = plan_clock(plan)
+    N, C, K = plan.population.size, algo.concurrency, algo.buffer_size
+    heap: list[tuple[float, int, int, int, bool]] = []  # (arrival, seq, client, version, dropped)
+    in_flight: set[int] = set()
+    dispatched: list[list[int]] = [[]]
+    seq = 0
+
+    def dispatch(now: float, version: int) -> bool:
+        nonlocal seq
+        mine = dispatched[version]
+        pool = [k for k in range(N) if k not in in_flight and k not in mine]
+        if not pool:
+            return False
+        # host generator (deliberate): the choice depends on the seed, never on the rank
+        rng = seeded_rng(plan.seed, 0x64737063, plan.stage_index, version, len(mine))
+        k = pool[int(rng.integers(len(pool)))]
+        seconds, dropped = _update(plan, clock, version, round_offset + version + 1, k)
+        heapq.heappush(heap, (now + seconds, seq, k, version, dropped))
+        seq += 1
+        in_flight.add(k)
+        mine.append(k)
+        return True
+
+    out: list[Step] = []
+    now = 0.0
+    while len(in_flight) < C and dispatch(now, 0):
+        pass
+    for t in range(steps):
+        buffer: list[Arrival] = []
+        while len(buffer) < K:
+            if not heap:
+                raise ConfigError(
+                    f"asynchronous step {round_offset + t + 1}: every update in flight dropped out and no "
+                    "client is left to dispatch (system.dropout); lower the dropout or fix the trace"
+                )
+            now, _, k, version, dropped = heapq.heappop(heap)
+            in_flight.discard(k)
+            if not dropped:
+                buffer.append(Arrival(k, version, now, t - version))
+            dispatch(now, t)
+        out.append(Step(tuple(dispatched[t]), tuple(buffer), now))
+        dispatched.append([])
+        while len(in_flight) < C and dispatch(now, t + 1):
+            pass
+    return tuple(out)
+
+
+def test_the_lazy_schedule_equals_the_former_up_front_one_and_resumes_to_the_same_steps() -> None:
+    """Issue 63: the schedule is simulated step by step as the run reads it (and forgets the steps
+    read); for 300 steps of a heterogeneous clock with dropouts it equals the former schedule that
+    was simulated whole before step 1, and one read from step 120 on (a resume) gives the same steps."""
+    system = {**HETERO_CLOCK}
+    plan, lazy = _schedule("fedbuff", 300, {"buffer_size": 3}, system=system)
+    assert lazy == _eager_schedule(plan, 300)
+    schedule = AsyncSchedule(plan)
+    assert [schedule[t] for t in range(120, 300)] == list(lazy[120:])
+    with pytest.raises(IndexError):
+        schedule[5]  # forgotten: memory does not grow with the steps
 
 
 def _dispatch_time(key: tuple[int, int], end: float, clock: VirtualClock, plan: Any) -> float:
