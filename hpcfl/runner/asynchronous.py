@@ -14,9 +14,9 @@ one round per server step; this module decides, from the virtual clock alone
    the time it would have arrived), the server step applies them in arrival order, the version
    advances, and the waiting slots are filled.
 
-So :class:`AsyncSchedule` (simulated step by step as the run reads it) is a pure function of the seed, the population, the clock, the ``system``
-draws and the algorithm's concurrency and buffer: every rank computes the same schedule, and a
-resumed run recomputes it. Round v of the loop trains the clients dispatched from version v
+So :class:`AsyncSchedule` (simulated step by step as the run reads it) is a pure function of the
+seed, the population, the clock, the ``system`` draws and the algorithm's concurrency and buffer:
+every rank computes the same schedule, and a resumed run recomputes it. Round v of the loop trains the clients dispatched from version v
 (placed on ranks and vectorised like any round's participants: each trains from x_v, which the
 server holds during round v) and applies :attr:`Step.arrivals`, whose updates were trained in
 rounds ≤ v and wait in the server state meanwhile.
