@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import json
 from pathlib import Path
 from typing import Any
 
@@ -314,6 +315,24 @@ def test_fedbuff_and_fedasync_server_steps_follow_their_papers() -> None:
     assert m["alpha_t"] == alpha_t and torch.allclose(t2.x, (1 - alpha_t) * x0 + alpha_t * y[1], atol=1e-15)
     assert [staleness_weight("hinge", s, 2.0, 1) for s in (0, 1, 2)] == [1.0, 1.0, 1 / 3]
     assert staleness_weight("constant", 9, 1, 1) == 1.0
+
+
+@pytest.mark.parametrize(("clients", "concurrency", "expected"), [(8, None, 8), (12, None, 10), (12, 4, 4)])
+def test_fedbuffs_default_buffer_is_the_papers_k_where_the_concurrency_allows_and_is_recorded(
+    tmp_path: Path, clients: int, concurrency: int | None, expected: int
+) -> None:
+    """Issue 63: the default K was 10 whatever the concurrency, so FedBuff on a federation of 8
+    clients was refused by default ("the buffer could never fill"). Now K is the paper's 10 capped at
+    the concurrency, and the run's determinism.json says which K it used."""
+    params = {"concurrency": concurrency} if concurrency else {}
+    cfg = _cfg(algorithm="fedbuff", num_clients=clients, clients_per_round=None, params=params, rounds=2)
+    result = run_experiment(config_from_dict(cfg), tmp_path / "r")
+    assert result.rounds_done == 2 and [r["client_updates"] for r in result.metrics] == [
+        expected,
+        2 * expected,
+    ]
+    record = json.loads((tmp_path / "r" / "determinism.json").read_text())
+    assert record["asynchronous"] == {"concurrency": concurrency or clients, "buffer_size": expected}
 
 
 def test_fedbuff_with_a_full_buffer_and_equal_clients_is_fedavg(tmp_path: Path) -> None:
