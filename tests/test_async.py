@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,72 @@ def test_the_clock_alone_changes_no_result(tmp_path: Path) -> None:
         config_from_dict(_cfg(algorithm="fedavg", system={"clock": LOGNORMAL})), tmp_path / "b"
     )
     assert torch.equal(plain.server.x, timed.server.x) and "sim_time" not in plain.metrics[0]
+
+
+@pytest.mark.parametrize(
+    ("law", "mean", "low"),
+    [
+        # (the law, its mean, its least value), FLSim's parameterisation (hpcfl.algorithms.clock)
+        ({"kind": "gaussian", "mean": 5.0, "sd": 1.0, "min": 0.0}, 5.0, 0.0),
+        ({"kind": "half_normal", "sd": 2.0, "min": 1.0}, 1.0 + 2.0 * math.sqrt(2 / math.pi), 1.0),
+        ({"kind": "uniform", "mean": 4.0, "min": 1.0}, 4.0, 1.0),
+        ({"kind": "exponential", "mean": 3.0}, 3.0, 0.0),
+        ({"kind": "per_example_gaussian", "mean": 0.05, "sd": 0.01, "min": 0.01}, 0.05 * 40, 0.01 * 40),
+    ],
+    ids=lambda v: v["kind"] if isinstance(v, dict) else "",
+)
+def test_flsims_duration_laws_have_its_means_and_bounds_and_are_pure(
+    law: dict, mean: float, low: float
+) -> None:
+    """Issue 63: FLSim's per-user duration laws (flsim/utils/timing/training_duration_distribution.py):
+    4,000 draws of an update of 40 samples have the law's mean (within 4 %) and never go below its
+    least value; each draw is a pure function of (seed, client, round), like the speed's."""
+    from hpcfl.algorithms.clock import DurationLaw
+
+    section = ClockSection(duration=DurationLaw(**law), per_update=True)
+    clock = VirtualClock(section, 3)
+    draws = [clock.seconds(0, r, k, 40) for r in range(400) for k in range(10)]
+    assert min(draws) >= low and sum(draws) / len(draws) == pytest.approx(mean, rel=0.04)
+    assert draws[:50] == [VirtualClock(section, 3).seconds(0, r, k, 40) for r in range(5) for k in range(10)]
+    if law["kind"] == "uniform":
+        assert max(draws) <= 2 * 4.0 - 1.0
+    once = VirtualClock(dataclasses.replace(section, per_update=False), 3)
+    assert once.seconds(0, 0, 2, 40) == once.seconds(0, 7, 2, 40)  # once per client by default
+
+
+def test_poisson_starts_follow_flsims_process_and_wait_for_a_free_slot() -> None:
+    """Under ``starts: poisson`` the i-th training starts at the i-th time of a Poisson process
+    (gaps −ln(U)/λ, FLSim's PoissonAsyncTrainingStartTimeDistr) or, when every slot was busy then,
+    at the arrival that freed one; never more than ``concurrency`` are in flight; and the mean gap
+    is 1/λ."""
+    from hpcfl.algorithms.clock import StartProcess
+
+    rate, duration = 1.0, 1.5  # about 1.5 in flight: the cap of 4 (and 6 clients) binds now and then
+    clock = {"duration": {"kind": "gaussian", "mean": duration}, "starts": {"kind": "poisson", "rate": rate}}
+    plan, steps = _schedule("fedbuff", 60, {"buffer_size": 2}, system={"clock": clock})
+    times, t = [], 0.0
+    starts = StartProcess("poisson", rate)
+    for i in range(1, 200):
+        t += starts.gap(plan.seed, 0, i)
+        times.append(t)
+    arrived = {(a.version, a.client): a.time for s in steps for a in s.arrivals}
+    moments = set(arrived.values())
+    order = [(v, k) for v, s in enumerate(steps) for k in s.dispatched]
+    waited = 0
+    for i, key in enumerate(order):
+        if key not in arrived:
+            continue
+        begun = arrived[key] - duration
+        assert begun == pytest.approx(times[i]) or (
+            begun > times[i] and min(abs(begun - m) for m in moments) < 1e-9
+        )
+        waited += begun != pytest.approx(times[i])
+    assert 0 < waited < len(order) / 2  # some starts waited for a free slot, most did not
+    spans = [(arrived[key] - duration, arrived[key]) for key in arrived]
+    for m in moments:
+        assert sum(1 for b, e in spans if b <= m < e) <= 4
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / rate, rel=0.2)
 
 
 # -- the schedule ---------------------------------------------------------------------------------
@@ -257,6 +324,23 @@ def test_a_stopped_and_resumed_asynchronous_run_is_bit_identical(tmp_path: Path,
     assert _same_rows(_rows(tmp_path / "s"), whole.metrics)
 
 
+def test_a_run_on_flsims_clock_resumes_bit_identically(tmp_path: Path) -> None:
+    """Poisson starts and a half-normal duration per update: a stopped and resumed FedBuff run
+    equals the whole one (the schedule is replayed to the checkpoint, issue 63)."""
+    clock = {
+        "duration": {"kind": "half_normal", "sd": 2.0, "min": 0.5},
+        "starts": {"kind": "poisson", "rate": 3.0},
+    }
+    system = {**HETERO_CLOCK, "clock": {**clock, "per_update": True}}
+    cfg = config_from_dict({**_clocked("fedbuff"), "system": system, "checkpoint_every": 1, "eval_every": 2})
+    whole = run_experiment(cfg, tmp_path / "whole")
+    stopped = run_experiment(cfg, tmp_path / "s", stop=_StopAfterRows(tmp_path / "s", 1))
+    assert 0 < stopped.rounds_done < 6
+    resumed = run_experiment(cfg, tmp_path / "s", resume=True)
+    assert torch.equal(resumed.server.x, whole.server.x)
+    assert _same_rows(_rows(tmp_path / "s"), whole.metrics)
+
+
 @pytest.mark.mpi
 def test_one_rank_and_two_ranks_agree_under_a_heterogeneous_clock(tmp_path: Path) -> None:
     from tests.helpers import final_state
@@ -400,6 +484,75 @@ def _fails(tmp_path: Path, capsys, overrides: list[str], *fragments: str) -> Non
         ),
         (["system.clock.delay.value=2"], ("no speed",)),
         (["params.buffer_size=4"], ("buffer_size (4) is larger than the concurrency (3)",)),
+        (
+            [
+                "system.clock.duration.kind=uniform",
+                "system.clock.duration.mean=1",
+                "system.clock.duration.min=2",
+            ],
+            ("'system.clock.duration.mean' (1.0) is below 'system.clock.duration.min' (2.0)",),
+        ),
+        (
+            ["system.clock.duration.kind=half_normal", "system.clock.duration.sd=0"],
+            ("'system.clock.duration.sd' (the half-normal's scale) must be > 0",),
+        ),
+        (
+            ["system.clock.duration.kind=exponential", "system.clock.duration.mean=0"],
+            ("'system.clock.duration.mean' (the exponential's mean) must be > 0",),
+        ),
+        (
+            [
+                "system.clock.duration.kind=exponential",
+                "system.clock.duration.mean=2",
+                "system.clock.duration.sd=1",
+            ],
+            ("'system.clock.duration.sd' must be 0 for the exponential law",),
+        ),
+        (
+            [
+                "system.clock.duration.kind=gaussian",
+                "system.clock.duration.mean=2",
+                "system.clock.duration.min=-1",
+            ],
+            ("'system.clock.duration.min' must be >= 0",),
+        ),
+        (["system.clock.duration.kind=weibull"], ("'system.clock.duration.kind' must be one of gaussian",)),
+        (
+            [
+                "system.clock.duration.kind=gaussian",
+                "system.clock.duration.mean=2",
+                "system.clock.speed.kind=constant",
+                "system.clock.speed.value=5",
+            ],
+            ("sets both a speed and a duration law",),
+        ),
+        (
+            [
+                "system.clock.speed.kind=constant",
+                "system.clock.speed.value=5",
+                "system.clock.starts.kind=poisson",
+            ],
+            ("'system.clock.starts.rate' (Poisson starts per simulated second) must be > 0",),
+        ),
+        (
+            [
+                "system.clock.speed.kind=constant",
+                "system.clock.speed.value=5",
+                "system.clock.starts.kind=poisson",
+                "system.clock.starts.rate=-2",
+            ],
+            ("'system.clock.starts.rate' (Poisson starts per simulated second) must be > 0",),
+        ),
+        (
+            [
+                "algorithm=fedavg",
+                "system.clock.speed.kind=constant",
+                "system.clock.speed.value=5",
+                "system.clock.starts.kind=poisson",
+                "system.clock.starts.rate=2",
+            ],
+            ("Poisson training starts apply to an asynchronous algorithm",),
+        ),
         (
             ["params.buffer_size=3", "params.concurrency=2"],
             ("'params.buffer_size' (3) is larger than params.concurrency (2)",),

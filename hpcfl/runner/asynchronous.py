@@ -4,7 +4,9 @@ An asynchronous algorithm (:mod:`hpcfl.algorithms.asynchronous`) runs in the ord
 one round per server step; this module decides, from the virtual clock alone
 (:mod:`hpcfl.algorithms.clock`), never from wall time, what each step does:
 
-1. at simulated second 0, ``concurrency`` clients are dispatched from model version 0;
+1. at simulated second 0, ``concurrency`` clients are dispatched from model version 0 (under
+   ``system.clock.starts: poisson``: trainings start at the times of a Poisson process instead, each
+   taking a free slot, or waiting for one; steps 2 and 3 then refill no slot at once);
 2. updates arrive in order of their simulated arrival (dispatch time + ``samples / speed + delay``;
    ties by dispatch order); each arrival frees its slot, which is given at once to a client drawn
    uniformly (from a generator that is a pure function of (seed, stage, version, dispatch index))
@@ -16,7 +18,8 @@ one round per server step; this module decides, from the virtual clock alone
 
 So :class:`AsyncSchedule` (simulated step by step as the run reads it) is a pure function of the
 seed, the population, the clock, the ``system`` draws and the algorithm's concurrency and buffer:
-every rank computes the same schedule, and a resumed run recomputes it. Round v of the loop trains the clients dispatched from version v
+every rank computes the same schedule, and a resumed run recomputes it. Round v of the loop trains
+the clients dispatched from version v
 (placed on ranks and vectorised like any round's participants: each trains from x_v, which the
 server holds during round v) and applies :attr:`Step.arrivals`, whose updates were trained in
 rounds ≤ v and wait in the server state meanwhile.
@@ -31,6 +34,7 @@ previous row, in order).
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +100,10 @@ class AsyncSchedule:
         self._steps: dict[int, Step] = {}
         self._next = 0  # the next step to simulate
         self._now = 0.0
+        starts = self.clock.section.starts
+        self._poisson = starts if starts.kind == "poisson" else None
+        self._started = 0  # Poisson starts drawn so far
+        self._start_at = self._next_start(0.0)  # the next Poisson start (inf: none)
         self._fill(0)
 
     def _dispatch(self, now: float, version: int) -> bool:
@@ -117,14 +125,39 @@ class AsyncSchedule:
         return True
 
     def _fill(self, version: int) -> None:
+        """Refill every free slot at once (no ``starts`` process: the paper's simulation)."""
+        if self._poisson is not None:
+            return
         while len(self._in_flight) < self.plan.algorithm.concurrency and self._dispatch(self._now, version):
             pass
+
+    def _next_start(self, after: float) -> float:
+        """The time of the next Poisson start, ``after`` plus the next gap (inf without starts)."""
+        if self._poisson is None:
+            return math.inf
+        self._started += 1
+        return after + self._poisson.gap(self.plan.seed, self.plan.stage_index, self._started)
+
+    def _start(self, version: int, arrival: float) -> bool:
+        """Under Poisson starts: dispatch the start due before the next ``arrival`` if a slot is free
+        (a start that found every slot busy happens when one frees, at ``self._now``); False when no
+        start is due, no slot is free, or no client is left to dispatch from ``version``."""
+        if self._start_at > arrival or len(self._in_flight) >= self.plan.algorithm.concurrency:
+            return False
+        when = max(self._start_at, self._now)
+        if not self._dispatch(when, version):
+            return False  # every client is in flight or dispatched from this version: wait
+        self._now = when
+        self._start_at = self._next_start(self._start_at)
+        return True
 
     def _advance(self) -> None:
         """Simulate step ``self._next``: pop arrivals until the buffer is full, refilling each slot."""
         t, K = self._next, self.plan.algorithm.buffer_size
         buffer: list[Arrival] = []
         while len(buffer) < K:
+            if self._start(t, self._heap[0][0] if self._heap else math.inf):
+                continue
             if not self._heap:
                 raise ConfigError(
                     f"asynchronous step {self.round_offset + t + 1}: every update in flight dropped out and "
@@ -134,7 +167,8 @@ class AsyncSchedule:
             self._in_flight.discard(k)
             if not dropped:
                 buffer.append(Arrival(k, version, self._now, t - version))
-            self._dispatch(self._now, t)
+            if self._poisson is None:
+                self._dispatch(self._now, t)  # the freed slot is refilled at once
         step = Step(tuple(self._mine), tuple(buffer), self._now)
         self._steps[t] = step
         self.timeline.add_step(t, step)
