@@ -116,7 +116,9 @@ def config(kind: str, clients: int, rounds: int, per_round: int, data: str | Non
     return cfg
 
 
-def one(kind: str, clients: int, rounds: int, per_round: int, data: str | None) -> dict[str, Any]:
+def one(
+    kind: str, clients: int, rounds: int, per_round: int, data: str | None, reference: int | None = None
+) -> dict[str, Any]:
     """One run in this process; its per-round samples and growth figures."""
     from hpcfl.config import config_from_dict
     from hpcfl.runner import run_experiment
@@ -128,7 +130,7 @@ def one(kind: str, clients: int, rounds: int, per_round: int, data: str | None) 
     t0 = time.perf_counter()
     result = run_experiment(config_from_dict(cfg), run_dir, overwrite=True, stop=probe)
     seconds = time.perf_counter() - t0
-    ref = min(100, max(1, rounds // 10)) - 1  # round 100 (index 99), or the first tenth's last
+    ref = (reference or min(100, max(1, rounds // 10))) - 1  # round 100 (index 99), or the first tenth's
     rss, disk = probe.rss, probe.disk
     # RSS moves by a buffer's size from round to round (the allocator keeps a freed block until
     # the next one reuses it: FedBuff's pending updates, 32 MB at 100 in flight), so beside the
@@ -191,10 +193,11 @@ def main() -> int:
     ap.add_argument("--runs", default="scaffold,fedbuff", help="comma-separated: scaffold, fedbuff")
     ap.add_argument("--tag", default="", help="suffix of the result files (soak_cpu_TAG.json)")
     ap.add_argument("--data-root", default=None, help="default: $HPCFL_DATA")
+    ap.add_argument("--reference", type=int, default=None, help="the round growth is measured from (100)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:  # one run, in its own process
-        out = one(args.child, args.clients, args.rounds, args.per_round, args.data_root)
+        out = one(args.child, args.clients, args.rounds, args.per_round, args.data_root, args.reference)
         print(json.dumps(out), flush=True)
         return 0
     runs = []
@@ -203,6 +206,8 @@ def main() -> int:
         cmd += ["--rounds", str(args.rounds), "--per-round", str(args.per_round)]
         if args.data_root:
             cmd += ["--data-root", args.data_root]
+        if args.reference:
+            cmd += ["--reference", str(args.reference)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(proc.stderr[-3000:])
