@@ -135,6 +135,18 @@ def _slope(points: list[tuple[int, float]]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
+def per_group(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(N, peak MiB) of the measured groups the slope is fitted to: N >= 2 (a group of one adds
+    nothing above the warm-up's one client) where two such groups were measured, and no failed one."""
+    points = [
+        (int(r["group"]), r["peak_mib"])
+        for r in rows
+        if r["group"] != "auto" and r["peak_mib"] == r["peak_mib"]
+    ]
+    several = [(n, v) for n, v in points if n >= 2]
+    return several if len(several) >= 2 else points
+
+
 def main() -> int:
     from hpcfl.runner.executor import AUTO_MEMORY_SHARE
 
@@ -168,11 +180,7 @@ def main() -> int:
                 f"{model:10s} {str(n):>5s} {row['peak_mib']:9.1f}  (groups of {row['resolved']}) {row['note']}",
                 flush=True,
             )
-        grouped = [
-            (int(r["group"]), r["peak_mib"])
-            for r in rows
-            if r["group"] != "auto" and r["peak_mib"] == r["peak_mib"]
-        ]
+        grouped = per_group(rows)
         slope, intercept = _slope(grouped)
         auto = rows[-1]
         memory = rows[0]["memory_mib"]
