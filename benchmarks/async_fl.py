@@ -162,6 +162,20 @@ def clock(args: argparse.Namespace, *, asynchronous: bool) -> dict[str, Any]:
     return out
 
 
+def clock_text(args: argparse.Namespace) -> str:
+    """The clock in words, for the tables' header."""
+    if args.duration is None:
+        text = f"speeds lognormal(μ={args.speed_mu}, σ={args.speed_sigma}) samples/s"
+    else:
+        text = (
+            f"FLSim {args.duration} durations (mean {args.duration_mean}, sd {args.duration_sd}, min "
+            f"{args.duration_min} s) per update"
+        )
+    if args.starts_rate is not None:
+        text += f", asynchronous starts Poisson at {args.starts_rate}/s"
+    return text
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     n = len(values)
     mean = sum(values) / n
@@ -261,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = (
         f"{args.model}, {args.clients} clients, {args.updates} client updates per run ({args.per_round} per "
         f"synchronous round, FedBuff K = {args.buffer}, concurrency {args.concurrency}), {args.local_steps} "
-        f"local steps of batch {args.batch}, speeds lognormal(μ={args.speed_mu}, σ={args.speed_sigma}) "
-        f"samples/s, delay {args.delay} s, {args.seeds} seeds"
+        f"local steps of batch {args.batch}, {clock_text(args)}, delay {args.delay} s, {args.seeds} seeds"
     )
     chosen = [f"- {c.row}: lr {c.choice.value if c.choice else args.lrs[0]:g}" for c in cells]
     md = [

@@ -2,12 +2,13 @@
 
 SCAFFOLD with its control variates in the on-disk client-state store (``client_state_memory:
 disk``), and FedBuff of the same size (concurrency = clients per round, K = 10), on Fashion-MNIST
-``dir:0.3`` with the MLP. The process's resident memory (``VmRSS`` of ``/proc/self/status``) and the
+with the MLP, ``dir:0.3`` (``--partition``; at 10,000 clients no per-class Dirichlet draw gives every
+client a sample, so the full soak takes ``client-dir:0.3``: 6 samples a client, classes ~ Dir(0.3)). The process's resident memory (``VmRSS`` of ``/proc/self/status``) and the
 run directory's size on disk are sampled after every round, from inside the round loop's own hook:
 the runner reads its stop request once per round on every rank, and :class:`RoundProbe` is a stop
 request that records the two figures when it is read (and never asks to stop).
 
-    python benchmarks/soak.py                                    # the full soak: 10,000 x 1,000 x 100
+    python benchmarks/soak.py --partition client-dir:0.3         # the full soak: 10,000 x 1,000 x 100
     python benchmarks/soak.py --clients 1000 --rounds 100 --tag smoke
 
 Each run is its own process (one RSS curve per run). Goal: RSS after the last round within 5 % of RSS
@@ -87,14 +88,16 @@ def _probe_class() -> type:
     return RoundProbe
 
 
-def config(kind: str, clients: int, rounds: int, per_round: int, data: str | None) -> dict[str, Any]:
+def config(
+    kind: str, clients: int, rounds: int, per_round: int, data: str | None, partition: str = "dir:0.3"
+) -> dict[str, Any]:
     """The soak's config of run ``kind`` (``scaffold`` or ``fedbuff``)."""
     cfg: dict[str, Any] = dict(
         name=f"soak_{kind}_{clients}x{rounds}",
         algorithm=kind,
         model="mlp",
         dataset="fashion-mnist",
-        partition="dir:0.3",
+        partition=partition,
         num_clients=clients,
         clients_per_round=per_round,
         rounds=rounds,
@@ -117,14 +120,20 @@ def config(kind: str, clients: int, rounds: int, per_round: int, data: str | Non
 
 
 def one(
-    kind: str, clients: int, rounds: int, per_round: int, data: str | None, reference: int | None = None
+    kind: str,
+    clients: int,
+    rounds: int,
+    per_round: int,
+    data: str | None,
+    reference: int | None = None,
+    partition: str = "dir:0.3",
 ) -> dict[str, Any]:
     """One run in this process; its per-round samples and growth figures."""
     from hpcfl.config import config_from_dict
     from hpcfl.runner import run_experiment
     from hpcfl.runner.checkpoint import KEEP
 
-    cfg = config(kind, clients, rounds, per_round, data)
+    cfg = config(kind, clients, rounds, per_round, data, partition)
     run_dir = OUT / cfg["name"]
     probe = _probe_class()(run_dir)
     t0 = time.perf_counter()
@@ -143,6 +152,7 @@ def one(
         "clients": clients,
         "rounds": rounds,
         "clients_per_round": per_round,
+        "partition": partition,
         "rounds_done": result.rounds_done,
         "reference_round": ref + 1,
         "rss_mb": rss,
@@ -193,11 +203,25 @@ def main() -> int:
     ap.add_argument("--runs", default="scaffold,fedbuff", help="comma-separated: scaffold, fedbuff")
     ap.add_argument("--tag", default="", help="suffix of the result files (soak_cpu_TAG.json)")
     ap.add_argument("--data-root", default=None, help="default: $HPCFL_DATA")
+    ap.add_argument(
+        "--partition",
+        default="dir:0.3",
+        help="dir:0.3 (the default) cannot give 10,000 clients of Fashion-MNIST a sample each (no draw "
+        "in 1,000 does): use client-dir:0.3 there (Hsu et al. 2019: N/K samples a client, classes ~ Dir)",
+    )
     ap.add_argument("--reference", type=int, default=None, help="the round growth is measured from (100)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:  # one run, in its own process
-        out = one(args.child, args.clients, args.rounds, args.per_round, args.data_root, args.reference)
+        out = one(
+            args.child,
+            args.clients,
+            args.rounds,
+            args.per_round,
+            args.data_root,
+            args.reference,
+            args.partition,
+        )
         print(json.dumps(out), flush=True)
         return 0
     runs = []
@@ -208,6 +232,7 @@ def main() -> int:
             cmd += ["--data-root", args.data_root]
         if args.reference:
             cmd += ["--reference", str(args.reference)]
+        cmd += ["--partition", args.partition]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(proc.stderr[-3000:])
@@ -227,6 +252,7 @@ def main() -> int:
         "clients": first["clients"],
         "rounds": first["rounds"],
         "clients_per_round": first["clients_per_round"],
+        "partition": first["partition"],
         "rss_mb": first["rss_mb"],
         "run_dir_mb": first["run_dir_mb"],
         "runs": runs,
