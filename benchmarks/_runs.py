@@ -201,6 +201,7 @@ def write_tables(
     """``stem``.md (per column: the protocol's tables at that column's target, a fraction), .csv
     (hpcfl's sweep ``summary.csv`` layout), .json (every run's rows per cell) and .png (curves,
     mean ± std over seeds). Returns the markdown."""
+    from hpcfl.bench.machine import csv_with_machine, with_machine
     from hpcfl.sweep.report import plot_bands, protocol_markdown, summary_csv
 
     md = [header, "", f"Protocol: {protocol.describe()}.", ""]
@@ -217,19 +218,23 @@ def write_tables(
     text = "\n".join(md) + "\n"
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".md").write_text(text)
-    stem.with_suffix(".csv").write_text("".join(csv_parts))
+    stem.with_suffix(".csv").write_text(csv_with_machine("".join(csv_parts)))
     stem.with_suffix(".json").write_text(
         json.dumps(
-            [
+            with_machine(
                 {
-                    "method": c.row,
-                    "column": c.column,
-                    "chosen_lr": None if c.choice is None else c.choice.value,  # (lr, own) with own
-                    "candidates_val_last_k": None if c.choice is None else c.choice.candidates,
-                    "runs": [{"name": r.name, "rows": r.rows} for r in c.runs],
+                    "cells": [
+                        {
+                            "method": c.row,
+                            "column": c.column,
+                            "chosen_lr": None if c.choice is None else c.choice.value,  # (lr, own) with own
+                            "candidates_val_last_k": None if c.choice is None else c.choice.candidates,
+                            "runs": [{"name": r.name, "rows": r.rows} for r in c.runs],
+                        }
+                        for c in cells
+                    ]
                 }
-                for c in cells
-            ],
+            ),
             indent=1,
         )
     )

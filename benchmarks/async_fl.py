@@ -40,6 +40,7 @@ from typing import Any
 
 from _runs import Setting, column_targets, run_protocol, write_tables
 
+from hpcfl.bench.machine import with_machine
 from hpcfl.report.methods import Cell
 from hpcfl.report.protocol import Protocol
 
@@ -301,11 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     (args.results / "async_fl.md").write_text(text)
     (args.results / "async_fl.json").write_text(
         json.dumps(
-            {
-                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                "target": target,
-                "runs": {c.row: [{"name": r.name, "rows": r.rows} for r in c.runs] for c in cells},
-            },
+            with_machine(
+                {
+                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                    "target": target,
+                    "runs": {c.row: [{"name": r.name, "rows": r.rows} for r in c.runs] for c in cells},
+                }
+            ),
             indent=1,
         )
     )

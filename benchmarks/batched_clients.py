@@ -35,6 +35,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from hpcfl.bench.machine import with_machine, with_machine_columns
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -324,13 +326,14 @@ def main() -> None:
                     )
     tag = f"{args.device}_{args.threads}t" if args.device == "cpu" else args.device
     tag += "_" + "-".join(args.models)
+    rows = with_machine_columns(rows, args.threads if args.device == "cpu" else None)
     with open(out / f"batched_clients_{tag}.csv", "w", newline="") as fh:
         fields = [k for k in rows[0] if k != "samples_per_s_all"]
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     (out / f"batched_clients_{tag}.json").write_text(
-        json.dumps({"args": vars(args) | {"out": str(out)}, "rows": rows}, indent=2)
+        json.dumps(with_machine({"args": vars(args) | {"out": str(out)}, "rows": rows}), indent=2)
     )
     plot(rows, out / f"batched_clients_{tag}.png")
     print(f"\nwritten: {out}/batched_clients_{tag}.csv, .json, .png", file=sys.stderr)

@@ -69,10 +69,13 @@ def main() -> None:
         import socket
         from pathlib import Path
 
+        from hpcfl.bench.machine import with_machine, with_machine_columns
+
         hosts = sorted(set(comm.hosts))
         out = Path(args.out)
         meta = {"ranks": comm.size, "hosts": hosts, "repeats": args.repeats, "hostname": socket.gethostname()}
-        out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+        out.with_suffix(".json").write_text(json.dumps(with_machine({**meta, "rows": rows}), indent=1) + "\n")
+        rows = with_machine_columns(rows)
         with out.with_suffix(".csv").open("w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=["hosts", *rows[0]])
             writer.writeheader()

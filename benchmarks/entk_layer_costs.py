@@ -259,17 +259,20 @@ def summarise(rows: list[dict], fitted: dict[str, float]) -> dict[str, Any]:
 
 
 def write(args: argparse.Namespace, tag: str, rows: list[dict], report: dict[str, Any]) -> None:
+    from hpcfl.bench.machine import with_machine, with_machine_columns
     from hpcfl.files import atomic_write_text
 
     args.out.mkdir(parents=True, exist_ok=True)
     if rows:
+        rows = with_machine_columns(rows)
         fields = list(dict.fromkeys(k for r in rows for k in r))
         lines = [",".join(fields)] + [
             ",".join("" if r.get(k) is None else str(r.get(k)) for k in fields) for r in rows
         ]
         atomic_write_text(args.out / f"entk_layer_costs_{tag}.csv", "\n".join(lines) + "\n")
     atomic_write_text(
-        args.out / f"entk_layer_costs_{tag}.json", json.dumps({**report, "rows": rows}, indent=1)
+        args.out / f"entk_layer_costs_{tag}.json",
+        json.dumps(with_machine({**report, "rows": rows}), indent=1),
     )
 
 

@@ -16,6 +16,8 @@ import csv
 import json
 from pathlib import Path
 
+from hpcfl.bench.machine import with_machine, with_machine_columns
+
 SHAPES = {"simplecnn": (1, 28, 28), "mlp": (1, 28, 28), "resnet8": (3, 32, 32), "resnet18": (3, 32, 32),
           "vgg11": (3, 32, 32)}  # fmt: skip
 OPTIONS = {"resnet8": {"norm": "gn"}, "resnet18": {"norm": "gn"}, "vgg11": {"batch_norm": False}}
@@ -103,13 +105,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {r['total_us_per_batch']:9.1f} us  {100 * r['share']:5.1f} %  x{r['calls']:<5d} {r['kernel']}"
                 )
     tag = args.device.replace(":", "")
+    rows = with_machine_columns(rows)
     with open(args.out / f"entk_profile_{tag}.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     top = [r for r in rows if r["share"] >= 0.01]
     (args.out / f"entk_profile_{tag}.json").write_text(
-        json.dumps({"batch": args.batch, "p": args.p, "rows": top}, indent=2)
+        json.dumps(with_machine({"batch": args.batch, "p": args.p, "rows": top}), indent=2)
     )
     print(f"\nwritten: {args.out}/entk_profile_{tag}.csv, .json")
     return 0

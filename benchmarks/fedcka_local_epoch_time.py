@@ -34,6 +34,7 @@ from hpcfl.algorithms.base import ClientContext
 from hpcfl.algorithms.fedcka import FedCKAParams
 from hpcfl.algorithms.moon import MoonParams
 from hpcfl.algorithms.participation import Population
+from hpcfl.bench.machine import with_machine, with_machine_columns
 from hpcfl.models import build_model
 from hpcfl.training import FlatModel, LocalSchedule
 from hpcfl.training.layout import StateLayout
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     rows = measure(args)
     args.out.mkdir(parents=True, exist_ok=True)
+    rows = with_machine_columns(rows, args.threads)
     with open(args.out / "local_epoch_time.csv", "w", newline="") as f:
         keys = [k for k in rows[0] if not k.endswith("_all")]
         writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
@@ -200,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.time() - t0,
         "args": {k: str(v) for k, v in vars(args).items()},
     }
-    (args.out / "local_epoch_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / "local_epoch_time.json").write_text(
+        json.dumps(with_machine({"meta": meta, "rows": rows}, args.threads), indent=1)
+    )
     plot(rows, args.out / "local_epoch_time.png")
     print(table(rows))
     print(f"load average before/after: {load_before} / {meta['load_average_after']}")

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpcfl.bench.machine import with_machine, with_machine_columns
+
 PUBLISHED = {  # samples/s read off BlazeFL's README plots of 2026-04-25 (PR #137); hardware not stated
     "simplecnn": {"blazefl": 43_000, "flower": 13_600},
     "resnet18": {"blazefl": 11_000, "flower": 7_900},
@@ -161,13 +163,16 @@ def main(argv: list[str] | None = None) -> int:
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     tag = args.device.replace(":", "")
+    rows = with_machine_columns(rows)
     with open(args.out / f"fl_frameworks_setup_{tag}.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     meta = {"device": device_name, "data": data_name, "clients": args.clients, "per_client": PER_CLIENT,
             "epochs": EPOCHS, "batch": BATCH, "published": PUBLISHED, "published_on": PUBLISHED_ON}  # fmt: skip
-    (args.out / f"fl_frameworks_setup_{tag}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    (args.out / f"fl_frameworks_setup_{tag}.json").write_text(
+        json.dumps(with_machine({**meta, "rows": rows}), indent=2)
+    )
     lines = [
         f"FedAvg, {args.clients} clients x {PER_CLIENT} samples, {EPOCHS} local epochs at batch {BATCH}, "
         f"{data_name}, one {device_name}. Published: {PUBLISHED_ON}.",

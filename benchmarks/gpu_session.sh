@@ -57,6 +57,10 @@
 #   stage2      TCT stage 2's closed form on the GPU vs the same machine's CPU at n_k = 6,000,
 #               p = 100,000, M = 500 (the CPU run: one timed round, its primal extrapolated from 3
 #               steps; session 2's CPU run without that bound did not reach its timed round in 90 s)
+#   peers       the peers harness's experiment (benchmarks/peers: FedAvg, Fashion-MNIST dir:0.5, 100
+#               clients, 10 a round, 50 rounds, seed 0) through `hpcfl run` on the GPU, client_batch 1
+#               and auto -> peers_cuda.{json,csv,md,png}; hpcfl only: the peers' own environments
+#               (Flower with Ray, ...) are built on this CPU machine and cannot be carried to the GPU
 #   frameworks  BlazeFL's/Flower's published setup (100 clients x 500, 5 epochs, batch 50; CNN, ResNet-18)
 #   tcttable    TCT's Fashion-MNIST Table 2 at the largest budget that fits a step (not the paper's 200
 #               rounds x 5 epochs, p = 1e5): #C = 1 and #C = 2, SimpleCNN, 10 clients, 20 rounds x 1
@@ -64,17 +68,27 @@
 #               are resumable, so a step cut short keeps its finished runs
 #   gathertune  layercosts again with the gathers launched through triton.autotune (tile sizes per
 #               shape; off by default until this step shows it pays): simplecnn, resnet18, vgg11
+#   shakespeare LEAF's Shakespeare at FedProx's budget (issue 62; not in the default list: name it):
+#               LEAF's LSTM (char-lstm, ~818k parameters), FedAvg, FedProx (mu 0.001) and TCT on
+#               LEAF's current split (temporal, role window), 143 roles drawn at random (FedProx's
+#               count), 40 rounds x 10 clients x 20 local epochs, batch 10, lr 0.8 (LEAF's), one
+#               seed, each run tested on its roles' test shares every 5 rounds. Hours of GPU time,
+#               so it is RESUMABLE across device windows: runs checkpoint every round and are
+#               resumed when unfinished; after the step $OUT/shakespeare_runs.tgz holds the run
+#               directories with each run's latest checkpoint. Next window: extract it here into
+#               benchmarks/out/gpu_session/ and carry ["benchmarks/out/gpu_session/shakespeare"]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUTDIR=benchmarks/out/gpu_session
-STEPS_ALL=(tests entk stage2 tcttable batched perdevice gathertune layercosts checkpoint entk18 main round profile dp text frameworks)
+STEPS_ALL=(tests entk stage2 tcttable batched perdevice gathertune layercosts checkpoint entk18 main round profile dp text peers frameworks)
+STEPS_NAMED=(shakespeare) # run only when named: `run shakespeare`
 
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
     [tests]="200 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="120 30" [main]="120 60" [round]="120 50"
     [batched]="120 40" [perdevice]="120 40" [entk]="200 40" [profile]="45 20" [dp]="90 40" [text]="180 60" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
-    [tcttable]="200 90"
+    [tcttable]="200 90" [shakespeare]="570 120" [peers]="150 60"
 )
 declare -A CMD=(
     [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py tests/test_entk_forms.py tests/test_entk_cuda_graph.py --junitxml $OUTDIR/pytest_gpu.xml"
@@ -92,6 +106,8 @@ declare -A CMD=(
     [stage2]="python3 benchmarks/stage2_solver.py --device cuda --n 6000 --p 100000 --classes 10 --local-steps 500 --out $OUTDIR/stage2_cuda && python3 benchmarks/stage2_solver.py --device cpu --n 6000 --p 100000 --classes 10 --local-steps 500 --rounds 1 --check-rounds 1 --check-steps 2 --max-primal-seconds 5 --out $OUTDIR/stage2_cpu_of_gpu_host"
     [gathertune]="python3 benchmarks/entk_layer_costs.py --device cuda --autotune --models simplecnn resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
     [tcttable]="python3 benchmarks/tct_fmnist_table.py --device cuda --jobs 2 --partitions classes:1 classes:2 --seeds 1 --lrs 0.05 --rounds 20 --local-steps 0 --local-epochs 1 --p 20000 --no-figure3 --out $OUTDIR/tct_fmnist --results $OUTDIR/tct_fmnist_results"
+    [shakespeare]="python3 benchmarks/shakespeare_table.py --device cuda --model char-lstm --rows fedavg fedprox tct --split temporal --window role --sample-roles 143 --test-samples 0 --clients 143 --clients-per-round 10 --rounds 40 --local-epochs 20 --batch 10 --lrs 0.8 --validation 0 --seeds 1 --last 3 --eval-every 5 --jobs 1 --threads 4 --out $OUTDIR/shakespeare --results $OUTDIR/shakespeare_results --stem shakespeare_fedprox_budget"
+    [peers]="python3 benchmarks/peers/harness.py --device cuda --seeds 0 --out $OUTDIR/peers_cuda"
     [frameworks]="python3 benchmarks/fl_frameworks_setup.py --device cuda --models simplecnn resnet18 --batches auto --out $OUTDIR/fl_frameworks_setup_cuda"
 )
 
@@ -108,6 +124,7 @@ wheels() {
         "${platforms[@]}" -d .whl zarr==3.1.6 numcodecs==0.16.6 donfig google-crc32c submitit mpich opacus || return 1
     grep -qxF '/.data/' "$exclude" 2>/dev/null || echo '/.data/' >>"$exclude"
     mkdir -p .data && cp -r "${HPCFL_DATA:-../shared/datasets}/fashion-mnist" .data/
+    cp -r "${HPCFL_DATA:-../shared/datasets}/shakespeare" .data/ # the step `shakespeare` (5 MB)
     du -sh .whl .data
 }
 
@@ -121,7 +138,9 @@ dry() {
     done
     [ -f .data/fashion-mnist/train-images-idx3-ubyte.gz ] || [ -f .data/fashion-mnist/train-images-idx3-ubyte ] ||
         { echo "dry: no .data/fashion-mnist (run: $0 wheels)"; failed=1; }
-    for step in "${STEPS_ALL[@]}"; do
+    [ -f .data/shakespeare/shakespeare-0.6.tar.gz ] ||
+        { echo "dry: no .data/shakespeare (run: $0 wheels)"; failed=1; }
+    for step in "${STEPS_ALL[@]}" "${STEPS_NAMED[@]}"; do
         local part
         while IFS= read -r part; do
             eval "words=($part)"
@@ -138,6 +157,21 @@ dry() {
     [ -f tests/fixtures/cuda_checkpoint.yaml ] || { echo "dry: no tests/fixtures/cuda_checkpoint.yaml"; failed=1; }
     [ $failed = 0 ] && echo "dry: every step's command line is accepted" || echo "dry: FIX the lines above"
     return $failed
+}
+
+shakespeare_archive() {
+    # The step's run directories with each run's LATEST checkpoint only (the next device window
+    # resumes from it), as $OUT/shakespeare_runs.tgz; TCT's feature stores (*.zarr, gigabytes) are
+    # left out: a resumed stage 2 extracts them again (hpcfl.tct.features.ensure_store).
+    [ -n "${OUT:-}" ] && [ -d "$OUTDIR/shakespeare" ] || return 0
+    (cd "$OUTDIR" && {
+        find shakespeare \( -path '*/checkpoints/round_*' -o -name '*.zarr' \) -prune -o -type f -print
+        find shakespeare -type d -name checkpoints | while IFS= read -r c; do
+            last=$(find "$c" -maxdepth 1 -type d -name 'round_*' | sort | tail -1)
+            [ -n "$last" ] && find "$last" -type f
+        done
+    } | tar czf "$OUT/shakespeare_runs.tgz.part" -T - 2>/dev/null) &&
+        mv "$OUT/shakespeare_runs.tgz.part" "$OUT/shakespeare_runs.tgz"
 }
 
 archive() {
@@ -169,7 +203,7 @@ run() {
     local steps=("$@")
     [ ${#steps[@]} -gt 0 ] || steps=("${STEPS_ALL[@]}")
     for step in "${steps[@]}"; do
-        [ -n "${CMD[$step]:-}" ] || { echo "== $step: no such step (${STEPS_ALL[*]})"; continue; }
+        [ -n "${CMD[$step]:-}" ] || { echo "== $step: no such step (${STEPS_ALL[*]} ${STEPS_NAMED[*]})"; continue; }
         read -r limit minimum <<<"${LIMIT[$step]}"
         local left=$((deadline - SECONDS))
         if [ $left -lt "$minimum" ]; then
@@ -186,6 +220,7 @@ run() {
             export HPCFL_ENTK_COSTS=$PWD/$fit
             echo "== the steps after it use the fitted eNTK layer-form constants: HPCFL_ENTK_COSTS=$HPCFL_ENTK_COSTS"
         fi
+        [ "$step" = shakespeare ] && shakespeare_archive
         archive
     done
     echo "== done after $SECONDS s"
@@ -197,7 +232,7 @@ wheels) wheels ;;
 dry) dry ;;
 run) run "${@:2}" ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh wheels | dry | run [STEP ...]   (steps: ${STEPS_ALL[*]})" >&2
+    echo "usage: bash benchmarks/gpu_session.sh wheels | dry | run [STEP ...]   (steps: ${STEPS_ALL[*]} ${STEPS_NAMED[*]})" >&2
     exit 2
     ;;
 esac

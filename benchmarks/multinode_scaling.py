@@ -49,6 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hpcfl.bench.machine import stamp_csv, with_machine  # noqa: E402
 from hpcfl.bench.scaling.perfmodel import (  # noqa: E402
     ComputeModel,
     Network,
@@ -264,7 +265,7 @@ def project_all(result: dict, per_client_cpu: dict[str, tuple[float, int, float]
 
 def write(result: dict, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.with_suffix(".json").write_text(json.dumps(result, indent=1, default=float) + "\n")
+    dest.with_suffix(".json").write_text(json.dumps(with_machine(result), indent=1, default=float) + "\n")
     with dest.with_suffix(".csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["kind", "profile_or_network", "model", "device", "nodes", "ranks", "compute_s",
@@ -276,6 +277,7 @@ def write(result: dict, dest: Path) -> None:
         for p in result["projection"]:
             w.writerow(["projected", p["network"], p["model"], p["device"], p["nodes"], p["nodes"], p["compute_s"],
                         p["allreduce_s"], "", "", p["round_s"], p["weak_efficiency"]])  # fmt: skip
+    stamp_csv(dest.with_suffix(".csv"))
     plot(result, dest.with_suffix(".png"))
 
 

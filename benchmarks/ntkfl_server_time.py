@@ -46,6 +46,8 @@ import sys
 import time
 from pathlib import Path
 
+from hpcfl.bench.machine import stamp_csv, with_machine
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -291,11 +293,12 @@ def main() -> None:
         k1 = next(t for t in table if t["ranks"] == 1)["kernel_compute"]
         k2 = next(t for t in table if t["ranks"] == 2)["kernel_compute"]
         summary["kernel_scaling_1_to_2"] = k1 / k2
-    (args.out / "ntkfl_server_time.json").write_text(json.dumps(summary, indent=2))
+    (args.out / "ntkfl_server_time.json").write_text(json.dumps(with_machine(summary), indent=2))
     with open(args.out / "ntkfl_server_time.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(table[0]))
         w.writeheader()
         w.writerows(table)
+    stamp_csv(args.out / "ntkfl_server_time.csv")
     for row in table:
         print(
             f"ranks={row['ranks']}: "

@@ -38,6 +38,8 @@ from typing import Any
 
 import yaml
 
+from hpcfl.bench.machine import stamp_csv, with_machine
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -234,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     (args.out / "participation.json").write_text(
-        json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
+        json.dumps(with_machine({"meta": meta, "results": results}), indent=1) + "\n"
     )
     with open(args.out / "participation.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=sorted({k for r in results for k in r}))
         writer.writeheader()
         writer.writerows(results)
+    stamp_csv(args.out / "participation.csv")
     plot(results, args.out / "participation.png")
     print(
         f"\n{'study':8} {'dataset':9} {'K':>6} {'m':>4} {'R':>2} {'states':6} {'round s':>8} {'scale':>6} "

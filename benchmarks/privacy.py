@@ -52,6 +52,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcfl.bench.machine import with_machine
+
 MODELS = {"simplecnn": {}, "resnet8-gn": {"norm": "gn"}}
 PARTS = ("throughput", "floor", "overhead", "accuracy")
 
@@ -714,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"| {level} | {r['rounds']} | {k} | {lr} | {sig} | {rep} | {100 * r['accuracy']:.2f}% |"
                 )
         lines.append("")
-    (args.out / "privacy.json").write_text(json.dumps(results, indent=1))
+    (args.out / "privacy.json").write_text(json.dumps(with_machine(results), indent=1))
     text = "\n".join(lines)
     (args.out / "privacy.md").write_text(text)
     print(text)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from hpcfl.bench.machine import stamp_csv, with_machine
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -266,7 +268,10 @@ def main() -> None:
         writer = csv.DictWriter(fh, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()
         writer.writerows(rows)
-    (args.out / "round_throughput.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+    stamp_csv(args.out / "round_throughput.csv")
+    (args.out / "round_throughput.json").write_text(
+        json.dumps(with_machine({"rows": rows, "summary": summary}), indent=2)
+    )
     print(f"written: {args.out}/round_throughput.csv, .json")
 
 
@@ -308,8 +313,9 @@ def gpu_grid(args: argparse.Namespace) -> None:
         writer = csv.DictWriter(fh, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()
         writer.writerows(rows)
+    stamp_csv(args.out / f"round_throughput_{tag}.csv")
     (args.out / f"round_throughput_{tag}.json").write_text(
-        json.dumps({"device": name, "rows": rows}, indent=2)
+        json.dumps(with_machine({"device": name, "rows": rows}), indent=2)
     )
     print(f"written: {args.out}/round_throughput_{tag}.csv, .json ({name})")
 

@@ -65,6 +65,7 @@ import torch
 
 from hpcfl.algorithms import ClientData, RoundPlan
 from hpcfl.algorithms.participation import Population
+from hpcfl.bench.machine import stamp_csv, with_machine
 from hpcfl.comm.local import LocalComm
 from hpcfl.runner.rounds import MemoryStates, run_rounds
 from hpcfl.tct.problem import LinearProblem, centred_one_hot
@@ -418,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_rel_diff_fro": max(r["rel_diff_fro"] for r in check_rows),
         "total_s": time.perf_counter() - t_start,
     }
-    (args.out / "stage2_solver.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "stage2_solver.json").write_text(json.dumps(with_machine(result), indent=1) + "\n")
     with open(args.out / "stage2_solver.csv", "w", newline="") as f:
         w = csv.DictWriter(
             f, fieldnames=["kind", "round", "local_steps", "seconds", "rel_diff_fro", "rel_diff_max"]
@@ -434,9 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, secs in times.items():
             for i, sec in enumerate(secs, start=1):
                 w.writerow({"kind": f"round_time_{name}", "round": i, "local_steps": M, "seconds": sec})
+    stamp_csv(args.out / "stage2_solver.csv")
     if args.results is not None:
         merged = json.loads(args.results.read_text()) if args.results.exists() else {}
-        merged[args.results_key] = result
+        merged[args.results_key] = with_machine(result)
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(merged, indent=1) + "\n")
     print_table(result)

@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hpcfl.bench.machine import with_machine, with_machine_columns  # noqa: E402
 from tests.helpers import synthetic_config  # noqa: E402
 from tests.slurm_cluster import start_cluster  # noqa: E402
 
@@ -119,11 +120,14 @@ def main() -> None:
     print(
         f"\nsubmit-to-first-round / direct run-to-first-round: {med['submit_first_round_s'] / med['run_first_round_s']:.2f}x"
     )
+    rows = with_machine_columns(rows)
     with open(args.out / "submit_latency.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    (args.out / "submit_latency.json").write_text(json.dumps({"rows": rows, "median": med}, indent=2))
+    (args.out / "submit_latency.json").write_text(
+        json.dumps(with_machine({"rows": rows, "median": med}), indent=2)
+    )
     print(f"written: {args.out}/submit_latency.csv, .json")
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hpcfl.bench.machine import with_machine, with_machine_columns  # noqa: E402
 from tests.helpers import synthetic_config  # noqa: E402
 from tests.slurm_cluster import SlurmCluster, start_cluster  # noqa: E402
 
@@ -157,11 +158,14 @@ def main() -> None:
     for k, v in med.items():
         print(f"| {k} | {v:.3f} |")
     print(f"\n{args.points} single submissions / one sweep array: {med['ratio_singles_over_sweep']:.1f}x")
+    rows = with_machine_columns(rows)
     with open(args.out / "sweep_submission.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (args.out / "sweep_submission.json").write_text(json.dumps({"rows": rows, "median": med}, indent=2))
+    (args.out / "sweep_submission.json").write_text(
+        json.dumps(with_machine({"rows": rows, "median": med}), indent=2)
+    )
     print(f"written: {args.out}/sweep_submission.csv, .json")
 
 

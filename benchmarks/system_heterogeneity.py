@@ -44,6 +44,7 @@ from typing import Any
 
 from _runs import Setting, column_targets, run_dir_of, run_protocol, write_tables
 
+from hpcfl.bench.machine import with_machine
 from hpcfl.report.methods import Cell
 from hpcfl.report.protocol import VALIDATION, Protocol, last_k_mean
 
@@ -58,8 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dataset-option",
         nargs="+",
         default=[],
-        metavar="KEY=INT",
-        help="dataset_options, e.g. sample_roles=100 test_samples=4000 (shakespeare)",
+        metavar="KEY=VALUE",
+        help="dataset_options, e.g. sample_roles=100 test_samples=4000 split=temporal (shakespeare); "
+        "whole numbers are read as numbers",
     )
     p.add_argument("--partition", default="dir:0.1")
     p.add_argument("--model", default="mlp")
@@ -93,11 +95,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _option(value: str) -> int | str:
+    """A ``--dataset-option`` value: a whole number as a number, anything else as written."""
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
 def base_config(args: argparse.Namespace, algorithm: str, **extra: Any) -> dict[str, Any]:
     """A run of ``algorithm`` on the benchmark's federation (without lr and seed)."""
     cfg: dict[str, Any] = dict(
         dataset=args.dataset,
-        dataset_options={k: int(v) for k, v in (o.split("=", 1) for o in args.dataset_option)},
+        dataset_options={k: _option(v) for k, v in (o.split("=", 1) for o in args.dataset_option)},
         partition=args.partition,
         num_clients=args.clients,
         clients_per_round=args.per_round,
@@ -330,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = "\n\n".join(parts) + f"\nWall time of this invocation: {wall:.0f} s (finished runs count 0).\n"
     (args.results / f"{args.stem}.md").write_text(summary)
     (args.results / f"{args.stem}_args.json").write_text(
-        json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, indent=1)
+        json.dumps(
+            with_machine({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}), indent=1
+        )
     )
     print(summary)
     return 0

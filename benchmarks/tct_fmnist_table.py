@@ -63,6 +63,7 @@ from typing import Any
 
 from _runs import Setting, column_targets, run_dir_of, run_protocol, write_tables
 
+from hpcfl.bench.machine import with_machine
 from hpcfl.report.methods import Cell
 from hpcfl.report.protocol import Protocol
 
@@ -402,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
             md += f"| {label} | " + " | ".join(cells_) + " |\n"
     stem.with_suffix(".md").write_text(md)
     (args.out / "summary.json").write_text(
-        json.dumps({"budget": budget(args), "table": table, "checks": checks, "figure3": fig3}, indent=1)
+        json.dumps(
+            with_machine({"budget": budget(args), "table": table, "checks": checks, "figure3": fig3}),
+            indent=1,
+        )
     )
     print(md)
     print(f"wrote {stem}.{{md,csv,json,png}}, tct_figure3.png")

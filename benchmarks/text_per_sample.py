@@ -73,6 +73,7 @@ import torch
 from torch import nn
 
 from hpcfl.bench.entk import model_and_batch, time_method
+from hpcfl.bench.machine import csv_with_machine, with_machine
 from hpcfl.data.shakespeare import SEQ_LEN, VOCAB
 
 MODELS = ("char-transformer", "char-lstm")
@@ -494,14 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(["# Per-sample work on the text models", "", caveat, "", *_table(results, args)])
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"text_per_sample_{args.device}"
-    atomic_write_text(stem.with_suffix(".json"), json.dumps(results, indent=1))
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(with_machine(results), indent=1))
     buf = io.StringIO()
     writer = csv.DictWriter(
         buf, ["part", "model", "batch", "method", "samples_per_s", "hpcfl_over_this", "note"]
     )
     writer.writeheader()
     writer.writerows(_rows(results))
-    atomic_write_text(stem.with_suffix(".csv"), buf.getvalue())
+    atomic_write_text(stem.with_suffix(".csv"), csv_with_machine(buf.getvalue()))
     atomic_write_text(stem.with_suffix(".md"), text)
     _plot(results, args, stem.with_suffix(".png"))
     print(text)

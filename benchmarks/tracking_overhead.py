@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcfl.bench.machine import with_machine
+
 LOGGERS = ("none", "tensorboard", "mlflow", "wandb")
 
 
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     if "table" in args.parts:
         results["table"] = client_table(args)
         print(results["table"])
-    (args.out / "tracking_overhead.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / "tracking_overhead.json").write_text(json.dumps(with_machine(results), indent=1) + "\n")
     lines = []
     for entry in results.get("loggers", []):
         lines.append(

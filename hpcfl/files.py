@@ -7,6 +7,7 @@ and for JSON-lines files; everything else in hpcfl writes through these helpers.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import sys
@@ -177,15 +178,38 @@ def read_jsonl(
     return rows
 
 
+def _no_nan(value: Any) -> Any:
+    """``value`` with every float that is not finite (NaN, ±inf) replaced by None, in nested lists and
+    dicts too."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(v) for v in value]
+    return value
+
+
+def json_line(row: dict[str, Any]) -> str:
+    """One JSON line of ``row`` that is valid JSON (RFC 8259): a value that is not a finite number
+    (a client without test data, a fine-tuning that diverged) is written ``null``, never the
+    ``NaN``/``Infinity`` literals Python's json writes by default and strict readers refuse
+    (issue 61)."""
+    try:
+        return json.dumps(row, allow_nan=False) + "\n"
+    except ValueError:  # a NaN or an infinity somewhere: the rare path
+        return json.dumps(_no_nan(row), allow_nan=False) + "\n"
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Replace a JSON-lines file atomically."""
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    """Replace a JSON-lines file atomically (valid JSON on every line: :func:`json_line`)."""
+    atomic_write_text(path, "".join(json_line(r) for r in rows))
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    """Append one row and flush it to disk."""
+    """Append one row (valid JSON: :func:`json_line`) and flush it to disk."""
     with open(path, "a") as fh:
-        fh.write(json.dumps(row) + "\n")
+        fh.write(json_line(row))
         fh.flush()
         os.fsync(fh.fileno())
 

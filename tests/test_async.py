@@ -621,3 +621,120 @@ def test_report_shows_simulated_time_and_updates_to_target(tmp_path: Path) -> No
     assert (
         f"sim. s to {100 * target:g}%" in text and f"| {rows[1].sim_time:,.1f} | {rows[1].updates} |" in text
     )
+
+
+# -- issue 61: the clock like the work draws --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mu", "sigma"), [(1000.0, 1.0), (-1000.0, 1.0), (0.0, 1e300), (0.0, 1.7e308)])
+def test_a_lognormal_clock_draw_is_clipped_to_finite_positive_bounds(mu: float, sigma: float) -> None:
+    """mu ±1000 or sigma 1e300 overflowed exp (OverflowError) or drew a speed of 0
+    (ZeroDivisionError); the logarithm is now clipped before exp, as ``system.work``'s is."""
+    from hpcfl.algorithms.clock import LOGNORMAL_HIGH, LOGNORMAL_LOW
+
+    d = Distribution("lognormal", mu=mu, sigma=sigma)
+    clock = VirtualClock(ClockSection(speed=d, delay=d, per_update=True), 7)
+    draws = [v for r in range(20) for k in range(3) for v in clock.speed_delay(0, r, k)]
+    assert all(LOGNORMAL_LOW <= v <= LOGNORMAL_HIGH for v in draws), draws
+    if mu:  # every draw lies beyond the bound on its side
+        assert set(draws) == {LOGNORMAL_HIGH if mu > 0 else LOGNORMAL_LOW}
+    else:  # a huge spread: both bounds, nothing between
+        assert set(draws) == {LOGNORMAL_LOW, LOGNORMAL_HIGH}
+    assert all(math.isfinite(clock.seconds(0, r, 1, 10**6)) for r in range(20))
+
+
+def test_a_run_with_an_extreme_lognormal_clock_runs_with_finite_simulated_time(tmp_path: Path) -> None:
+    system = {
+        "clock": {"speed": {"kind": "lognormal", "mu": -1000.0}, "delay": {"kind": "lognormal", "mu": 1000.0}}
+    }
+    rows = run_experiment(
+        config_from_dict(_cfg(algorithm="fedavg", rounds=2, system=system)), tmp_path / "r"
+    ).metrics
+    # each round: the slowest update's samples at 1e-9 samples/s plus a delay of 1e9 s
+    assert all(math.isfinite(r["sim_time"]) and r["round_sim_s"] > 1e9 for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["system.clock.speed.value=1e-320"], "lasts inf simulated seconds, not a finite number"),
+        (["system.clock.speed.value=5", "system.clock.delay.value=1.7e308"], "passes the largest float"),
+    ],
+)
+def test_a_clock_whose_durations_are_not_finite_is_one_line(
+    tmp_path: Path, capsys, overrides, fragment
+) -> None:
+    """A tiny speed or a huge delay made every duration infinite and wrote ``"sim_time": Infinity``
+    into metrics.jsonl (not JSON); now one line before any row, for both kinds of run."""
+    for algorithm in ("fedbuff", "fedavg"):
+        (tmp_path / algorithm).mkdir()
+        _fails(
+            tmp_path / algorithm,
+            capsys,
+            ["system.clock.speed.kind=constant", f"algorithm={algorithm}", *overrides],
+            fragment,
+        )
+
+
+def test_metrics_lines_are_valid_json_without_nan_or_infinity(tmp_path: Path) -> None:
+    """The one writer of metrics.jsonl (and client_metrics.jsonl) writes a figure that is not a
+    finite number as null: every line parses under a strict reader."""
+    import json
+
+    from hpcfl.files import append_jsonl, read_jsonl
+
+    def strict(line: str) -> Any:
+        return json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} literal in {line!r}"))
+
+    path = tmp_path / "m.jsonl"
+    row = {"round": 1, "loss": math.nan, "sim_time": math.inf, "x": {"a": -math.inf, "b": [1.5, math.nan]}}
+    append_jsonl(path, row)
+    append_jsonl(path, {"round": 2, "loss": 0.25})
+    assert [strict(line) for line in path.read_text().splitlines()] == [
+        {"round": 1, "loss": None, "sim_time": None, "x": {"a": None, "b": [1.5, None]}},
+        {"round": 2, "loss": 0.25},
+    ]
+    assert read_jsonl(path)[1] == {"round": 2, "loss": 0.25}
+
+
+def _clock_trace_run(tmp_path: Path, trace: Path, rounds: int) -> list[str]:
+    cfg = synthetic_config(
+        tmp_path,
+        algorithm="fedavg",
+        rounds=rounds,
+        system={"clock": {"speed": {"kind": "constant", "value": 50.0}, "trace": str(trace)}},
+    )
+    return ["run", str(cfg), "--run-dir", str(tmp_path / "r")]
+
+
+def test_a_clock_trace_changed_before_a_resume_is_refused_and_the_same_one_resumes_bit_identically(
+    tmp_path: Path, capsys
+) -> None:
+    """``system.clock.trace`` was re-read on ``--resume`` and neither copied nor checked: the run now
+    keeps a copy (clock_trace.csv) and refuses another trace in one line, as for the dropout trace;
+    the same trace resumes to the simulated times of a run done at once."""
+    import json
+
+    trace = tmp_path / "clock.csv"
+    trace.write_text("client,speed,delay\n1,7,2.5\n")
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    assert main(_clock_trace_run(whole, trace, 3)) == 0
+    run = _clock_trace_run(tmp_path, trace, 3)
+    assert main([*run, "--set", "rounds=1"]) == 0
+    assert (tmp_path / "r" / "clock_trace.csv").read_bytes() == trace.read_bytes()
+    trace.write_text("client,speed,delay\n1,70,2.5\n")
+    code = main([*run, "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and "Traceback" not in "\n".join(err)
+    assert "system.clock.trace" in err[-1] and "changed since the run started" in err[-1]
+    trace.write_text("client,speed,delay\n1,7,2.5\n")
+    assert main([*run, "--resume"]) == 0
+
+    def rows(d: Path) -> list[tuple[Any, ...]]:
+        lines = (d / "metrics.jsonl").read_text().splitlines()
+        return [
+            (r["round"], r["sim_time"], r["test_accuracy"], r["test_loss"]) for r in map(json.loads, lines)
+        ]
+
+    assert rows(tmp_path / "r") == rows(whole / "r")

@@ -278,3 +278,21 @@ def test_a_section_named_after_an_algorithm_holds_its_params_for_its_runs_only(t
     assert load_config(cfg, ["algorithm=fedprox", "params.mu=0.2"]).params.mu == 0.2  # params: wins
     argv = ["run", str(sweep), "--run-dir", str(tmp_path / "r"), "--set", "tct.stage2.pp=3"]
     _fails_cleanly(capsys, argv, "unknown config key 'tct.stage2.pp'", "did you mean 'tct.stage2.p'")
+
+
+@pytest.mark.parametrize("algorithm", ["fedadam", "fedyogi", "fedadagrad"])
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("params.tau=1.9e19", "config key 'params.tau' must be <= 1.845e+19: τ² (the second moment's start"),
+        ("params.server_lr=1e39", "config key 'params.server_lr' must be <= 3.403e+38"),
+    ],
+)
+def test_an_adaptive_server_hyper_parameter_that_would_overflow_is_one_line(
+    tmp_path, capsys, algorithm, override, fragment
+):
+    """Issue 61 item 7: τ ≥ ~1.9e19 made τ² = inf in float32 at start-up (a traceback); now one line.
+    The largest τ allowed still trains (its v₋₁ is finite)."""
+    cfg = synthetic_config(tmp_path, algorithm=algorithm, rounds=1)
+    _fails_cleanly(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", override], fragment)
+    assert main(["run", str(cfg), "--run-dir", str(tmp_path / "ok"), "--set", "params.tau=1.8e19"]) == 0

@@ -200,8 +200,10 @@ def test_summarize_writes_csv_json_png(tmp_path: Path, capsys: pytest.CaptureFix
     report = json.loads((tmp_path / "scaling.json").read_text())
     assert report["projection"]["label"] == sc.PROJECTION_LABEL
     assert report["acceptance"]["strong_eff_simplecnn_1_to_2_ranks"]["min"] == pytest.approx(2 / 2.1)
+    assert report["machine"]["cpu_model"]  # the machine the figures came from (issue 66)
     with open(tmp_path / "scaling.csv") as fh:
-        assert len(list(csv.DictReader(fh))) == 2
+        table = list(csv.DictReader(fh))
+    assert len(table) == 2 and all(row["cpu_model"] == report["machine"]["cpu_model"] for row in table)
     assert "PROJECTION" in capsys.readouterr().out
 
 

@@ -348,6 +348,9 @@ def test_bench_entk_writes_csv_json_png(tmp_path, capsys):
     assert set(rows) == {"plain", "fused", "loop"}
     assert all(r["status"] == "ok" and r["samples_per_s"] > 0 for r in rows.values()), rows
     assert (out / "entk_bench.csv").read_text().startswith("method,")
+    # the machine and the thread count the figures were measured with (issue 66)
+    assert report["machine"]["threads"] == 1 and report["machine"]["cores"] >= 1
+    assert "cpu_vector_extensions" in (out / "entk_bench.csv").read_text().splitlines()[0]
     assert (out / "entk_bench.png").stat().st_size > 1000
     assert "fused_vs_plain" in capsys.readouterr().out
 

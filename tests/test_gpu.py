@@ -33,7 +33,7 @@ def _float32_convolutions(monkeypatch):
     (``torch.backends.cudnn.allow_tf32``), and the first H200 run measured what that does to a
     CUDA-vs-CPU comparison of a conv model: 1.9e-3 (FedAvg, simplecnn, 3 rounds) and 2.4e-3 (one
     DP-SGD client) relative, where the MLP runs agreed within 1e-4. These tests check hpcfl's code
-    paths, so they compare float32 with float32; runs keep PyTorch's default (README, GPU)."""
+    paths, so they compare float32 with float32; runs keep PyTorch's default (docs/gpus.md)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 

@@ -286,13 +286,13 @@ def test_the_example_algorithm_imports_only_from_hpcfl_algorithms_config_error_i
 
 
 def _readme_robust_aggregation() -> str:
-    """The README's robust-aggregation block (``robust_agg.py`` there)."""
+    """The plugins guide's robust-aggregation block (``robust_agg.py`` there, docs/plugins.md)."""
     import re
 
     from tests.helpers import REPO
 
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n### Robust aggregation (trimmed mean, median)\n", 1)[1].split("\n## ", 1)[0]
+    text = (REPO / "docs/plugins.md").read_text()
+    section = text.split("\n## Robust aggregation (trimmed mean, median)\n", 1)[1].split("\n## ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     return code
 
@@ -300,7 +300,7 @@ def _readme_robust_aggregation() -> str:
 def test_readme_robust_aggregation_is_a_trimmed_mean_and_median_that_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 45 item 7: the README's trimmed-mean algorithm, run as written: its server step equals a
+    """Issue 45 item 7: the plugins guide's trimmed-mean algorithm, run as written: its server step equals a
     sorted-and-cut reference (trim 0.5: torch's median for odd counts, the mean of the middle two for
     even ones) and ignores a wild model; trim 0 over a real run equals FedAvg with uniform weights
     (to float rounding: sorted vs unsorted summation), with every model gathered and counted."""
@@ -312,7 +312,7 @@ def test_readme_robust_aggregation_is_a_trimmed_mean_and_median_that_runs(
     (tmp_path / "robust_agg.py").write_text(_readme_robust_aggregation())
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        # as the README says: a config naming the module in imports: registers the algorithm
+        # as the guide says: a config naming the module in imports: registers the algorithm
         base = dict(
             imports=["robust_agg"],
             dataset="synthetic",

@@ -1,4 +1,4 @@
-"""The public surface of ``hpcfl`` and the README's Python example, executed as written."""
+"""The public surface of ``hpcfl`` and the runs guide's Python example (docs/runs.md), executed as written."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def test_every_public_name_resolves_and_nothing_else_is_listed() -> None:
 
 
 def _readme_example() -> str:
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## A run\n", 1)[1].split("\n## ", 1)[0]
+    text = (REPO / "docs/runs.md").read_text()
+    section = text.split("\n## From Python\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 1, "the 'A run' section holds one python example"
+    assert len(blocks) == 1, "the guide's 'From Python' section holds one python example"
     return blocks[0]
 
 
@@ -36,7 +36,7 @@ def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(_readme_example(), "README.md", "exec"), {"__name__": "__readme__"})
+        exec(compile(_readme_example(), "docs/runs.md", "exec"), {"__name__": "__readme__"})
     first, second = out.getvalue().splitlines()
     assert re.fullmatch(r"round 2: test accuracy 0\.\d{3}", first), first
     assert "'fedavg'" in second and "'tct'" in second and second.endswith("] LocalComm")
@@ -47,8 +47,8 @@ def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_readme_adding_an_algorithm_shows_the_real_file_and_its_one_line() -> None:
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n### Adding an algorithm\n", 1)[1].split("\n## ", 1)[0]
+    text = (REPO / "docs/algorithms.md").read_text()
+    section = text.split("\n## Adding an algorithm\n", 1)[1].split("\n## ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     (line,) = re.findall(r"```text\n(.*?)```", section, flags=re.S)
     assert code in (REPO / "hpcfl/algorithms/fedavgm.py").read_text()

@@ -14,8 +14,12 @@ A synchronous round lasts as long as its slowest arrival (the ``sim_time`` metri
 up); an asynchronous run (:mod:`hpcfl.runner.asynchronous`) orders its updates by these times.
 
 Distributions (``kind``): ``constant`` (``value``), ``uniform`` [``low``, ``high``], ``lognormal``
-exp(N(``mu``, ``sigma``²)) (e.g. the FedBuff paper's heterogeneous client durations). A speed must be
-positive, a delay non-negative: a distribution that can draw otherwise is refused in one line.
+exp(N(``mu``, ``sigma``²)) (e.g. the FedBuff paper's heterogeneous client durations), clipped to
+[:data:`LOGNORMAL_LOW`, :data:`LOGNORMAL_HIGH`] as ``system.work``'s lognormal is clipped to its bounds
+(the logarithm is clipped before ``exp``, so no mu or sigma overflows or draws a zero speed). A speed
+must be positive, a delay non-negative: a distribution that can draw otherwise is refused in one
+line, and so is an update whose duration is not a finite number (a tiny constant speed, a huge
+delay): the ``sim_time`` column must stay a number.
 
 FLSim's laws (issue 63). The FedBuff paper's experiments (Nguyen et al., AISTATS 2022) ran on Meta's
 simulator FLSim, which draws each training's **duration** directly, in place of ``samples / speed``
@@ -60,6 +64,10 @@ from hpcfl.errors import ConfigError
 from hpcfl.training.seeds import seeded_rng
 
 DISTRIBUTIONS = ("constant", "uniform", "lognormal")
+#: the bounds a lognormal speed (samples per simulated second) or delay (seconds) is clipped to:
+#: finite and positive, so every duration ``samples / speed + delay`` is finite (issue 61)
+LOGNORMAL_LOW, LOGNORMAL_HIGH = 1e-9, 1e9
+_LOG_LOW, _LOG_HIGH = math.log(LOGNORMAL_LOW), math.log(LOGNORMAL_HIGH)
 DURATION_LAWS = ("none", "gaussian", "per_example_gaussian", "half_normal", "uniform", "exponential")
 START_KINDS = ("none", "poisson")
 
@@ -86,7 +94,9 @@ class Distribution:
             return float(self.value)
         if self.kind == "uniform":
             return float(rng.uniform(self.low, self.high))
-        return math.exp(float(rng.normal(self.mu, self.sigma)))
+        z = float(rng.normal(self.mu, self.sigma))  # may be ±inf for a sigma near the float limit
+        z = min(_LOG_HIGH + 1.0, max(_LOG_LOW - 1.0, z))  # clipped before exp: never 0 nor an overflow
+        return min(LOGNORMAL_HIGH, max(LOGNORMAL_LOW, math.exp(z)))
 
 
 @dataclass
@@ -321,6 +331,19 @@ class VirtualClock:
         trace = read_clock_trace(section.trace, num_clients) if section.trace is not None else {}
         return VirtualClock(section, seed, tuple(sorted(trace.items())))
 
+    def least_seconds(self) -> float:
+        """A duration no update of this clock can be shorter than (the least delay its distribution
+        or trace allows, plus a duration law's minimum): with it a run's simulated time is known to
+        pass the largest float before any round is drawn (issue 63: rounds are drawn as they come)."""
+        d = self.section.delay
+        least = {"uniform": d.low, "lognormal": LOGNORMAL_LOW}.get(d.kind, d.value)
+        if self.trace:
+            least = min(least, *(delay for _, (_, delay) in self.trace))
+        law = self.section.duration
+        if law.kind in ("gaussian", "half_normal", "uniform"):
+            least += law.min
+        return max(0.0, least)
+
     def speed_delay(self, stage: int, rnd: int, k: int) -> tuple[float, float]:
         """Client ``k``'s (samples per second, delay in seconds) for its update of round ``rnd``."""
         traced = dict(self.trace).get(k)
@@ -333,14 +356,24 @@ class VirtualClock:
 
     def seconds(self, stage: int, rnd: int, k: int, samples: int) -> float:
         """How long client ``k``'s update of round ``rnd`` lasts: ``samples / speed + delay``, or
-        FLSim's drawn duration + delay under a duration law."""
+        FLSim's drawn duration + delay under a duration law; a duration that is not a finite number
+        is one :class:`ConfigError` line."""
         law = self.section.duration
         if law.kind == "none":
             speed, delay = self.speed_delay(stage, rnd, k)
-            return samples / speed + delay
-        key = (stage, rnd, k) if self.section.per_update else (k,)
-        delay = self.section.delay.draw(seeded_rng(self.seed, _DELAY_SALT, *key))
-        return law.draw(seeded_rng(self.seed, _DURATION_SALT, *key), samples) + delay
+            seconds = samples / speed + delay
+            how = f"{samples} samples at speed {speed:g}, delay {delay:g}"
+        else:
+            key = (stage, rnd, k) if self.section.per_update else (k,)
+            delay = self.section.delay.draw(seeded_rng(self.seed, _DELAY_SALT, *key))
+            seconds = law.draw(seeded_rng(self.seed, _DURATION_SALT, *key), samples) + delay
+            how = f"{law.kind} duration, delay {delay:g}"
+        if not math.isfinite(seconds):
+            raise ConfigError(
+                f"system.clock: client {k}'s update of round {rnd + 1} ({how}) lasts {seconds} simulated "
+                "seconds, not a finite number; raise the speed or lower the delay"
+            )
+        return seconds
 
 
 def update_samples(steps: int, batch_size: int, n: int) -> int:

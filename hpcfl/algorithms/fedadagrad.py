@@ -21,7 +21,7 @@ import torch
 
 from hpcfl.algorithms.base import HyperParams
 from hpcfl.algorithms.fedadam import FedAdam
-from hpcfl.algorithms.server_opt import adagrad_step
+from hpcfl.algorithms.server_opt import adagrad_step, check_adaptive_params
 from hpcfl.errors import ConfigError
 
 
@@ -41,12 +41,9 @@ class FedAdagradParams(HyperParams):
     tau: float = 1e-3
 
     def __post_init__(self) -> None:
-        if not self.server_lr > 0:
-            raise ConfigError(f"config key 'params.server_lr' must be > 0, got {self.server_lr}")
         if not 0.0 <= self.beta1 < 1.0:
             raise ConfigError(f"config key 'params.beta1' must be in [0, 1), got {self.beta1}")
-        if not self.tau > 0:
-            raise ConfigError(f"config key 'params.tau' must be > 0, got {self.tau}")
+        check_adaptive_params(server_lr=self.server_lr, tau=self.tau)
 
 
 class FedAdagrad(FedAdam):

@@ -31,7 +31,7 @@ from hpcfl.algorithms.base import (
     ServerState,
 )
 from hpcfl.algorithms.fedavg import local_training
-from hpcfl.algorithms.server_opt import adam_step, apply_step, pseudo_gradient
+from hpcfl.algorithms.server_opt import adam_step, apply_step, check_adaptive_params, pseudo_gradient
 from hpcfl.errors import ConfigError
 
 
@@ -52,14 +52,11 @@ class FedAdamParams(HyperParams):
     tau: float = 1e-3
 
     def __post_init__(self) -> None:
-        if not self.server_lr > 0:
-            raise ConfigError(f"config key 'params.server_lr' must be > 0, got {self.server_lr}")
         for key in ("beta1", "beta2"):
             value = getattr(self, key)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"config key 'params.{key}' must be in [0, 1), got {value}")
-        if not self.tau > 0:
-            raise ConfigError(f"config key 'params.tau' must be > 0, got {self.tau}")
+        check_adaptive_params(server_lr=self.server_lr, tau=self.tau)
 
 
 @dataclass

@@ -11,9 +11,35 @@ never downloaded).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hpcfl.algorithms.base import Aggregate
+from hpcfl.errors import ConfigError
+
+#: the largest float32: the server vectors are float32, so a hyper-parameter whose step would pass
+#: this is refused up front (a τ² that overflows made v₋₁ = inf and a traceback, issue 61)
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_adaptive_params(*, server_lr: float, tau: float) -> None:
+    """One :class:`ConfigError` line for an adaptive server optimiser's η or τ that is not a
+    positive finite number, or whose use overflows float32: τ² (v₋₁ = τ²) and η itself must be
+    finite there (τ ≤ √(float32 max) ≈ 1.8e19, η ≤ float32 max ≈ 3.4e38)."""
+    if not (server_lr > 0 and math.isfinite(server_lr)):
+        raise ConfigError(f"config key 'params.server_lr' must be > 0 and finite, got {server_lr}")
+    if server_lr > _F32_MAX:
+        raise ConfigError(
+            f"config key 'params.server_lr' must be <= {_F32_MAX:.4g} (it scales float32 steps), got {server_lr}"
+        )
+    if not (tau > 0 and math.isfinite(tau)):
+        raise ConfigError(f"config key 'params.tau' must be > 0 and finite, got {tau}")
+    if tau * tau > _F32_MAX:
+        raise ConfigError(
+            f"config key 'params.tau' must be <= {math.sqrt(_F32_MAX):.4g}: τ² (the second moment's start "
+            f"v₋₁) overflows float32 above it, got {tau}"
+        )
 
 
 def pseudo_gradient(

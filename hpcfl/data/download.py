@@ -1,10 +1,11 @@
 """Official dataset files: MD5 verification (cached) and download with an atomic rename.
 
 Verifying costs a full read (30 MB for Fashion-MNIST, 170 MB for CIFAR), so the digest is cached
-in a small JSON sidecar keyed by the file's size and mtime: beside the file (``.NAME.md5.json``)
-when its directory is writable, else under the user cache (``$XDG_CACHE_HOME/hpcfl/checksums``)
-so read-only shared dataset stores are never written to. Touching or replacing the file
-invalidates the entry. A download goes to a hidden temp name in the target directory, is checked
+in a small JSON sidecar keyed by the file's identity — inode, size, mtime and ctime (ns) — beside
+the file (``.NAME.md5.json``) when its directory is writable, else under the user cache
+(``$XDG_CACHE_HOME/hpcfl/checksums``) so read-only shared dataset stores are never written to.
+Touching, replacing or writing the file invalidates the entry: a write in place that keeps the size
+and sets the mtime back (``os.utime``) still moves the ctime, which no user can set (issue 61). A download goes to a hidden temp name in the target directory, is checked
 against the published MD5 while streaming, and only then renamed into place, so a file under its
 official name is never half-written.
 """
@@ -72,7 +73,21 @@ def _sidecars(path: Path) -> list[Path]:
     return [beside, _user_cache_dir() / f"{key}.json"]
 
 
+def _identity(path: Path, st: os.stat_result) -> dict[str, object]:
+    """What a sidecar's digest is trusted on: the file's path, inode, size, mtime and ctime (ns)."""
+    return {
+        "path": str(path.resolve()),
+        "inode": st.st_ino,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+    }
+
+
 def _read_cached_md5(path: Path, st: os.stat_result) -> str | None:
+    """The sidecar's digest while the file's identity is unchanged (an older sidecar without the
+    inode and ctime is not trusted: the file is hashed once more)."""
+    identity = _identity(path, st)
     for side in _sidecars(path):
         try:
             rec = json.loads(side.read_text())
@@ -80,9 +95,7 @@ def _read_cached_md5(path: Path, st: os.stat_result) -> str | None:
             continue
         if (
             isinstance(rec, dict)
-            and rec.get("path") == str(path.resolve())
-            and rec.get("size") == st.st_size
-            and rec.get("mtime_ns") == st.st_mtime_ns
+            and all(rec.get(k) == v for k, v in identity.items())
             and isinstance(rec.get("md5"), str)
         ):
             return rec["md5"]
@@ -91,7 +104,7 @@ def _read_cached_md5(path: Path, st: os.stat_result) -> str | None:
 
 def _write_cached_md5(path: Path, st: os.stat_result, digest: str) -> None:
     """Best effort: a cache that cannot be written only costs a re-hash next time."""
-    record = {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "md5": digest}
+    record = {**_identity(path, st), "md5": digest}
     for side in _sidecars(path):
         try:
             if side.parent == path.resolve().parent:
@@ -106,7 +119,8 @@ def _write_cached_md5(path: Path, st: os.stat_result, digest: str) -> None:
 
 
 def file_md5(path: str | os.PathLike[str]) -> str:
-    """The MD5 of a file, taken from its sidecar when size and mtime are unchanged."""
+    """The MD5 of a file, taken from its sidecar while the file's identity (inode, size, mtime,
+    ctime) is unchanged."""
     path = Path(path)
     st = path.stat()
     cached = _read_cached_md5(path, st)

@@ -21,10 +21,12 @@ from hpcfl.data.femnist import NUM_CLASSES as FEMNIST_CLASSES
 from hpcfl.data.femnist import load_femnist_arrays
 from hpcfl.data.idx import load_idx_arrays
 from hpcfl.data.root import resolve_data_root
+from hpcfl.data.shakespeare import SPLITS as SHAKESPEARE_SPLITS
 from hpcfl.data.shakespeare import VOCAB as SHAKESPEARE_VOCAB
+from hpcfl.data.shakespeare import WINDOWS as SHAKESPEARE_WINDOWS
 from hpcfl.data.shakespeare import build_split, load_roles
 from hpcfl.data.synthetic import make_synthetic
-from hpcfl.data.types import Dataset, Split
+from hpcfl.data.types import Dataset, Split, TestSelection
 from hpcfl.errors import ConfigError, unknown
 from hpcfl.registry import DATASET_SPECS, DatasetSpec
 
@@ -118,46 +120,69 @@ def _integer_option(name: str, value: Any, low: int) -> int:
     return int(value)
 
 
+def _choice_option(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"shakespeare option {name!r} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 def _load_shakespeare(
     name: str,
     root: Path,
     download: bool,
     *,
+    split: str = "temporal",
+    window: str = "role",
     min_lines: int = 2,
+    min_samples: int = 0,
     seq_len: int = 80,
     roles: int = 0,
     lines: int = 0,
     sample_roles: int = 0,
     test_samples: int = 0,
+    test_set: str = "run",
     seed: int = 0,
 ) -> Dataset:
-    """LEAF's Shakespeare (:mod:`hpcfl.data.shakespeare`); ``roles`` > 0 keeps the first ``roles``
-    roles only and ``lines`` > 0 the first ``lines`` lines of each (a small federation),
-    ``sample_roles`` > 0 that many roles drawn at random (LEAF's user sampling), ``test_samples`` > 0
-    a random subset of the test set of that size; ``seed`` draws each role's train/test split and
-    both samples."""
-    split = build_split(
+    """LEAF's Shakespeare (:mod:`hpcfl.data.shakespeare`): ``split`` temporal (LEAF since 2020) or
+    random (FedProx's), ``window`` role (one window over each role's text) or line (LEAF's first
+    commit), ``min_samples`` LEAF's ``-k``; ``roles`` > 0 keeps the first ``roles`` roles only and
+    ``lines`` > 0 the first ``lines`` lines of each (a small federation), ``sample_roles`` > 0 that
+    many roles drawn at random (LEAF's user sampling). A run is tested on the test shares of the
+    roles it trains under partition ``natural`` (``test_set: run``; ``all``: every kept role's), and
+    on ``test_samples`` > 0 of those drawn at random. ``seed`` draws the random split and the
+    samples."""
+    split_ = build_split(
         load_roles(root),
+        split=_choice_option("split", split, SHAKESPEARE_SPLITS),
+        window=_choice_option("window", window, SHAKESPEARE_WINDOWS),
         min_lines=_integer_option("min_lines", min_lines, 0),
+        min_samples=_integer_option("min_samples", min_samples, 0),
         seq_len=_integer_option("seq_len", seq_len, 1),
         max_roles=_integer_option("roles", roles, 0) or None,
         max_lines=_integer_option("lines", lines, 0) or None,
         sample_roles=_integer_option("sample_roles", sample_roles, 0) or None,
-        test_samples=_integer_option("test_samples", test_samples, 0) or None,
         seed=_integer_option("seed", seed, 0),
     )
-    seq = split.x_train.shape[1]
+    seq = split_.x_train.shape[1]
+    selection = TestSelection(
+        own_writers=_choice_option("test_set", test_set, ("run", "all")) == "run",
+        count=_integer_option("test_samples", test_samples, 0) or None,
+        seed=int(seed),
+    )
     return Dataset(
         name=name,
         train=Split(
-            x=torch.from_numpy(split.x_train), y=torch.from_numpy(split.y_train)
+            x=torch.from_numpy(split_.x_train), y=torch.from_numpy(split_.y_train)
         ),  # host: data loading
-        test=Split(x=torch.from_numpy(split.x_test), y=torch.from_numpy(split.y_test)),  # host: data loading
+        test=Split(
+            x=torch.from_numpy(split_.x_test), y=torch.from_numpy(split_.y_test)
+        ),  # host: data loading
         num_classes=len(SHAKESPEARE_VOCAB),
         input_shape=(1, 1, seq),
-        natural_clients=[torch.from_numpy(i) for i in split.train_idx],  # host: index bookkeeping
-        natural_test_clients=[torch.from_numpy(i) for i in split.test_idx],  # host: index bookkeeping
+        natural_clients=[torch.from_numpy(i) for i in split_.train_idx],  # host: index bookkeeping
+        natural_test_clients=[torch.from_numpy(i) for i in split_.test_idx],  # host: index bookkeeping
         vocab_size=len(SHAKESPEARE_VOCAB),
+        test_selection=selection,
     )
 
 
@@ -174,7 +199,20 @@ BUILTIN_DATASETS: dict[str, DatasetSpec] = {
     "cifar100": DatasetSpec(_load_cifar, ("verify",)),
     "femnist": DatasetSpec(_load_femnist),
     "shakespeare": DatasetSpec(
-        _load_shakespeare, ("min_lines", "seq_len", "roles", "lines", "sample_roles", "test_samples", "seed")
+        _load_shakespeare,
+        (
+            "split",
+            "window",
+            "min_lines",
+            "min_samples",
+            "seq_len",
+            "roles",
+            "lines",
+            "sample_roles",
+            "test_samples",
+            "test_set",
+            "seed",
+        ),
     ),
     "synthetic": DatasetSpec(_load_synthetic, _SYNTHETIC_OPTIONS),
 }
@@ -190,7 +228,8 @@ def load_dataset(
     """Load a dataset by name, normalised, from ``data_root`` (see :func:`resolve_data_root`).
 
     Names: ``mnist``, ``fashion-mnist`` (alias ``fmnist``), ``cifar10``, ``cifar100``, ``femnist``,
-    ``shakespeare`` (options ``min_lines``, ``seq_len``, ``roles``, ``lines``, ``seed``),
+    ``shakespeare`` (options ``split``, ``window``, ``min_lines``, ``min_samples``, ``seq_len``,
+    ``roles``, ``lines``, ``sample_roles``, ``test_samples``, ``test_set``, ``seed``),
     ``synthetic``. Missing official files are downloaded when ``download`` is true (FEMNIST and
     Shakespeare never are). Options: ``verify=False`` skips the MD5 check of MNIST/Fashion-MNIST/CIFAR files;
     ``synthetic`` takes the keyword arguments of :func:`hpcfl.data.synthetic.make_synthetic`. A

@@ -25,6 +25,22 @@ class Split:
 
 
 @dataclass(frozen=True)
+class TestSelection:
+    """How a run picks its test set from a dataset's pooled one (:func:`hpcfl.data.testset.run_test_set`).
+
+    ``own_writers``: under partition ``natural``, the test shares of the writers the run trains
+    (``natural_test_clients``; LEAF evaluates a run on its own users' test data), not every
+    writer's; ``count``: then that many of those samples drawn from ``seed`` (an estimate of test
+    accuracy a CPU can afford), None for all; ``option``: the dataset option that set ``count``,
+    named in the one-line error when the run's set is smaller."""
+
+    own_writers: bool = True
+    count: int | None = None
+    seed: int = 0
+    option: str = "test_samples"
+
+
+@dataclass(frozen=True)
 class Dataset:
     """A train and a test split with the metadata partitioners and models need."""
 
@@ -39,3 +55,5 @@ class Dataset:
     # Text: the size of the symbol vocabulary ``x`` indexes (the classes are the next symbol); None
     # for images. Models that read symbols check it against their own (hpcfl.models.build_model).
     vocab_size: int | None = None
+    # How a run picks its test set from ``test`` (None: the whole pooled test set, every partition)
+    test_selection: TestSelection | None = None

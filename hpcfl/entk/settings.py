@@ -2,8 +2,7 @@
 environment variables that override it, and the effective values a run uses and records.
 
 Three settings change the eNTK path's implementation, never its mathematics, but two of them can
-move results in the last bits, so they belong in the config and in the run's record (README,
-Determinism):
+move results in the last bits, so they belong in the config and in the run's record (docs/determinism.md):
 
 - ``costs`` (``$HPCFL_ENTK_COSTS``): a JSON file of fitted layer-form constants
   (``benchmarks/entk_layer_costs.py``) replacing the built-in ones for its device type

@@ -346,9 +346,31 @@ class Private(Algorithm[Any, ServerState, ClientState]):
             server, client, data, dataclasses.replace(ctx, trainer=recording)
         )
         assert recording.ledger is not None
+        self.seal(server, upload, data, ctx, recording.ledger.steps)
         taken = torch.zeros(self.units, dtype=torch.float32, device=server.x.device)
         taken[data.k] = float(recording.ledger.steps)
         return dataclasses.replace(upload, sums={**upload.sums, STEPS_TAKEN: taken}), state
+
+    def seal(
+        self, server: ServerState, upload: Upload, data: ClientData, ctx: ClientContext, taken: int
+    ) -> None:
+        """Sample level: refuse, in one line naming the client and the rule, a participant that
+        uploads a model other than the one it received while it took fewer DP-SGD steps than its
+        schedule (none at all, or some): it trained some other way (``torch.optim`` on the
+        trainer's model, a fresh :class:`Trainer`, ``Trainer.steps`` called past the DP trainer's
+        own, ``local_sgd``, :class:`LocalSteps`), and its upload is not private. What this cannot
+        see: non-private training beside a full schedule of DP-SGD steps."""
+        assert ctx.trainer is not None
+        due = ctx.trainer.schedule.num_steps(data.n)  # the participant's own (system.work) schedule
+        y = upload.sums.get("x")
+        if taken >= due or y is None or torch.equal(y, server.x):
+            return
+        raise ConfigError(
+            f"privacy.level=sample: algorithm {self.name!r}, client {data.k}, round {ctx.round + 1}: its upload "
+            f"differs from the model it received, but it took {taken} of its {due} DP-SGD steps; under "
+            "sample-level DP a participant trains only through ctx.trainer (its train/run/steps), every step "
+            "of its schedule (docs/privacy.md: what sample-level DP checks)"
+        )
 
     def clipped(self, server: ServerState, upload: Upload) -> Upload:
         """Client level: the update Δ = x_k − x clipped to S, unweighted, with the bit ‖Δ‖ ≤ S."""
@@ -361,7 +383,22 @@ class Private(Algorithm[Any, ServerState, ClientState]):
     def personal_model(
         self, server: ServerState, client: ClientState, data: ClientData, ctx: ClientContext
     ) -> torch.Tensor:
+        """The inner personal model, built at evaluation time outside the accountant: its figures
+        are labelled non-private (``personal_private: false``, :mod:`hpcfl.runner.client_eval`)."""
         return self.inner.personal_model(server, client, data, ctx)
+
+    def seal_server(self, before: torch.Tensor, after: torch.Tensor, rnd: int) -> None:
+        """Sample level: refuse a server step that moves the model (beyond float rounding of a mean
+        of unchanged models) while no participant has taken a DP-SGD step yet: it trained on data
+        some other way (data kept from ``client_update``), outside the private path, and the run
+        would be reported with ε = 0."""
+        if torch.allclose(after, before, rtol=1e-5, atol=1e-6):
+            return
+        raise ConfigError(
+            f"privacy.level=sample: algorithm {self.name!r}, round {rnd + 1}: the server step changed the model "
+            "although no participant has taken a DP-SGD step yet; under sample-level DP only the participants' "
+            "DP-SGD steps may train (docs/privacy.md: what sample-level DP checks)"
+        )
 
     def server_update(
         self, server: ServerState, aggregate: Aggregate, ctx: ServerContext
@@ -391,6 +428,8 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         inner_state, metrics = self.inner.server_update(server, aggregate, ctx)
         steps = server.dp_steps + add  # type: ignore[attr-defined]
         history = self.extend(self.history_of(server), add)
+        if mech.level == "sample" and not float(history[:, 1:].sum()) > 0:
+            self.seal_server(server.x, inner_state.x, ctx.round)
         peak = getattr(server, "dp_peak", None)  # None: a checkpoint written before it was kept
         peak = add if peak is None else torch.maximum(peak, add)
         new = self._wrap(

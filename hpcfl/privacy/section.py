@@ -111,6 +111,13 @@ def validate_privacy(p: PrivacySection, cfg: Any) -> None:
             raise ConfigError(
                 f"config key 'privacy.adaptive_clip.count_stddev' must be > 0, got {ac.count_stddev}"
             )
+    finetune = getattr(getattr(cfg, "finetune_eval", None), "steps", 0)
+    if finetune:
+        raise ConfigError(
+            f"privacy.level={p.level} with finetune_eval (steps {finetune}): the evaluation-time fine-tuning trains "
+            "on each client's data outside the accountant, so its accuracies would not be covered by the "
+            "reported ε; set finetune_eval.steps: 0 (or run without privacy)"
+        )
     algorithm = ALGORITHMS[cfg.algorithm]  # the class only (config has loaded it already)
     if p.level not in algorithm.dp_levels:
         raise ConfigError(

@@ -117,14 +117,24 @@ def _clients_markdown(runs: list[RunSummary]) -> str:
         "| fine-tuned p90 | personal mean | personal p10 | personal p90 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    unaccounted = False
     for r in runs:
         cells = [_pct(_final(r, k)) for k in (*_CLIENT_COLUMNS, *_FINETUNE_COLUMNS, *_PERSONAL_COLUMNS)]
+        if any(row.get("personal_private") is False for row in r.rows):  # built outside the accountant
+            cells[-3:] = [c if c == "—" else f"{c} (non-private)" for c in cells[-3:]]
+            unaccounted = True
         n = _final(r, "client_eval_clients")
         lines.append(
             f"| {r.name} | {100 * r.final_accuracy:.2f}% | {int(n) if n is not None else '—'} | "
             + " | ".join(cells)
             + " |"
         )
+    if unaccounted:
+        lines += [
+            "",
+            "non-private: a personal model built at evaluation time under DP is outside the accountant; "
+            "its figures are not covered by the run's ε.",
+        ]
     return "\n".join(lines) + "\n"
 
 

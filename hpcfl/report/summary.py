@@ -89,7 +89,16 @@ class RunSummary:
         eps = next((r["epsilon"] for r in reversed(self.rows) if "epsilon" in r), None)
         if level == "none" or eps is None:
             return None
-        return f"{level}-level DP, ε={float(eps):.2f} at δ={section.get('delta', 1e-5):g}"
+        return f"{level}-level DP, {epsilon_text(float(eps))} at δ={section.get('delta', 1e-5):g}"
+
+
+def epsilon_text(eps: float) -> str:
+    """``ε=3.00``; a positive ε below 0.005 keeps two significant digits (``ε=0.0012``), never
+    ``ε=0.00``; ε = 0 says that no private step was taken (the model never trained: a run that
+    trains without a private step is refused, :meth:`hpcfl.privacy.private.Private.seal`)."""
+    if eps == 0:
+        return "ε=0 (no private step taken)"
+    return f"ε={eps:.2f}" if eps >= 0.005 else f"ε={eps:.2g}"
 
 
 def summarise(run_dir: Path) -> RunSummary:

@@ -59,6 +59,22 @@ class Step:
     time: float
 
 
+def _finite(seconds: float, rnd: int) -> float:
+    """``seconds`` (the simulated time at the end of round ``rnd``, 0-based), or one
+    :class:`ConfigError` line when the sum of finite durations overflowed to infinity."""
+    if not math.isfinite(seconds):
+        raise_not_finite(rnd)
+    return seconds
+
+
+def raise_not_finite(rnd: int) -> None:
+    """The one line of a simulated time that passes the largest float at round ``rnd`` (0-based)."""
+    raise ConfigError(
+        f"system.clock: the simulated time passes the largest float at round {rnd + 1}; "
+        "raise the speeds or lower the delays"
+    )
+
+
 def plan_clock(plan: RoundPlan) -> VirtualClock:
     """The plan's clock, or the unit clock (one sample per simulated second, no delay)."""
     return plan.clock if plan.clock is not None else VirtualClock(UNIT_CLOCK, plan.seed)
@@ -117,7 +133,7 @@ class AsyncSchedule:
         rng = seeded_rng(self.plan.seed, _DISPATCH_SALT, self.plan.stage_index, version, len(self._mine))
         k = pool[int(rng.integers(len(pool)))]
         seconds, dropped = _update(self.plan, self.clock, version, self.round_offset + version + 1, k)
-        heapq.heappush(self._heap, (now + seconds, self._seq, k, version, dropped))
+        heapq.heappush(self._heap, (_finite(now + seconds, version), self._seq, k, version, dropped))
         self._seq += 1
         self._in_flight.add(k)
         self._mine.append(k)
@@ -213,7 +229,7 @@ class Timeline:
     def add_round(self, rnd: int, seconds: float, arrived: int) -> None:
         """A synchronous round of ``seconds`` (its slowest arrival) with ``arrived`` updates."""
         assert rnd == self._next, (rnd, self._next)
-        self._total += seconds
+        self._total = _finite(self._total + seconds, rnd)
         self._updates += arrived
         self.ticks[rnd] = Tick(self._total, self._updates)
         self._next += 1

@@ -127,7 +127,7 @@ class ClientEval(Observer):
         for share in ("", "val_")
         for model, _ in _MODELS
         for stat in ("mean", "std", "p10", "p90", "min")
-    ) + ("client_eval_clients",)
+    ) + ("client_eval_clients", "personal_private")
 
     def __init__(
         self,
@@ -141,10 +141,14 @@ class ClientEval(Observer):
         seed: int,
         personal: Personal | None = None,
         val_score: Score | None = None,
+        private: bool = False,
     ) -> None:
         self.score, self.held_sizes, self.place, self.tune = score, list(held_sizes), place, tune
         self.last_only, self.sample, self.seed = last_only, sample, seed
         self.personal, self.val_score = personal, val_score
+        #: a run under DP: its personal models are built outside the accountant (their figures are
+        #: labelled ``personal_private: false``; docs/privacy.md, what sample-level DP checks)
+        self.private = private
         self._ids: list[int] = []
         self._tuned = False
 
@@ -223,6 +227,7 @@ class ClientEval(Observer):
             seed=fed.cfg.seed,
             personal=personal,
             val_score=None if fed.validation_parts is None else scorer(fed.validation_parts),
+            private=fed.cfg.privacy.enabled,
         )
 
     def _layout(self) -> dict[str, int]:
@@ -278,6 +283,8 @@ class ClientEval(Observer):
         ids, col = self._ids, self._layout()
         table = slots[EVAL_SLOT].view(len(ids), len(col))
         out: dict[str, Any] = {"client_eval_clients": len(ids)}
+        if self.personal is not None and self.private:
+            out["personal_private"] = False  # built outside the accountant: not covered by ε
         for prefix, key in _MODELS:
             if not self._judges(key):
                 continue

@@ -190,6 +190,6 @@ def comparison_notes(run_dirs: list[Path]) -> list[str]:
             if diffs:
                 notes.append(
                     f"hpcfl: note: {da} and {db} share a config but ran with {'; '.join(diffs)}: "
-                    "they are not expected to be bit-identical (README, Determinism)"
+                    "they are not expected to be bit-identical (docs/determinism.md)"
                 )
     return notes

@@ -20,7 +20,8 @@ from hpcfl.algorithms.stage_types import Evaluator, Observer, RoundPlan
 from hpcfl.algorithms.system import SystemModel
 from hpcfl.comm import Communicator, place_clients
 from hpcfl.config import Config
-from hpcfl.data import Dataset, load_dataset, partition
+from hpcfl.data import Dataset, load_dataset, parse_partition_spec, partition
+from hpcfl.data.testset import run_test_set
 from hpcfl.errors import ConfigError
 from hpcfl.metrics.conformal import conformal_metrics
 from hpcfl.metrics.drift import DriftDiversity
@@ -30,8 +31,9 @@ from hpcfl.registry import MODEL_SPECS
 from hpcfl.runner.executor import resolve_client_batch
 from hpcfl.runner.heldout import HeldOut, HeldOutEval, hold_out
 from hpcfl.runner.observers import Drift, LayerCKA
+from hpcfl.runner.progress import EvalBar
 from hpcfl.runner.shares import split_clients
-from hpcfl.training.evaluate import JointCounts, accuracy_loss, shard_counts, with_probs
+from hpcfl.training.evaluate import JointCounts, accuracy_loss, shard_counts, shard_range, with_probs
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.layout import StateLayout
 from hpcfl.training.seeds import seeded_generator
@@ -197,6 +199,11 @@ def client_generator(seed: int, rnd: int, k: int) -> torch.Generator:
     return seeded_generator(seed, rnd, k)
 
 
+def _shard_size(n: int, comm: Communicator) -> int:
+    start, stop = shard_range(n, comm.rank, comm.size)
+    return stop - start
+
+
 def model_evaluator(
     flat: FlatModel,
     comm: Communicator,
@@ -204,28 +211,35 @@ def model_evaluator(
     *,
     conformal_calibration: float | None = None,
     seed: int = 0,
+    progress: bool = False,
 ) -> Evaluator:
     """Accuracy and loss of the server's reported model on each of ``sets`` (split → (x, y);
     ``"test"`` is required), and the test columns of any other model it names
     (:meth:`ServerState.evaluated`): every rank counts its shards of each, and ONE allreduce sums
     them with the observers' ``joint`` counts. The vectors are loaded into ``flat``, the working
     model. With ``conformal_calibration`` (a fraction of the test set, drawn from ``seed``) the test
-    split also gets conformal coverage and set size."""
+    split also gets conformal coverage and set size. ``progress``: a bar over the samples scored,
+    shown once an evaluation has taken a few seconds (:class:`~hpcfl.runner.progress.EvalBar`)."""
     test_y = sets["test"][1]
     conformal = conformal_calibration is not None
+    shard = {name: _shard_size(len(y), comm) for name, (_, y) in sets.items()}  # this rank's samples
 
     def evaluate_server(server: ServerState, joint: JointCounts) -> dict[str, float]:
         models = server.evaluated()
         flat.load(models[""])
         model = flat.model
+        bar = EvalBar(
+            sum(shard[name] * (len(models) if name == "test" else 1) for name in shard), enabled=progress
+        )
         own = {  # (split, model suffix): this rank's counts
-            (name, ""): shard_counts(model, x, y, comm, probs=conformal and name == "test")
+            (name, ""): shard_counts(model, x, y, comm, probs=conformal and name == "test", tick=bar.tick)
             for name, (x, y) in sets.items()
         }
         for suffix, vec in models.items():
             if suffix:
                 flat.load(vec)
-                own["test", suffix] = shard_counts(model, *sets["test"], comm)
+                own["test", suffix] = shard_counts(model, *sets["test"], comm, tick=bar.tick)
+        bar.close()
         summed = dict(zip(own, joint.reduce(comm, list(own.values())), strict=True))
         row: dict[str, float] = {}
         test = summed.pop(("test", ""))
@@ -268,6 +282,7 @@ def model_plan(fed: Federation) -> RoundPlan:
             fed.evaluation_sets(),
             conformal_calibration=fed.cfg.conformal_calibration if fed.cfg.conformal else None,
             seed=fed.cfg.seed,
+            progress=fed.cfg.progress and fed.comm.rank == 0,
         ),
         seed=fed.cfg.seed,
         reduction=fed.cfg.reduction,
@@ -373,6 +388,16 @@ def held_out_note(client_eval: Sequence[torch.Tensor] | None) -> str | None:
     )
 
 
+def trained_writers(cfg: Config, heldout: HeldOut | None) -> list[int] | None:
+    """The natural writers the run trains (partition ``natural``: the first ``num_clients`` writers
+    less the held-out ones), None under any other partition: whose test shares a dataset that asks
+    for it (:class:`~hpcfl.data.types.TestSelection`) tests the run on."""
+    if parse_partition_spec(cfg.partition)[0] != "natural":
+        return None
+    held = set(heldout.ids) if heldout is not None else set()
+    return [k for k in range(cfg.num_clients) if k not in held]
+
+
 def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = None) -> Federation:
     """Load, partition and place; build the model from the seed (identical on every rank)."""
     device = resolve_device(cfg, comm)
@@ -388,6 +413,7 @@ def build_federation(cfg: Config, comm: Communicator, dataset: Dataset | None = 
         min_size=cfg.min_client_size,
     )
     parts, heldout = hold_out(parts, cfg)  # first: the other clients are the run's population
+    dataset = run_test_set(dataset, trained_writers(cfg, heldout))
     validation = validation_parts = None
     if cfg.validation > 0:
         # per client, so the validation set follows the clients' label skew (as FedPVR's 1 % split

@@ -26,6 +26,8 @@ algorithm:
 from __future__ import annotations
 
 import functools
+import math
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
@@ -53,7 +55,7 @@ from hpcfl.algorithms.stage_types import (
 from hpcfl.algorithms.system import RoundSystem
 from hpcfl.comm.placement import place_round
 from hpcfl.errors import ConfigError, DivergenceError
-from hpcfl.runner.asynchronous import AsyncSchedule, Timeline, clock_record, round_seconds
+from hpcfl.runner.asynchronous import AsyncSchedule, Timeline, clock_record, raise_not_finite, round_seconds
 from hpcfl.runner.buffer import BufferLayout
 from hpcfl.runner.checkpoint import placed_state
 from hpcfl.runner.executor import ClientExecutor
@@ -364,6 +366,9 @@ class RoundDraws:
         self.drawn = 0  # rounds drawn so far (replayed ones included)
         timed = steps is None and plan.clock is not None and plan.trainer is not None
         self.timeline: Timeline | None = Timeline() if timed else None
+        least = plan.clock.least_seconds() if timed and plan.clock is not None else 0.0
+        if not math.isfinite(least * stop):  # certain to pass the largest float: one line before any round
+            raise_not_finite(min(stop - 1, int(sys.float_info.max // least)))
         for r in range(start if timed else 0):  # the clock's totals before ``start``
             self._tick(r, self._draw(r))
         ahead: Iterable[int] = () if steps is not None else _drawn_up_front(plan, start, stop, round_offset)

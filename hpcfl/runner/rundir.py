@@ -57,8 +57,10 @@ RUN_ENTRIES = (
     "client_metrics.jsonl",  # per-client evaluation (client_eval), one line per evaluated round
     "loggers.json",  # the loggers' runs and last rounds written (hpcfl.runner.loggers)
     "dropout_trace.csv",  # the system.dropout.trace the run started with (keep_trace)
+    "clock_trace.csv",  # the system.clock.trace the run started with (keep_trace)
 )
 TRACE_COPY = "dropout_trace.csv"
+CLOCK_TRACE_COPY = "clock_trace.csv"
 LOGGER_DIRS = ("tensorboard", "mlflow", "wandb")  # hpcfl.runner.loggers' folders, where it made them
 LOGGER_MARKER = ".hpcfl-logger"  # left by hpcfl in a logger folder it creates
 _RUN_SIGNS = ("config.yaml", "checkpoints", DONE)
@@ -141,25 +143,26 @@ def prepare_run_dir(run_dir: Path, cfg: Config, *, resume: bool, overwrite: bool
         (run_dir / MARKER).write_text("hpcfl run directory: --overwrite deletes only what hpcfl wrote here\n")
     if cfg.system.dropout.trace is not None:
         keep_trace(run_dir, Path(cfg.system.dropout.trace), resumed=has_run)
+    if cfg.system.clock.trace is not None:
+        keep_trace(run_dir, Path(cfg.system.clock.trace), resumed=has_run, key="system.clock.trace")
     return has_run
 
 
-def keep_trace(run_dir: Path, trace: Path, *, resumed: bool) -> None:
-    """Keep a copy of the dropout trace the run started with (:data:`TRACE_COPY`), and refuse a
-    resume whose trace differs from it: the trace is read again on every start, and an edit between
-    a kill and ``--resume`` would silently change the resumed rounds. A run directory made before
-    the copy was kept takes one now."""
-    copy = run_dir / TRACE_COPY
+def keep_trace(run_dir: Path, trace: Path, *, resumed: bool, key: str = "system.dropout.trace") -> None:
+    """Keep a copy of the trace ``key`` the run started with (:data:`TRACE_COPY` for the dropout
+    trace, :data:`CLOCK_TRACE_COPY` for the clock's), and refuse a resume whose trace differs from
+    it: the trace is read again on every start, and an edit between a kill and ``--resume`` would
+    silently change the resumed rounds (or their simulated time). A run directory made before the
+    copy was kept takes one now."""
+    copy = run_dir / (CLOCK_TRACE_COPY if key == "system.clock.trace" else TRACE_COPY)
     try:
         data = trace.read_bytes()
     except OSError as err:
-        raise RunDirError(
-            f"system.dropout.trace {str(trace)!r} cannot be read ({err.strerror}); fix the path"
-        ) from None
+        raise RunDirError(f"{key} {str(trace)!r} cannot be read ({err.strerror}); fix the path") from None
     if resumed and copy.is_file():
         if copy.read_bytes() != data:
             raise RunDirError(
-                f"cannot resume {run_dir}: system.dropout.trace {str(trace)!r} changed since the run started "
+                f"cannot resume {run_dir}: {key} {str(trace)!r} changed since the run started "
                 f"(the run's copy is {copy}); restore it (cp {copy} {trace}) or start over with --overwrite"
             )
         return

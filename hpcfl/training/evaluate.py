@@ -11,7 +11,7 @@ each rank adds for its own shard, so packing them into one tensor changes no bit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -73,9 +73,11 @@ def shard_counts(
     *,
     batch_size: int = 1000,
     probs: bool = False,
+    tick: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """This rank's (correct, loss sum, count) on its shard of (x, y), float64; with ``probs`` followed
-    by the softmax outputs of every input (n·C, zero outside this rank's shard), for conformal sets."""
+    by the softmax outputs of every input (n·C, zero outside this rank's shard), for conformal sets.
+    ``tick(k)`` after each batch of k samples (a progress bar; host-side, no device read)."""
     model.eval()
     n = x.shape[0]
     start, stop = shard_range(n, comm.rank, comm.size)
@@ -89,6 +91,8 @@ def shard_counts(
         stats[0] += (logits.argmax(1) == yb).sum()
         stats[1] += F.cross_entropy(logits, yb, reduction="sum").double()
         stats[2] += yb.numel()
+        if tick is not None:
+            tick(int(yb.shape[0]))
         if probs:
             if out is None:
                 # host: probabilities come back

@@ -113,12 +113,15 @@ def plot(rows: list[dict[str, Any]], config: dict[str, Any], path: Path) -> None
 def write_report(out: Path, report: dict[str, Any], plain: float | None) -> None:
     """Write ``entk_bench.{json,csv,png}`` into ``out`` and print the table and each acceptance
     ratio (``plain``: plain training's samples/s, the table's reference; None when it failed)."""
+    from hpcfl.bench.machine import csv_with_machine, with_machine
     from hpcfl.files import atomic_write_text
 
     rows, config, ratios = report["results"], report["config"], report["acceptance"]
     by_method = {r["method"]: r for r in rows}
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "entk_bench.json", json.dumps(report, indent=2))
+    atomic_write_text(
+        out / "entk_bench.json", json.dumps(with_machine(report, config.get("threads") or None), indent=2)
+    )
     fields = [
         "method",
         "status",
@@ -134,7 +137,9 @@ def write_report(out: Path, report: dict[str, Any], plain: float | None) -> None
     writer = csv.DictWriter(text, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write_text(out / "entk_bench.csv", text.getvalue())
+    atomic_write_text(
+        out / "entk_bench.csv", csv_with_machine(text.getvalue(), config.get("threads") or None)
+    )
     plot(rows, config, out / "entk_bench.png")
     print(table(rows, plain))
     for name, item in ratios.items():

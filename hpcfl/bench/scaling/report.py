@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcfl.bench.machine import csv_with_machine, with_machine
 from hpcfl.bench.scaling.aggregate import build_projection, select_probe, summarize_rows
 from hpcfl.bench.scaling.defaults import PROBE_FILE, ROWS_FILE
 from hpcfl.bench.scaling.plots import plot_scaling, plot_time_split
@@ -148,12 +149,12 @@ def summarize(src: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
         "raw_rows": len(raw),
     }
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "scaling.json", json.dumps(report, indent=2, default=str))
+    atomic_write_text(out / "scaling.json", json.dumps(with_machine(report), indent=2, default=str))
     table = io.StringIO()
     writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write_text(out / "scaling.csv", table.getvalue())
+    atomic_write_text(out / "scaling.csv", csv_with_machine(table.getvalue()))
     plot_scaling(rows, proj, out / "scaling.png")
     plot_time_split(rows, out / "scaling_time_split.png")
     print(format_table(rows))

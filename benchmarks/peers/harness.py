@@ -1,0 +1,506 @@
+"""The peers harness: the same FedAvg experiment through hpcfl and its peers, interleaved, one table.
+
+    PYTHONPATH=. python benchmarks/peers/harness.py                  # the full run -> benchmarks/results/
+    PYTHONPATH=. python benchmarks/peers/harness.py --frameworks hpcfl flower --seeds 0 --rounds 5
+                                                                     # a smoke run -> bench-out/peers/results/
+
+Runs in hpcfl's venv. Builds the experiment bundle if it is missing (experiment.py), then runs every
+(framework, mode) once per seed as its own subprocess with the framework's own venv
+(``.peers/NAME/bin/python``; hpcfl: this Python), seeds outermost so that the frameworks interleave
+(A B C D, A B C D, ...). A peer without an environment is refused before anything runs, in one
+line naming the command that builds it; a peer whose environment failed to build
+(``.peers/NAME/FAILED``), or whose run fails, gets one row saying what failed. Each run writes its
+record (peer_common.write_record); the load (/proc/loadavg) is taken before and after each run.
+
+Outputs ``peers_cpu.{json,csv,md,png}``: one row per framework, mode and seed; a summary per
+framework and mode (mean ± std over seeds, the ratio of its seconds per round to hpcfl's, its
+accuracy difference from hpcfl's and whether it is within max(2 points, 2 × pooled std)); test
+accuracy against wall time. Only the full default run writes ``benchmarks/results/``; any option
+that narrows it writes ``bench-out/peers/results/`` unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+FRAMEWORKS = ("hpcfl", "flower", "pfl", "blazefl", "fedlab")
+REFERENCE = ("hpcfl", "1proc")  # ratios and accuracy differences are taken against it
+FULL_OUT = REPO / "benchmarks" / "results"
+SMOKE_OUT = REPO / "bench-out" / "peers" / "results"
+ACC_TOLERANCE = 0.02  # 2 points
+
+
+class HarnessError(Exception):
+    """A refusal: one line, exit 2."""
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get("PEERS_DIR", REPO / ".peers"))
+
+
+def runner_path(framework: str) -> Path:
+    return HERE / f"run_{framework}.py"
+
+
+def runner_modes(framework: str) -> dict[str, str]:
+    """The runner's ``MODES`` literal (read, not imported: the runner needs its own venv)."""
+    path = runner_path(framework)
+    if not path.is_file():
+        raise HarnessError(f"framework {framework!r} has no runner ({path.relative_to(REPO)} is missing)")
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "MODES" for t in node.targets
+        ):
+            modes = ast.literal_eval(node.value)
+            if isinstance(modes, dict) and modes:
+                return {str(k): str(v) for k, v in modes.items()}
+    raise HarnessError(f"{path.relative_to(REPO)} defines no MODES dict")
+
+
+def framework_python(framework: str) -> tuple[Path | None, str | None]:
+    """(the Python that runs the framework's runner, or None; why not, when its env failed to build).
+    A framework with no environment at all is a HarnessError naming the command that builds it."""
+    if framework == "hpcfl":
+        return Path(sys.executable), None
+    env = peers_dir() / framework
+    if (env / "READY").is_file() and (env / "bin" / "python").exists():
+        return env / "bin" / "python", None
+    if (env / "FAILED").is_file():
+        return None, "environment did not build: " + (env / "FAILED").read_text().strip().splitlines()[-1]
+    raise HarnessError(
+        f"peer {framework!r} has no environment: run `bash benchmarks/peers/setup.sh {framework}`"
+    )
+
+
+def choose_modes(framework: str, wanted: list[str], device: str = "cpu") -> list[str]:
+    """The framework's modes on ``device`` named by ``wanted`` (``all``, ``default``, KEY or
+    FRAMEWORK:KEY); a mode whose key starts with ``cuda`` is a GPU mode."""
+    modes = [m for m in runner_modes(framework) if m.startswith("cuda") == (device == "cuda")]
+    if not modes:
+        return []
+    if "all" in wanted:
+        return modes
+    chosen = [m for m in modes if m in wanted or f"{framework}:{m}" in wanted]
+    if "default" in wanted and modes[0] not in chosen:
+        chosen.insert(0, modes[0])
+    return chosen
+
+
+def loadavg() -> list[float]:
+    try:
+        return [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
+# ---------------------------------------------------------------------------------------- one run
+def run_one(
+    framework: str, mode: str, seed: int, rounds: int, experiment: Path, out: Path, timeout: float
+) -> dict[str, Any]:
+    """Run one (framework, mode, seed) and return its record (a failed one if it wrote none)."""
+    python, why = framework_python(framework)
+    base = {
+        "framework": framework,
+        "version": None,
+        "mode": runner_modes(framework)[mode],
+        "mode_key": mode,
+        "seed": seed,
+    }
+    if python is None:
+        return {**base, "status": "failed", "error": why}
+    record_path = out / "records" / f"{framework}_{mode}_{seed}.json"
+    log_path = out / "logs" / f"{framework}_{mode}_{seed}.log"
+    for p in (record_path, log_path):
+        p.parent.mkdir(parents=True, exist_ok=True)
+    record_path.unlink(missing_ok=True)
+    cmd = [str(python), str(runner_path(framework)), "--experiment", str(experiment), "--seed", str(seed)]
+    cmd += ["--mode", mode, "--rounds", str(rounds), "--out", str(record_path)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    if framework == "hpcfl":
+        env["PYTHONPATH"] = str(REPO)
+    before, t0 = loadavg(), time.perf_counter()
+    error = None
+    with open(log_path, "wb") as log:
+        try:
+            subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired:
+            error = f"no record within the {timeout:.0f} s timeout"
+    wall = time.perf_counter() - t0
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()][-1:] or [""]
+        record = {
+            **base,
+            "status": "failed",
+            "error": error or f"the runner wrote no record ({tail[0][:200]})",
+        }
+    record.update(
+        {"load_before": before, "load_after": loadavg(), "process_wall_s": wall, "log": str(log_path)}
+    )
+    return record
+
+
+# -------------------------------------------------------------------------------------- the tables
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def row_of(record: dict[str, Any]) -> dict[str, Any]:
+    """The table row of one record: medians of rounds 2..R, the last-3-evaluations accuracy."""
+    row = {k: record.get(k) for k in ("framework", "version", "mode", "mode_key", "seed", "status", "error")}
+    round_s, with_eval = record.get("round_s") or [], record.get("round_eval_s") or []
+    samples = record.get("samples_per_round") or []
+    evals = record.get("eval") or []
+    ok = record.get("status") == "ok" and len(round_s) > 1
+    later = round_s[1:] if ok else []
+    row.update(
+        {
+            "seconds_per_round": statistics.median(later) if later else None,
+            # the mean over rounds 2..R: each evaluation's cost spread over the rounds it covers
+            "seconds_per_round_with_eval": _mean(with_eval[1:]) if ok and len(with_eval) > 1 else None,
+            "samples_per_s": sum(samples[1:]) / sum(later) if later and sum(later) > 0 else None,
+            "peak_rss_mb": record.get("peak_rss_mb") if ok else None,
+            "final_accuracy": _mean([e["accuracy"] for e in evals[-3:]]) if ok and evals else None,
+            "startup_s": record.get("startup_s") if ok else None,
+            "rounds": len(round_s),
+            "load_before": record.get("load_before"),
+            "load_after": record.get("load_after"),
+        }
+    )
+    return row
+
+
+def _stats(xs: list[float]) -> tuple[float | None, float | None]:
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean ± std over seeds per (framework, mode), the ratio to hpcfl's seconds per round and the
+    accuracy difference from hpcfl's (within max(2 points, 2 × pooled std))."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["framework"], r["mode_key"]), []).append(r)
+    out = []
+    for (fw, mode), rs in groups.items():
+        good = [r for r in rs if r["status"] == "ok"]
+        s: dict[str, Any] = {
+            "framework": fw,
+            "mode_key": mode,
+            "mode": rs[0]["mode"],
+            "version": rs[0]["version"],
+        }
+        s["seeds"], s["failed"] = len(good), len(rs) - len(good)
+        s["error"] = next((r["error"] for r in rs if r["status"] != "ok"), None)
+        for key in (
+            "seconds_per_round",
+            "seconds_per_round_with_eval",
+            "samples_per_s",
+            "peak_rss_mb",
+            "final_accuracy",
+            "startup_s",
+        ):
+            s[key], s[key + "_std"] = _stats([r[key] for r in good if r[key] is not None])
+        out.append(s)
+    ref = next((s for s in out if (s["framework"], s["mode_key"]) == REFERENCE and s["seeds"]), None)
+    for s in out:
+        s["ratio_to_hpcfl"] = s["accuracy_diff"] = s["accuracy_tolerance"] = s["accuracy_within"] = None
+        if ref is None or not s["seeds"]:
+            continue
+        if s["seconds_per_round"] and ref["seconds_per_round"]:
+            s["ratio_to_hpcfl"] = s["seconds_per_round"] / ref["seconds_per_round"]
+        if s["final_accuracy"] is not None and ref["final_accuracy"] is not None:
+            pooled = ((s["final_accuracy_std"] ** 2 + ref["final_accuracy_std"] ** 2) / 2) ** 0.5
+            s["accuracy_diff"] = s["final_accuracy"] - ref["final_accuracy"]
+            s["accuracy_tolerance"] = max(ACC_TOLERANCE, 2 * pooled)
+            s["accuracy_within"] = abs(s["accuracy_diff"]) <= s["accuracy_tolerance"]
+    return out
+
+
+ROW_COLUMNS = (
+    "framework",
+    "version",
+    "mode",
+    "seed",
+    "status",
+    "seconds_per_round",
+    "seconds_per_round_with_eval",
+    "samples_per_s",
+    "peak_rss_mb",
+    "final_accuracy",
+    "startup_s",
+    "error",
+)
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def _pm(s: dict[str, Any], key: str, digits: int = 3, scale: float = 1.0) -> str:
+    if s[key] is None:
+        return "—"
+    return f"{s[key] * scale:.{digits}g} ± {s[key + '_std'] * scale:.2g}"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    c = doc["conditions"]
+    lines = [
+        "# FedAvg on the same experiment: hpcfl and its peers (CPU)",
+        "",
+        f"{c['experiment']}. {c['machine']}. Load (1-min loadavg) {c['load_start']} at the start, "
+        f"{c['load_end']} at the end; rounds {c['rounds']}, seeds {c['seeds']}, interleaved.",
+        "",
+        "| framework | mode | version | seeds | s/round (train+agg) | s/round incl. eval | samples/s | peak RSS MB "
+        "| final acc % | startup s | ratio to hpcfl | acc diff (pts) | within tol |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in doc["summary"]:
+        if not s["seeds"]:
+            lines.append(
+                f"| {s['framework']} | {s['mode']} | {_fmt(s['version'])} | 0 | failed: {s['error']} |||||||||"
+            )
+            continue
+        diff = (
+            "—"
+            if s["accuracy_diff"] is None
+            else f"{100 * s['accuracy_diff']:+.2f} (±{100 * s['accuracy_tolerance']:.2f})"
+        )
+        within = "—" if s["accuracy_within"] is None else ("yes" if s["accuracy_within"] else "**no**")
+        lines.append(
+            f"| {s['framework']} | {s['mode']} | {_fmt(s['version'])} | {s['seeds']} | {_pm(s, 'seconds_per_round')} "
+            f"| {_pm(s, 'seconds_per_round_with_eval')} | {_pm(s, 'samples_per_s', 4)} | {_pm(s, 'peak_rss_mb', 4)} "
+            f"| {_pm(s, 'final_accuracy', 4, 100)} | {_pm(s, 'startup_s')} | {_fmt(s['ratio_to_hpcfl'])} | {diff} | {within} |"
+        )
+    lines += [
+        "",
+        "s/round: median of rounds 2..R (training and aggregation); incl. eval: the mean of rounds 2..R with the "
+        "evaluation every 5 rounds; ratio to hpcfl: the framework's s/round over hpcfl's (1 process), > 1 = hpcfl "
+        "faster; final acc: the mean of the last 3 evaluations; tolerance max(2 points, 2 x pooled std).",
+        "",
+        "## Runs",
+        "",
+        "| " + " | ".join(ROW_COLUMNS) + " |",
+        "|" + "---|" * len(ROW_COLUMNS),
+    ]
+    for r in doc["rows"]:
+        lines.append("| " + " | ".join(_fmt(r[k], 4) for k in ROW_COLUMNS) + " |")
+    notes = {(r["framework"], r.get("mode")): r.get("notes") for r in doc["records"] if r.get("notes")}
+    if notes:
+        lines += ["", "## Notes from the runners", ""]
+        lines += [f"- **{fw}**, {mode}: {note}" for (fw, mode), note in notes.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(rows: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(
+        buf, fieldnames=[*ROW_COLUMNS, "mode_key", "load_before", "load_after"], extrasaction="ignore"
+    )
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Test accuracy against wall time (start-up included) for every run."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from hpcfl.files import save_figure
+
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colors: dict[tuple[str, str], str] = {}
+    for rec in records:
+        if rec.get("status") != "ok" or not rec.get("eval"):
+            continue
+        key = (rec["framework"], rec["mode"])
+        color = colors.setdefault(key, f"C{len(colors) % 10}")
+        clock = [rec["startup_s"]]
+        for s in rec["round_eval_s"]:
+            clock.append(clock[-1] + s)
+        xs = [clock[e["round"]] for e in rec["eval"]]
+        ys = [100 * e["accuracy"] for e in rec["eval"]]
+        ax.plot(
+            xs,
+            ys,
+            "o-",
+            ms=3,
+            color=color,
+            alpha=0.8,
+            label=f"{key[0]}: {key[1]}"
+            if rec["seed"] == min(r["seed"] for r in records if (r["framework"], r["mode"]) == key)
+            else None,
+        )
+    ax.set_xlabel("wall time since the script started (s)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("FedAvg, Fashion-MNIST dir:0.5, 100 clients, 10 per round")
+    ax.grid(alpha=0.3)
+    if colors:
+        ax.legend(fontsize=7)
+    save_figure(fig, path, dpi=110, fmt="png")
+
+
+def write_outputs(out: Path, doc: dict[str, Any], name: str = "peers_cpu") -> None:
+    from hpcfl.files import atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / f"{name}.json", json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(out / f"{name}.csv", write_csv(doc["rows"]))
+    atomic_write_text(out / f"{name}.md", markdown(doc))
+    plot(doc["records"], out / f"{name}.png")
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({cpu})"
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        return "unknown GPU"
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--frameworks", nargs="+", default=None, help=f"default: {' '.join(FRAMEWORKS)}")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: the bundle's (0 1 2)")
+    p.add_argument("--rounds", type=int, default=None, help="default: the bundle's (50)")
+    p.add_argument(
+        "--modes", nargs="+", default=None, help="all (default) | default | KEY | FRAMEWORK:KEY ..."
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the frameworks' GPU modes (only hpcfl has them: the peers' environments are built "
+        "here, not on a lent GPU) -> peers_cuda.*",
+    )
+    p.add_argument("--experiment", default=str(REPO / "bench-out" / "peers" / "experiment"))
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--out", default=None, help=f"default: {FULL_OUT} for the full run, else {SMOKE_OUT}")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before it counts as failed")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    full = args.device == "cpu" and all(
+        getattr(args, k) is None for k in ("frameworks", "seeds", "rounds", "modes")
+    )
+    out = Path(args.out) if args.out else (FULL_OUT if full else SMOKE_OUT)
+    try:
+        frameworks = args.frameworks or (list(FRAMEWORKS) if args.device == "cpu" else ["hpcfl"])
+        unknown = [f for f in frameworks if f not in FRAMEWORKS]
+        if unknown:
+            raise HarnessError(f"unknown framework {unknown[0]!r}; known: {', '.join(FRAMEWORKS)}")
+        plan: list[tuple[str, str]] = []
+        for fw in frameworks:  # refuse before anything runs
+            framework_python(fw)
+            modes = choose_modes(fw, args.modes or ["all"], args.device)
+            if not modes:
+                raise HarnessError(
+                    f"none of the modes {args.modes or ['all']} is a {args.device} mode of {fw} "
+                    f"({', '.join(runner_modes(fw))})"
+                )
+            plan += [(fw, m) for m in modes]
+        import experiment
+
+        try:
+            bundle = experiment.ensure(args.experiment, args.data_root)
+        except Exception as err:  # hpcfl's DataError/ConfigError: one line
+            raise HarnessError(f"cannot build the experiment bundle: {err}") from None
+        spec = json.loads((bundle / "spec.json").read_text())
+        seeds = args.seeds if args.seeds is not None else list(spec["seeds"])
+        rounds = args.rounds or int(spec["rounds"])
+        missing = [s for s in seeds if str(s) not in json.loads((bundle / "draws.json").read_text())]
+        if missing or not 1 <= rounds <= int(spec["rounds"]):
+            raise HarnessError(f"the bundle has draws for seeds {spec['seeds']} and {spec['rounds']} rounds")
+    except HarnessError as err:
+        print(f"harness: {err}", file=sys.stderr)
+        return 2
+    load_start = loadavg()
+    records = []
+    total = len(seeds) * len(plan)
+    for seed in seeds:  # seeds outermost: the frameworks interleave
+        for fw, mode in plan:
+            rec = run_one(fw, mode, seed, rounds, bundle, out, args.timeout)
+            records.append(rec)
+            row = row_of(rec)
+            what = (
+                f"{_fmt(row['seconds_per_round'])} s/round, acc {_fmt(row['final_accuracy'], 4)}"
+                if rec["status"] == "ok"
+                else rec.get("error")
+            )
+            print(
+                f"[{len(records)}/{total}] {fw} {mode} seed {seed}: {rec['status']} ({what}); load {rec.get('load_after')}",
+                flush=True,
+            )
+    rows = [row_of(r) for r in records]
+    doc = {
+        "conditions": {
+            "experiment": (
+                f"FedAvg, Fashion-MNIST {spec['partition']} over {spec['num_clients']} clients, {spec['clients_per_round']} "
+                f"per round, {spec['local_epochs']} local epoch, batch {spec['batch_size']}, SGD lr {spec['lr']}, "
+                f"{spec['model']} ({spec['num_params']:,} parameters), sample-weighted, test every {spec['eval_every']} rounds"
+            ),
+            "machine": machine() + (f", {gpu_name()}" if args.device == "cuda" else ""),
+            "load_start": load_start,
+            "load_end": loadavg(),
+            "rounds": rounds,
+            "seeds": seeds,
+            "full_run": full,
+            "spec": spec,
+        },
+        "rows": rows,
+        "summary": summarise(rows),
+        "records": records,
+    }
+    name = f"peers_{args.device}"
+    write_outputs(out, doc, name)
+    failed = sum(r["status"] != "ok" for r in records)
+    print(f"harness: {len(records)} runs, {failed} failed -> {out}/{name}.{{json,csv,md,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

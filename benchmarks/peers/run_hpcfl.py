@@ -1,0 +1,184 @@
+"""hpcfl's side of the peers harness: the bundle's FedAvg experiment through ``hpcfl run``, as a user runs it.
+
+    PYTHONPATH=. python benchmarks/peers/run_hpcfl.py --seed 0 --mode 1proc --out bench-out/peers/h.json
+
+The config (written beside the record) uses hpcfl's plug-in route to train on the bundle itself:
+``imports: [hpcfl_bundle]``, ``dataset: peers-bundle`` with ``data_root`` the bundle, ``partition:
+natural`` (the bundle's 100 client lists); ``clients_per_round: 10`` makes hpcfl draw its own
+participants, which are the bundle's ``draws.json`` (experiment.py wrote hpcfl's draw): every metrics
+row's ``participants`` is checked against it, and a mismatch fails the run.
+
+Timing, from the run's own output: the progress bar (tqdm on stderr, one update per round, after the
+round's bookkeeping) is read as it is printed and time-stamped here; its first print (``0/R``) is the
+start of round 1 (``startup_s``: this script's start to then, so the ``hpcfl`` process's start, its
+imports, the data and the setup are in it) and each later one ends a round (``round_eval_s``). On
+an evaluated round, ``metrics.jsonl``'s ``eval_s`` (the server step, the evaluation and the row's
+other work) is taken off to give ``round_s`` (train + aggregation), as the peers time it. The
+stamps are taken when this process reads the bar: on an idle machine within milliseconds; on a
+loaded one they lag while it waits for a core (a smoke run at load 14 on 2 cores gave one round of
+0.16 s beside rounds of 0.6-1.6 s), so only the idle run's figures are quoted.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import peer_common as pc  # noqa: E402  (first: the script's start time)
+
+MODES = {
+    "1proc": "hpcfl run, 1 process",
+    "mpi2": "mpiexec -n 2 hpcfl run (2 MPI ranks x 1 thread)",
+    "batch-auto": "hpcfl run, 1 process, client_batch auto",
+    "batch-10": "hpcfl run, 1 process, client_batch 10 (the round's clients as one vectorised step)",
+    "cuda": "hpcfl run, 1 process, 1 GPU, client_batch 1",
+    "cuda-auto": "hpcfl run, 1 process, 1 GPU, client_batch auto",
+}
+CLIENT_BATCH = {
+    "1proc": "1",
+    "mpi2": "1",
+    "batch-auto": "auto",
+    "batch-10": "10",
+    "cuda": "1",
+    "cuda-auto": "auto",
+}
+REPO = pc.HERE.parent.parent
+_BAR = re.compile(r"\b(\d+)/(\d+) \[")  # tqdm's "  4/50 [00:12<..." (the rounds done)
+
+
+def hpcfl_config(exp_dir: Path, spec: dict[str, Any], seed: int, rounds: int, mode: str) -> dict[str, Any]:
+    """The ``hpcfl run`` config of the experiment: the bundle's spec, in hpcfl's keys."""
+    return {
+        "name": f"peers-{mode}-{seed}",
+        "imports": ["hpcfl_bundle"],
+        "dataset": "peers-bundle",
+        "data_root": str(exp_dir.resolve()),
+        "download": False,
+        "partition": "natural",
+        "num_clients": int(spec["num_clients"]),
+        "model": spec["model"],
+        "algorithm": "fedavg",
+        "params": {"weighting": spec["weighting"]},
+        "rounds": rounds,
+        "local_epochs": int(spec["local_epochs"]),
+        "batch_size": int(spec["batch_size"]),
+        "lr": float(spec["lr"]),
+        "momentum": float(spec["momentum"]),
+        "weight_decay": float(spec["weight_decay"]),
+        "drop_last": bool(spec["drop_last"]),
+        "eval_every": int(spec["eval_every"]),
+        "clients_per_round": int(spec["clients_per_round"]),
+        "seed": seed,
+        "device": "cuda" if mode.startswith("cuda") else "cpu",
+        "client_batch": CLIENT_BATCH[mode],
+        # the peers keep no checkpoint: one at the end (hpcfl's default is every round)
+        "checkpoint_every": rounds,
+        "progress": True,  # its per-round updates are the timing read here
+    }
+
+
+def hpcfl_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("hpcfl")
+    except PackageNotFoundError:
+        v = "unknown"
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "--", "hpcfl"]).returncode != 0
+        return f"{v}+{commit}{'-dirty' if dirty else ''}"
+    except (OSError, subprocess.CalledProcessError):
+        return v
+
+
+def command(mode: str, config: Path, run_dir: Path) -> list[str]:
+    hpcfl = [sys.executable, "-m", "hpcfl", "run", str(config), "--run-dir", str(run_dir), "--overwrite"]
+    if mode == "mpi2":
+        mpiexec = Path(sys.executable).with_name("mpiexec")
+        return [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", "2", *hpcfl]
+    return hpcfl
+
+
+def watch_progress(proc: subprocess.Popen[bytes], log: Path) -> tuple[dict[int, float], str]:
+    """Time-stamp each progress-bar print of ``proc``'s stderr (rounds done → perf_counter); the
+    whole stderr goes to ``log``. Returns (stamps, the last non-bar line: the error line if any)."""
+    stamps: dict[int, float] = {}
+    last_line, pending = "", b""
+    assert proc.stderr is not None
+    with open(log, "wb") as out:
+        while chunk := proc.stderr.read1(4096):  # type: ignore[attr-defined]
+            now = time.perf_counter()
+            out.write(chunk)
+            pending += chunk
+            *pieces, pending = re.split(rb"[\r\n]", pending)
+            # tqdm writes "\r" + the bar and flushes: the piece still pending is a whole bar already
+            for piece in [*pieces, pending]:
+                text = piece.decode(errors="replace").strip()
+                if (m := _BAR.search(text)) is not None:
+                    stamps.setdefault(int(m.group(1)), now)
+                elif text and piece is not pending:
+                    last_line = text
+    return stamps, last_line
+
+
+def run(args: Any, exp: pc.Experiment, rec: pc.Recorder, info: dict[str, Any]) -> None:
+    info["version"] = hpcfl_version()
+    out = Path(args.out)
+    work = Path(args.work_dir) if args.work_dir else out.with_suffix("")
+    work.mkdir(parents=True, exist_ok=True)
+    rounds = args.rounds
+    cfg = hpcfl_config(Path(args.experiment), exp.spec, args.seed, rounds, args.mode)
+    config = work / "config.yaml"
+    config.write_text(json.dumps(cfg, indent=1) + "\n")  # JSON is YAML
+    run_dir = work / "run"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(pc.HERE), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
+    env.setdefault("HPCFL_DATA", str(REPO.parent / "shared" / "datasets"))
+    proc = subprocess.Popen(
+        command(args.mode, config, run_dir), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env
+    )
+    stamps, last = watch_progress(proc, work / "stderr.log")
+    if proc.wait() != 0:
+        raise RuntimeError(f"hpcfl run exited {proc.returncode}: {last}")
+    rows = {int(r["round"]): r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    missing = [n for n in range(rounds + 1) if n not in stamps]
+    if missing:
+        raise RuntimeError(f"the progress bar skipped rounds {missing[:5]} (see {work / 'stderr.log'})")
+    rec.startup_s = stamps[0] - rec.start
+    for r in range(1, rounds + 1):
+        span = stamps[r] - stamps[r - 1]
+        row = rows.get(r)
+        rec.round_s.append(span - float(row["eval_s"]) if row else span)
+        rec.round_eval_s.append(span)
+        draw = exp.draw(args.seed, r)
+        rec.samples_per_round.append(sum(len(exp.clients[k]) for k in draw))
+        if row is not None:
+            if sorted(row["participants"]) != draw:
+                raise RuntimeError(f"round {r}: hpcfl trained {row['participants']}, draws.json says {draw}")
+            rec.evaluated(r, row["test_accuracy"], row["test_loss"])
+    used = json.loads((run_dir / "determinism.json").read_text())
+    info["notes"] = (
+        f"hpcfl's own draw checked against draws.json on every evaluated round; torch threads per rank "
+        f"{used.get('threads_per_rank')}, client_batch used {used.get('client_batch_used')}; a checkpoint "
+        "only after the last round (hpcfl's default: every round)"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(pc.main(MODES, run, "hpcfl"))
