@@ -65,6 +65,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-mu", type=float, default=5.0, help="log-speed mean (samples per simulated s)")
     p.add_argument("--speed-sigma", type=float, default=1.0)
     p.add_argument("--delay", type=float, default=1.0, help="simulated seconds per update (network)")
+    p.add_argument(
+        "--duration",
+        default=None,
+        choices=["gaussian", "per_example_gaussian", "half_normal", "uniform", "exponential"],
+        help="FLSim's training-duration law in place of the speeds (system.clock.duration), drawn per update",
+    )
+    p.add_argument("--duration-mean", type=float, default=10.0)
+    p.add_argument("--duration-sd", type=float, default=0.0)
+    p.add_argument("--duration-min", type=float, default=0.0)
+    p.add_argument(
+        "--starts-rate",
+        type=float,
+        default=None,
+        help="asynchronous methods: Poisson training starts per simulated second (FLSim); default: a "
+        "freed slot is refilled at once",
+    )
     p.add_argument("--mu", type=float, default=0.01, help="FedProx's μ")
     p.add_argument("--alpha", type=float, default=0.6, help="FedAsync's α")
     p.add_argument("--staleness", default="polynomial", help="s(τ) of both asynchronous methods")
@@ -121,16 +137,44 @@ def config(args: argparse.Namespace, method: str) -> dict[str, Any]:
         validation=args.validation,
         threads=args.threads,
         progress=False,
-        system={
-            "clock": {
-                "speed": {"kind": "lognormal", "mu": args.speed_mu, "sigma": args.speed_sigma},
-                "delay": {"kind": "constant", "value": args.delay},
-            }
-        },
+        system={"clock": clock(args, asynchronous=method in ("fedbuff", "fedasync"))},
     )
     if args.data_root:
         cfg["data_root"] = args.data_root
     return cfg
+
+
+def clock(args: argparse.Namespace, *, asynchronous: bool) -> dict[str, Any]:
+    """The ``system.clock`` section: lognormal speeds, or FLSim's duration law drawn per update
+    (``--duration``); Poisson starts (``--starts-rate``) for the asynchronous methods only."""
+    out: dict[str, Any] = {"delay": {"kind": "constant", "value": args.delay}}
+    if args.duration is None:
+        out["speed"] = {"kind": "lognormal", "mu": args.speed_mu, "sigma": args.speed_sigma}
+    else:
+        law = {
+            "kind": args.duration,
+            "mean": args.duration_mean,
+            "sd": args.duration_sd,
+            "min": args.duration_min,
+        }
+        out.update(duration=law, per_update=True)
+    if asynchronous and args.starts_rate is not None:
+        out["starts"] = {"kind": "poisson", "rate": args.starts_rate}
+    return out
+
+
+def clock_text(args: argparse.Namespace) -> str:
+    """The clock in words, for the tables' header."""
+    if args.duration is None:
+        text = f"speeds lognormal(μ={args.speed_mu}, σ={args.speed_sigma}) samples/s"
+    else:
+        text = (
+            f"FLSim {args.duration} durations (mean {args.duration_mean}, sd {args.duration_sd}, min "
+            f"{args.duration_min} s) per update"
+        )
+    if args.starts_rate is not None:
+        text += f", asynchronous starts Poisson at {args.starts_rate}/s"
+    return text
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -232,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = (
         f"{args.model}, {args.clients} clients, {args.updates} client updates per run ({args.per_round} per "
         f"synchronous round, FedBuff K = {args.buffer}, concurrency {args.concurrency}), {args.local_steps} "
-        f"local steps of batch {args.batch}, speeds lognormal(μ={args.speed_mu}, σ={args.speed_sigma}) "
-        f"samples/s, delay {args.delay} s, {args.seeds} seeds"
+        f"local steps of batch {args.batch}, {clock_text(args)}, delay {args.delay} s, {args.seeds} seeds"
     )
     chosen = [f"- {c.row}: lr {c.choice.value if c.choice else args.lrs[0]:g}" for c in cells]
     md = [

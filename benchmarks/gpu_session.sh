@@ -38,6 +38,9 @@
 #   round       FedAvg round throughput at the default client_batch (auto) vs one by one vs a plain
 #               loop, K = 10, 100, 1000
 #   batched     benchmarks/batched_clients.py: groups vs one by one, simplecnn and resnet8
+#   perdevice   benchmarks/clients_per_device.py: peak GPU memory of one vectorised group of N =
+#               1, 64, 256, 1024 clients (simplecnn, resnet8), the memory per client (slope), what
+#               client_batch: auto picks, and how many clients fit at once (FedScale: ~19 per GPU)
 #   entk        hpcfl bench entk, fused and fused-graph (fused with its full batches replayed as one
 #               CUDA graph, hpcfl/entk/cuda_graph.py) vs Opacus hooks (its fastest eNTK mode on this
 #               GPU: functorch was half as fast on resnet18 and simplecnn; vmap far slower),
@@ -78,13 +81,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUTDIR=benchmarks/out/gpu_session
-STEPS_ALL=(tests entk stage2 tcttable batched gathertune layercosts checkpoint entk18 main round profile dp text peers frameworks)
+STEPS_ALL=(tests entk stage2 tcttable batched perdevice gathertune layercosts checkpoint entk18 main round profile dp text peers frameworks)
 STEPS_NAMED=(shakespeare) # run only when named: `run shakespeare`
 
 # Each step: "timeout min_seconds" then the command (one line; $OUTDIR expanded when it runs).
 declare -A LIMIT=(
     [tests]="200 60" [checkpoint]="60 20" [entk18]="90 40" [layercosts]="120 30" [main]="120 60" [round]="120 50"
-    [batched]="120 40" [entk]="200 40" [profile]="45 20" [dp]="90 40" [text]="180 60" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
+    [batched]="120 40" [perdevice]="120 40" [entk]="200 40" [profile]="45 20" [dp]="90 40" [text]="180 60" [stage2]="120 40" [frameworks]="150 60" [gathertune]="90 30"
     [tcttable]="200 90" [shakespeare]="570 120" [peers]="150 60"
 )
 declare -A CMD=(
@@ -96,6 +99,7 @@ declare -A CMD=(
     [round]="python3 benchmarks/round_throughput.py --device cuda --clients 10 100 1000 --rounds 2 --out $OUTDIR/round_throughput_cuda"
     [batched]="python3 benchmarks/batched_clients.py --device cuda --models resnet8 simplecnn --clients 100 1000 --batches all auto --repeats 3 --no-yardstick --out $OUTDIR/batched_clients_cuda"
     [entk]="python3 -m hpcfl bench entk --device cuda --model simplecnn --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_simplecnn_cuda ; python3 -m hpcfl bench entk --device cuda --model resnet8 --norm gn --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_resnet8_cuda ; python3 -m hpcfl bench entk --device cuda --model vgg11 --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_vgg11_cuda ; python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods fused,fused-graph,opacus --rounds 2 --repeats 5 --in-process --out $OUTDIR/entk_resnet18_cuda"
+    [perdevice]="python3 benchmarks/clients_per_device.py --device cuda --groups 1 64 256 1024 --out $OUTDIR/clients_per_device_cuda"
     [profile]="python3 benchmarks/entk_profile.py --device cuda --models simplecnn resnet8 vgg11 --out $OUTDIR/entk_profile_cuda"
     [dp]="python3 benchmarks/privacy.py --parts throughput --device cuda --allocators default --sessions 1 --threads 4 --steps 40 --models simplecnn resnet8-gn --out $OUTDIR/privacy_cuda"
     [text]="python3 benchmarks/text_per_sample.py --device cuda --in-process --sessions 1 --threads 4 --rounds 2 --out $OUTDIR/text_per_sample_cuda"

@@ -6,6 +6,8 @@ the contract suite's (tests/test_contract.py is parametrised over every register
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -19,10 +21,12 @@ from hpcfl.algorithms.clock import ClockSection, Distribution, VirtualClock, upd
 from hpcfl.cli.main import main
 from hpcfl.comm import LocalComm
 from hpcfl.config import config_from_dict
+from hpcfl.errors import ConfigError
 from hpcfl.runner import run_experiment
-from hpcfl.runner.asynchronous import async_schedule
+from hpcfl.runner.asynchronous import AsyncSchedule, Step, _update, async_schedule, plan_clock
 from hpcfl.runner.federation import build_federation, model_plan
 from hpcfl.training.layout import StateLayout
+from hpcfl.training.seeds import seeded_rng
 from tests.helpers import synthetic_config
 from tests.test_contract import BASE, _rows, _StopAfterRows, two_rank_runs
 
@@ -100,6 +104,72 @@ def test_the_clock_alone_changes_no_result(tmp_path: Path) -> None:
     assert torch.equal(plain.server.x, timed.server.x) and "sim_time" not in plain.metrics[0]
 
 
+@pytest.mark.parametrize(
+    ("law", "mean", "low"),
+    [
+        # (the law, its mean, its least value), FLSim's parameterisation (hpcfl.algorithms.clock)
+        ({"kind": "gaussian", "mean": 5.0, "sd": 1.0, "min": 0.0}, 5.0, 0.0),
+        ({"kind": "half_normal", "sd": 2.0, "min": 1.0}, 1.0 + 2.0 * math.sqrt(2 / math.pi), 1.0),
+        ({"kind": "uniform", "mean": 4.0, "min": 1.0}, 4.0, 1.0),
+        ({"kind": "exponential", "mean": 3.0}, 3.0, 0.0),
+        ({"kind": "per_example_gaussian", "mean": 0.05, "sd": 0.01, "min": 0.01}, 0.05 * 40, 0.01 * 40),
+    ],
+    ids=lambda v: v["kind"] if isinstance(v, dict) else "",
+)
+def test_flsims_duration_laws_have_its_means_and_bounds_and_are_pure(
+    law: dict, mean: float, low: float
+) -> None:
+    """Issue 63: FLSim's per-user duration laws (flsim/utils/timing/training_duration_distribution.py):
+    4,000 draws of an update of 40 samples have the law's mean (within 4 %) and never go below its
+    least value; each draw is a pure function of (seed, client, round), like the speed's."""
+    from hpcfl.algorithms.clock import DurationLaw
+
+    section = ClockSection(duration=DurationLaw(**law), per_update=True)
+    clock = VirtualClock(section, 3)
+    draws = [clock.seconds(0, r, k, 40) for r in range(400) for k in range(10)]
+    assert min(draws) >= low and sum(draws) / len(draws) == pytest.approx(mean, rel=0.04)
+    assert draws[:50] == [VirtualClock(section, 3).seconds(0, r, k, 40) for r in range(5) for k in range(10)]
+    if law["kind"] == "uniform":
+        assert max(draws) <= 2 * 4.0 - 1.0
+    once = VirtualClock(dataclasses.replace(section, per_update=False), 3)
+    assert once.seconds(0, 0, 2, 40) == once.seconds(0, 7, 2, 40)  # once per client by default
+
+
+def test_poisson_starts_follow_flsims_process_and_wait_for_a_free_slot() -> None:
+    """Under ``starts: poisson`` the i-th training starts at the i-th time of a Poisson process
+    (gaps −ln(U)/λ, FLSim's PoissonAsyncTrainingStartTimeDistr) or, when every slot was busy then,
+    at the arrival that freed one; never more than ``concurrency`` are in flight; and the mean gap
+    is 1/λ."""
+    from hpcfl.algorithms.clock import StartProcess
+
+    rate, duration = 1.0, 1.5  # about 1.5 in flight: the cap of 4 (and 6 clients) binds now and then
+    clock = {"duration": {"kind": "gaussian", "mean": duration}, "starts": {"kind": "poisson", "rate": rate}}
+    plan, steps = _schedule("fedbuff", 60, {"buffer_size": 2}, system={"clock": clock})
+    times, t = [], 0.0
+    starts = StartProcess("poisson", rate)
+    for i in range(1, 200):
+        t += starts.gap(plan.seed, 0, i)
+        times.append(t)
+    arrived = {(a.version, a.client): a.time for s in steps for a in s.arrivals}
+    moments = set(arrived.values())
+    order = [(v, k) for v, s in enumerate(steps) for k in s.dispatched]
+    waited = 0
+    for i, key in enumerate(order):
+        if key not in arrived:
+            continue
+        begun = arrived[key] - duration
+        assert begun == pytest.approx(times[i]) or (
+            begun > times[i] and min(abs(begun - m) for m in moments) < 1e-9
+        )
+        waited += begun != pytest.approx(times[i])
+    assert 0 < waited < len(order) / 2  # some starts waited for a free slot, most did not
+    spans = [(arrived[key] - duration, arrived[key]) for key in arrived]
+    for m in moments:
+        assert sum(1 for b, e in spans if b <= m < e) <= 4
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / rate, rel=0.2)
+
+
 # -- the schedule ---------------------------------------------------------------------------------
 
 
@@ -139,6 +209,69 @@ def test_the_schedule_is_a_bounded_event_simulation_in_arrival_order(hetero: boo
         assert all(min(abs(b - m) for m in moments) < 1e-9 for b in begun.values())
     for t in moments:
         assert sum(1 for key, end in arrivals.items() if begun[key] <= t < end) <= 4
+
+
+def _eager_schedule(plan: Any, steps: int, round_offset: int = 0) -> tuple[Any, ...]:
+    """The former up-front schedule (hpcfl before issue 63), verbatim: the reference."""
+    algo = plan.algorithm
+    clock = plan_clock(plan)
+    N, C, K = plan.population.size, algo.concurrency, algo.buffer_size
+    heap: list[tuple[float, int, int, int, bool]] = []  # (arrival, seq, client, version, dropped)
+    in_flight: set[int] = set()
+    dispatched: list[list[int]] = [[]]
+    seq = 0
+
+    def dispatch(now: float, version: int) -> bool:
+        nonlocal seq
+        mine = dispatched[version]
+        pool = [k for k in range(N) if k not in in_flight and k not in mine]
+        if not pool:
+            return False
+        # host generator (deliberate): the choice depends on the seed, never on the rank
+        rng = seeded_rng(plan.seed, 0x64737063, plan.stage_index, version, len(mine))
+        k = pool[int(rng.integers(len(pool)))]
+        seconds, dropped = _update(plan, clock, version, round_offset + version + 1, k)
+        heapq.heappush(heap, (now + seconds, seq, k, version, dropped))
+        seq += 1
+        in_flight.add(k)
+        mine.append(k)
+        return True
+
+    out: list[Step] = []
+    now = 0.0
+    while len(in_flight) < C and dispatch(now, 0):
+        pass
+    for t in range(steps):
+        buffer: list[Arrival] = []
+        while len(buffer) < K:
+            if not heap:
+                raise ConfigError(
+                    f"asynchronous step {round_offset + t + 1}: every update in flight dropped out and no "
+                    "client is left to dispatch (system.dropout); lower the dropout or fix the trace"
+                )
+            now, _, k, version, dropped = heapq.heappop(heap)
+            in_flight.discard(k)
+            if not dropped:
+                buffer.append(Arrival(k, version, now, t - version))
+            dispatch(now, t)
+        out.append(Step(tuple(dispatched[t]), tuple(buffer), now))
+        dispatched.append([])
+        while len(in_flight) < C and dispatch(now, t + 1):
+            pass
+    return tuple(out)
+
+
+def test_the_lazy_schedule_equals_the_former_up_front_one_and_resumes_to_the_same_steps() -> None:
+    """Issue 63: the schedule is simulated step by step as the run reads it (and forgets the steps
+    read); for 300 steps of a heterogeneous clock with dropouts it equals the former schedule that
+    was simulated whole before step 1, and one read from step 120 on (a resume) gives the same steps."""
+    system = {**HETERO_CLOCK}
+    plan, lazy = _schedule("fedbuff", 300, {"buffer_size": 3}, system=system)
+    assert lazy == _eager_schedule(plan, 300)
+    schedule = AsyncSchedule(plan)
+    assert [schedule[t] for t in range(120, 300)] == list(lazy[120:])
+    with pytest.raises(IndexError):
+        schedule[5]  # forgotten: memory does not grow with the steps
 
 
 def _dispatch_time(key: tuple[int, int], end: float, clock: VirtualClock, plan: Any) -> float:
@@ -186,6 +319,23 @@ def test_a_stopped_and_resumed_asynchronous_run_is_bit_identical(tmp_path: Path,
     assert any(r["staleness"] and max(r["staleness"]) > 0 for r in whole.metrics)  # stale updates
     stopped = run_experiment(cfg, tmp_path / "s", stop=_StopAfterRows(tmp_path / "s", 3))
     assert stopped.rounds_done == 3 and stopped.server.pending.shape[0] > 0  # updates in flight
+    resumed = run_experiment(cfg, tmp_path / "s", resume=True)
+    assert torch.equal(resumed.server.x, whole.server.x)
+    assert _same_rows(_rows(tmp_path / "s"), whole.metrics)
+
+
+def test_a_run_on_flsims_clock_resumes_bit_identically(tmp_path: Path) -> None:
+    """Poisson starts and a half-normal duration per update: a stopped and resumed FedBuff run
+    equals the whole one (the schedule is replayed to the checkpoint, issue 63)."""
+    clock = {
+        "duration": {"kind": "half_normal", "sd": 2.0, "min": 0.5},
+        "starts": {"kind": "poisson", "rate": 3.0},
+    }
+    system = {**HETERO_CLOCK, "clock": {**clock, "per_update": True}}
+    cfg = config_from_dict({**_clocked("fedbuff"), "system": system, "checkpoint_every": 1, "eval_every": 2})
+    whole = run_experiment(cfg, tmp_path / "whole")
+    stopped = run_experiment(cfg, tmp_path / "s", stop=_StopAfterRows(tmp_path / "s", 1))
+    assert 0 < stopped.rounds_done < 6
     resumed = run_experiment(cfg, tmp_path / "s", resume=True)
     assert torch.equal(resumed.server.x, whole.server.x)
     assert _same_rows(_rows(tmp_path / "s"), whole.metrics)
@@ -249,6 +399,24 @@ def test_fedbuff_and_fedasync_server_steps_follow_their_papers() -> None:
     assert m["alpha_t"] == alpha_t and torch.allclose(t2.x, (1 - alpha_t) * x0 + alpha_t * y[1], atol=1e-15)
     assert [staleness_weight("hinge", s, 2.0, 1) for s in (0, 1, 2)] == [1.0, 1.0, 1 / 3]
     assert staleness_weight("constant", 9, 1, 1) == 1.0
+
+
+@pytest.mark.parametrize(("clients", "concurrency", "expected"), [(8, None, 8), (12, None, 10), (12, 4, 4)])
+def test_fedbuffs_default_buffer_is_the_papers_k_where_the_concurrency_allows_and_is_recorded(
+    tmp_path: Path, clients: int, concurrency: int | None, expected: int
+) -> None:
+    """Issue 63: the default K was 10 whatever the concurrency, so FedBuff on a federation of 8
+    clients was refused by default ("the buffer could never fill"). Now K is the paper's 10 capped at
+    the concurrency, and the run's determinism.json says which K it used."""
+    params = {"concurrency": concurrency} if concurrency else {}
+    cfg = _cfg(algorithm="fedbuff", num_clients=clients, clients_per_round=None, params=params, rounds=2)
+    result = run_experiment(config_from_dict(cfg), tmp_path / "r")
+    assert result.rounds_done == 2 and [r["client_updates"] for r in result.metrics] == [
+        expected,
+        2 * expected,
+    ]
+    record = json.loads((tmp_path / "r" / "determinism.json").read_text())
+    assert record["asynchronous"] == {"concurrency": concurrency or clients, "buffer_size": expected}
 
 
 def test_fedbuff_with_a_full_buffer_and_equal_clients_is_fedavg(tmp_path: Path) -> None:
@@ -316,6 +484,75 @@ def _fails(tmp_path: Path, capsys, overrides: list[str], *fragments: str) -> Non
         ),
         (["system.clock.delay.value=2"], ("no speed",)),
         (["params.buffer_size=4"], ("buffer_size (4) is larger than the concurrency (3)",)),
+        (
+            [
+                "system.clock.duration.kind=uniform",
+                "system.clock.duration.mean=1",
+                "system.clock.duration.min=2",
+            ],
+            ("'system.clock.duration.mean' (1.0) is below 'system.clock.duration.min' (2.0)",),
+        ),
+        (
+            ["system.clock.duration.kind=half_normal", "system.clock.duration.sd=0"],
+            ("'system.clock.duration.sd' (the half-normal's scale) must be > 0",),
+        ),
+        (
+            ["system.clock.duration.kind=exponential", "system.clock.duration.mean=0"],
+            ("'system.clock.duration.mean' (the exponential's mean) must be > 0",),
+        ),
+        (
+            [
+                "system.clock.duration.kind=exponential",
+                "system.clock.duration.mean=2",
+                "system.clock.duration.sd=1",
+            ],
+            ("'system.clock.duration.sd' must be 0 for the exponential law",),
+        ),
+        (
+            [
+                "system.clock.duration.kind=gaussian",
+                "system.clock.duration.mean=2",
+                "system.clock.duration.min=-1",
+            ],
+            ("'system.clock.duration.min' must be >= 0",),
+        ),
+        (["system.clock.duration.kind=weibull"], ("'system.clock.duration.kind' must be one of gaussian",)),
+        (
+            [
+                "system.clock.duration.kind=gaussian",
+                "system.clock.duration.mean=2",
+                "system.clock.speed.kind=constant",
+                "system.clock.speed.value=5",
+            ],
+            ("sets both a speed and a duration law",),
+        ),
+        (
+            [
+                "system.clock.speed.kind=constant",
+                "system.clock.speed.value=5",
+                "system.clock.starts.kind=poisson",
+            ],
+            ("'system.clock.starts.rate' (Poisson starts per simulated second) must be > 0",),
+        ),
+        (
+            [
+                "system.clock.speed.kind=constant",
+                "system.clock.speed.value=5",
+                "system.clock.starts.kind=poisson",
+                "system.clock.starts.rate=-2",
+            ],
+            ("'system.clock.starts.rate' (Poisson starts per simulated second) must be > 0",),
+        ),
+        (
+            [
+                "algorithm=fedavg",
+                "system.clock.speed.kind=constant",
+                "system.clock.speed.value=5",
+                "system.clock.starts.kind=poisson",
+                "system.clock.starts.rate=2",
+            ],
+            ("Poisson training starts apply to an asynchronous algorithm",),
+        ),
         (
             ["params.buffer_size=3", "params.concurrency=2"],
             ("'params.buffer_size' (3) is larger than params.concurrency (2)",),

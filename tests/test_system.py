@@ -241,6 +241,74 @@ def test_the_draws_are_made_round_by_round_not_all_up_front(tmp_path: Path, monk
     assert result.rounds_done == 1 and draws == [0]
 
 
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedbuff"])
+def test_under_a_virtual_clock_a_run_of_100000_rounds_draws_only_what_it_reaches(
+    tmp_path: Path, monkeypatch, algorithm: str
+) -> None:
+    """Issue 63: under ``system.clock`` every round's draw (and an asynchronous run's whole schedule)
+    was made before round 1, so a run of 100,000 rounds started 300 s later than one of 10. Now a run
+    of 100,000 rounds stopped after its first draws the rounds (asynchronous: dispatches from the model
+    versions) it reaches, the first one once, and its row says what a run of 10 rounds says."""
+    from hpcfl.runner import StopRequest
+
+    system = {"dropout": {"probability": 0.1}, "clock": {"speed": {"kind": "lognormal", "mu": 3.0}}}
+    params = {"buffer_size": 2, "concurrency": 3} if algorithm == "fedbuff" else {}
+    rows = []
+    for rounds in (10, 100_000):
+        draws = _counted_draws(monkeypatch)
+        stop = StopRequest()
+        stop.requested = True  # as a SIGTERM arriving before round 1 ends
+        cfg = config_from_dict(_tiny(algorithm=algorithm, rounds=rounds, system=system, params=params))
+        result = run_experiment(cfg, tmp_path / str(rounds), stop=stop)
+        assert result.rounds_done == 1
+        rows.append(result.metrics[0])
+        if algorithm == "fedavg":
+            assert draws == [0]
+        else:  # dispatches from version 0 (the first step) and 1 (the slots its arrivals freed)
+            assert set(draws) <= {0, 1} and len(draws) <= 6
+    keys = ("sim_time", "client_updates", "test_accuracy")
+    assert [rows[0][k] for k in keys] == [rows[1][k] for k in keys]
+
+
+def test_the_lazy_clock_equals_every_round_drawn_up_front() -> None:
+    """The simulated time each round ends at and the updates so far, recorded as each round is
+    taken (issue 63), equal the values the up-front draw of every round gave (the former
+    ``RoundDraws``: all rounds drawn, then their slowest arrivals added in order), for 300 rounds
+    of unequal work and dropouts, and a resume at round 137 replays them to the same values."""
+    from hpcfl.runner.asynchronous import round_seconds
+    from hpcfl.runner.federation import model_plan
+    from hpcfl.runner.rounds import RoundDraws, _draw_round
+
+    system = {
+        "work": {"kind": "uniform", "low": 1, "high": 4, "unit": "steps"},
+        "dropout": {"probability": 0.2},
+        "clock": {
+            "speed": {"kind": "lognormal", "mu": 3.0, "sigma": 1.0},
+            "delay": {"kind": "uniform", "low": 0.5, "high": 2.0},
+            "per_update": True,
+        },
+    }
+    cfg = config_from_dict(_tiny(algorithm="fedavg", rounds=300, clients_per_round=4, system=system))
+    plan = model_plan(build_federation(cfg, LocalComm()))
+    assert plan.clock is not None
+    eager = [_draw_round(plan, r, 0) for r in range(300)]  # the former up-front draw
+    elapsed, updates, total, count = [], [], 0.0, 0
+    for r, (who, sys_draw) in enumerate(eager):
+        total += round_seconds(plan, r, who, sys_draw, plan.clock)
+        count += len(who)
+        elapsed.append(total)
+        updates.append(count)
+    for start in (0, 137):
+        draws = RoundDraws(plan, start, 300, 0, None)
+        assert draws.timeline is not None
+        taken = [draws.take(r) for r in range(start, 300)]
+        assert taken == eager[start:]
+        ticks = draws.timeline.ticks
+        assert [ticks[r].elapsed for r in range(start, 300)] == elapsed[start:]
+        assert [ticks[r].updates for r in range(start, 300)] == updates[start:]
+        assert draws.drawn == 300  # the replayed rounds before ``start`` and each later one, once
+
+
 @pytest.mark.parametrize("clock", [False, True], ids=["round-by-round", "virtual-clock"])
 def test_every_round_is_drawn_once(tmp_path: Path, monkeypatch, clock: bool) -> None:
     """Issue 55: the ``system`` section is drawn once per round, whether the draw is made up front

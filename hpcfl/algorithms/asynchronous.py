@@ -146,12 +146,12 @@ class AsyncAlgorithm(Algorithm[P, AsyncServerState, ClientState]):
                 f"params.concurrency is {concurrency} but the run has {population.size} clients: at most "
                 "one update per client is in flight; lower it"
             )
+        self.concurrency = concurrency  # first: a default buffer size follows it (FedBuff)
         if self.buffer_size > concurrency:
             raise ConfigError(
                 f"params.buffer_size ({self.buffer_size}) is larger than the concurrency ({concurrency}): the "
                 "buffer could never fill; lower buffer_size or raise concurrency (or clients_per_round)"
             )
-        self.concurrency = concurrency
         return self
 
     def exchange(self, dtype: torch.dtype = torch.float32) -> Exchange:

@@ -22,14 +22,18 @@ from hpcfl.errors import ConfigError
 
 @dataclass(frozen=True)
 class FedBuffParams(AsyncParams):
-    """``buffer_size`` K: updates per server step (the paper's K, 10 in its cross-device runs,
-    at most the concurrency); ``server_lr`` η_g (> 0); the rest: :class:`AsyncParams`."""
+    """``buffer_size`` K: updates per server step, at most the concurrency (None, the default: the
+    paper's K = 10 of its cross-device runs where the concurrency allows it, else the concurrency, so
+    that a federation of 8 clients is not refused; the K chosen is in the run's ``determinism.json``,
+    issue 63); ``server_lr`` η_g (> 0); the rest: :class:`AsyncParams`."""
 
-    buffer_size: int = 10
+    buffer_size: int | None = None
     server_lr: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.buffer_size is None:
+            return self._check_server_lr()
         if isinstance(self.buffer_size, bool) or self.buffer_size < 1:
             raise ConfigError(f"config key 'params.buffer_size' must be >= 1, got {self.buffer_size}")
         if self.concurrency is not None and self.buffer_size > self.concurrency:
@@ -37,8 +41,15 @@ class FedBuffParams(AsyncParams):
                 f"config key 'params.buffer_size' ({self.buffer_size}) is larger than params.concurrency "
                 f"({self.concurrency}): the buffer could never fill; lower buffer_size or raise concurrency"
             )
+        self._check_server_lr()
+
+    def _check_server_lr(self) -> None:
         if not (self.server_lr > 0 and math.isfinite(self.server_lr)):
             raise ConfigError(f"config key 'params.server_lr' must be > 0, got {self.server_lr}")
+
+
+#: the paper's buffer size in its cross-device experiments (Nguyen et al. 2022, §5: K = 10)
+PAPER_BUFFER_SIZE = 10
 
 
 class FedBuff(AsyncAlgorithm[FedBuffParams]):
@@ -53,7 +64,11 @@ class FedBuff(AsyncAlgorithm[FedBuffParams]):
 
     @property
     def buffer_size(self) -> int:
-        return self.params.buffer_size
+        """``params.buffer_size``, or (unset) the paper's K = 10 capped at the concurrency (before
+        :meth:`resolved` knows the concurrency: 10, or ``params.concurrency`` if lower)."""
+        if self.params.buffer_size is not None:
+            return self.params.buffer_size
+        return min(PAPER_BUFFER_SIZE, self.concurrency or PAPER_BUFFER_SIZE)
 
     def kept(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The update Δ = y − x."""

@@ -182,7 +182,7 @@ def validate_system(
         )
     if d.trace is not None:
         read_trace(d.trace, num_clients)
-    validate_clock(section.clock, num_clients)
+    validate_clock(section.clock, num_clients, asynchronous=asynchronous)
     if asynchronous and w.kind == "stragglers":
         raise ConfigError(
             "system.work.kind: stragglers picks a share of a synchronous round's participants; an "

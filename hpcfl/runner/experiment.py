@@ -23,6 +23,7 @@ import torch
 
 from hpcfl import node
 from hpcfl.algorithms import ServerState
+from hpcfl.algorithms.asynchronous import AsyncAlgorithm
 from hpcfl.algorithms.base import Stage, resolve_hook, state_to_dict
 from hpcfl.algorithms.stage_types import StageInput, StagePlan
 from hpcfl.comm import Communicator, get_comm
@@ -371,6 +372,8 @@ def _run_locked(
     )  # collective: the threads, host and device every rank uses
     if fed.heldout is not None:
         record["heldout_clients"] = list(fed.heldout.ids)  # partition ids, never trained on
+    if isinstance(algo := fed.algorithm, AsyncAlgorithm):  # what the defaults resolved to (FedBuff's K)
+        record["asynchronous"] = {"concurrency": algo.concurrency, "buffer_size": algo.buffer_size}
     if comm.rank == 0 and has_state and (note := determinism.resume_note(run_dir, record)) is not None:
         print(note, file=sys.stderr)
     ckpt = (  # onto this rank's device, whichever device wrote it; another run's files fall back
