@@ -35,6 +35,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from hpcfl.bench.machine import with_machine
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -205,7 +207,7 @@ def main() -> int:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"clients_per_device_{args.device.split(':')[0]}" + (f"_{args.tag}" if args.tag else "")
-    (args.out / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
+    (args.out / f"{name}.json").write_text(json.dumps(with_machine(out), indent=1) + "\n")
     print(f"wrote {args.out / name}.json", flush=True)
     return 0
 

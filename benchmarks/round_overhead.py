@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcfl.bench.machine import with_machine, with_machine_columns
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIGS = ("bare", "hpcfl", "hpcfl-auto", "mpi2", "hpcfl-baseline")
@@ -361,8 +363,12 @@ def write_outputs(
         "cpus": os.cpu_count(),
         "threads": args.threads,
     }
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": table, "runs": runs}, indent=1))
-    flat = [{k: v for k, v in r.items() if k != "record"} for r in runs]
+    stem.with_suffix(".json").write_text(
+        json.dumps(
+            with_machine({"meta": meta, "summary": table, "runs": runs}, threads=args.threads), indent=1
+        )
+    )
+    flat = with_machine_columns([{k: v for k, v in r.items() if k != "record"} for r in runs], args.threads)
     with open(stem.with_suffix(".csv"), "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(flat[0]))
         writer.writeheader()

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcfl.bench.machine import with_machine
+
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = Path(__file__).resolve().parent / "out" / "soak"
 
@@ -261,7 +263,7 @@ def main() -> int:
     }
     stem = "soak_cpu" + (f"_{args.tag}" if args.tag else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(summary) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(with_machine(summary)) + "\n")
     plot(runs, RESULTS / f"{stem}.png")
     print(f"wrote {RESULTS / stem}.json and .png", flush=True)
     return 0

@@ -245,7 +245,11 @@ def summarise(row: dict, model: str, clients: int) -> dict:
 
 def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "blazefl_setup_cpu.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    from hpcfl.bench.machine import with_machine  # this part runs in hpcfl's venv
+
+    (out / "blazefl_setup_cpu.json").write_text(
+        json.dumps(with_machine({**meta, "rows": rows}), indent=1) + "\n"
+    )
     lines = [
         f"BlazeFL's published setup on this CPU ({meta['cpu']}, {meta['cores']} cores, OMP_NUM_THREADS "
         f"{meta.get('omp_num_threads', 'unset')}; load before/after "

@@ -17,6 +17,10 @@ framework and mode (mean ± std over seeds, the ratio of its seconds per round t
 accuracy difference from hpcfl's and whether it is within max(2 points, 2 × pooled std)); test
 accuracy against wall time. Only the full default run writes ``benchmarks/results/``; any option
 that narrows it writes ``bench-out/peers/results/`` unless ``--out`` says otherwise.
+
+``--combine DIR [DIR ...]`` runs nothing: it joins the records of earlier invocations (each DIR's
+``peers_<device>.json``, e.g. every framework's default mode over 3 seeds and the parallel modes
+over 1) into one table, with each invocation's conditions kept beside it.
 """
 
 from __future__ import annotations
@@ -368,11 +372,12 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_outputs(out: Path, doc: dict[str, Any], name: str = "peers_cpu") -> None:
+    from hpcfl.bench.machine import csv_with_machine, with_machine
     from hpcfl.files import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / f"{name}.json", json.dumps(doc, indent=1) + "\n")
-    atomic_write_text(out / f"{name}.csv", write_csv(doc["rows"]))
+    atomic_write_text(out / f"{name}.json", json.dumps(with_machine(doc), indent=1) + "\n")
+    atomic_write_text(out / f"{name}.csv", csv_with_machine(write_csv(doc["rows"])))
     atomic_write_text(out / f"{name}.md", markdown(doc))
     plot(doc["records"], out / f"{name}.png")
 
@@ -419,11 +424,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-root", default=None)
     p.add_argument("--out", default=None, help=f"default: {FULL_OUT} for the full run, else {SMOKE_OUT}")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before it counts as failed")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="run nothing: join these earlier outputs' records into one table in --out",
+    )
     return p.parse_args(argv)
+
+
+def combine(dirs: list[str], out: Path, device: str) -> int:
+    """One table from the records of earlier invocations (their conditions listed, in order)."""
+    docs = []
+    for d in dirs:
+        path = Path(d) / f"peers_{device}.json"
+        try:
+            docs.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as err:
+            print(f"harness: cannot read {path}: {err}", file=sys.stderr)
+            return 2
+    records = [r for doc in docs for r in doc["records"]]
+    rows = [row_of(r) for r in records]
+    first = docs[0]["conditions"]
+    conditions = {
+        **first,
+        "load_start": min(doc["conditions"]["load_start"] for doc in docs),
+        "load_end": max(doc["conditions"]["load_end"] for doc in docs),
+        "seeds": sorted({s for doc in docs for s in doc["conditions"]["seeds"]}),
+        "combined_from": [{"dir": str(d), **doc["conditions"]} for d, doc in zip(dirs, docs, strict=True)],
+    }
+    write_outputs(out, {"conditions": conditions, "rows": rows, "summary": summarise(rows), "records": records},
+                  f"peers_{device}")  # fmt: skip
+    print(
+        f"harness: {len(records)} records from {len(docs)} runs -> {out}/peers_{device}.{{json,csv,md,png}}"
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        return combine(args.combine, Path(args.out) if args.out else FULL_OUT, args.device)
     full = args.device == "cpu" and all(
         getattr(args, k) is None for k in ("frameworks", "seeds", "rounds", "modes")
     )
