@@ -137,6 +137,14 @@ def _harness(args: list[str], env_extra: dict[str, str]) -> subprocess.Completed
             ["--frameworks", "hpcfl", "--modes", "ray9"],
             "harness: none of the modes ['ray9'] is a cpu mode of hpcfl",
         ),
+        (
+            ["--frameworks", "hpcfl", "--algorithms", "fedprox"],
+            "harness: unknown algorithm 'fedprox'; known: fedavg, fedadam, fedyogi, fedadagrad, fedavgm",
+        ),
+        (
+            ["--frameworks", "hpcfl", "pfl", "--algorithms", "fedadam"],
+            "harness: framework 'pfl' runs fedavg only, not fedadam",
+        ),
     ],
 )
 def test_harness_refuses_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
@@ -198,12 +206,15 @@ def test_process_tree_rss_counts_children() -> None:
     assert sampler.peak_mb * 2**20 - alone > 300 * 2**20
 
 
-def _row(fw: str, mode: str, seed: int, s: float, acc: float) -> dict[str, object]:
+def _row(
+    fw: str, mode: str, seed: int, s: float, acc: float, algorithm: str | None = None
+) -> dict[str, object]:
     rec = {
         "framework": fw,
         "version": "1",
         "mode": mode,
         "mode_key": mode,
+        "algorithm": algorithm,
         "seed": seed,
         "status": "ok",
         "error": None,
@@ -236,3 +247,109 @@ def test_summary_ratio_and_accuracy_tolerance() -> None:
     assert (
         summary["pfl"]["ratio_to_hpcfl"] == pytest.approx(0.5) and summary["pfl"]["accuracy_within"] is False
     )
+
+
+#: Flower 1.42's defaults (flwr/serverapp/strategy/fedadam.py etc.), in hpcfl's keys, written out
+#: here independently of server_opt_check.CASES: FedAdagrad's β1 is FedOpt's 0, FedAvgM's momentum 0
+FLOWER_1_42_DEFAULTS = {
+    "fedadam": {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3},
+    "fedyogi": {"server_lr": 0.01, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3},
+    "fedadagrad": {"server_lr": 0.1, "beta1": 0.0, "tau": 1e-3},
+    "fedavgm": {"server_lr": 1.0, "beta": 0.0},
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(FLOWER_1_42_DEFAULTS))
+def test_hpcfl_server_optimiser_config_is_flowers_defaults(tmp_path: Path, algorithm: str) -> None:
+    """run_hpcfl's ``--algorithm`` config: hpcfl's algorithm of that name with Flower's default
+    hyper-parameters as its params (validated by hpcfl's own config), the rest the bundle's FedAvg
+    experiment unchanged."""
+    from run_hpcfl import hpcfl_config
+
+    from hpcfl import config_from_dict
+
+    spec = {**experiment.SPEC, "num_params": 356_234}
+    fedavg = hpcfl_config(tmp_path, spec, 1, 7, "1proc")
+    cfg = hpcfl_config(tmp_path, spec, 1, 7, "1proc", algorithm)
+    assert fedavg["algorithm"] == "fedavg" and fedavg["params"] == {"weighting": "samples"}
+    assert fedavg["name"] == "peers-1proc-1" and cfg["name"] == f"peers-{algorithm}-1proc-1"
+    assert cfg["algorithm"] == algorithm and cfg["params"] == FLOWER_1_42_DEFAULTS[algorithm]
+    different = {k for k in cfg if cfg[k] != fedavg[k]}
+    assert different == {"name", "algorithm", "params"}
+    built = config_from_dict(cfg)
+    assert built.algorithm == algorithm
+    assert {k: getattr(built.params, k) for k in FLOWER_1_42_DEFAULTS[algorithm]} == FLOWER_1_42_DEFAULTS[
+        algorithm
+    ]
+    assert built.lr == spec["lr"]  # the clients train at the bundle's lr (Flower's eta_l is unused)
+
+
+def test_both_runners_name_the_same_server_optimisers() -> None:
+    """hpcfl's and Flower's runners offer the same algorithms (read by the harness without importing
+    them), each Flower strategy is the class the unit check compared with hpcfl's algorithm of that
+    name, and the other peers' runners stay FedAvg's."""
+    import run_flower
+    import run_hpcfl
+    from server_opt_check import CASES
+
+    assert harness.runner_algorithms("hpcfl") == harness.runner_algorithms("flower") == harness.ALGORITHMS
+    assert run_hpcfl.ALGORITHMS == run_flower.ALGORITHMS == harness.ALGORITHMS
+    assert harness.runner_algorithms("pfl") == ("fedavg",)
+    for algorithm in harness.SERVER_OPTIMISERS:
+        flower_class, case = run_flower.STRATEGIES[algorithm]
+        assert CASES[case][0] == flower_class and CASES[case][2] == algorithm
+        assert CASES[case][3] == run_hpcfl.FLOWER_DEFAULTS[algorithm] == FLOWER_1_42_DEFAULTS[algorithm]
+
+
+def test_plan_runs_server_optimisers_on_their_runners_in_the_default_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --frameworks a server optimiser runs where a runner has it (hpcfl, Flower), in each
+    framework's default mode, after FedAvg's every mode; FedAvg's plan is unchanged."""
+    for fw in ("flower", "pfl", "blazefl", "fedlab"):
+        (tmp_path / fw / "bin").mkdir(parents=True)
+        (tmp_path / fw / "bin" / "python").touch()
+        (tmp_path / fw / "READY").touch()
+    monkeypatch.setenv("PEERS_DIR", str(tmp_path))
+    fedavg = harness.make_plan(list(harness.FRAMEWORKS), ["fedavg"], None, "cpu", explicit=False)
+    assert [(f, m) for _, f, m in fedavg] == [
+        (f, m) for f in harness.FRAMEWORKS for m in harness.choose_modes(f, ["all"])
+    ]
+    plan = harness.make_plan(list(harness.FRAMEWORKS), ["fedavg", "fedadam"], None, "cpu", explicit=False)
+    assert plan[: len(fedavg)] == fedavg
+    assert plan[len(fedavg) :] == [("fedadam", "hpcfl", "1proc"), ("fedadam", "flower", "1actor")]
+
+
+def test_summary_groups_by_algorithm_against_hpcfls_same_algorithm() -> None:
+    """Each algorithm's rows are compared with hpcfl's run of the same algorithm; the table gains
+    the algorithm column only when a server optimiser is in it."""
+    rows = [_row("hpcfl", "1proc", s, 1.0, a) for s, a in [(0, 0.80), (1, 0.82), (2, 0.81)]]
+    rows += [_row("hpcfl", "1proc", s, 1.0, a, "fedadam") for s, a in [(0, 0.70), (1, 0.72), (2, 0.71)]]
+    rows += [_row("flower", "1actor", s, 3.0, a, "fedadam") for s, a in [(0, 0.69), (1, 0.70), (2, 0.71)]]
+    summary = {(s["algorithm"], s["framework"]): s for s in harness.summarise(rows)}
+    assert set(summary) == {("fedavg", "hpcfl"), ("fedadam", "hpcfl"), ("fedadam", "flower")}
+    flower = summary["fedadam", "flower"]
+    assert flower["accuracy_diff"] == pytest.approx(-0.01) and flower["accuracy_within"]
+    assert flower["ratio_to_hpcfl"] == pytest.approx(3.0)
+    assert summary["fedadam", "hpcfl"]["accuracy_diff"] == pytest.approx(0.0)
+    doc = {
+        "conditions": {
+            "experiment": "e",
+            "machine": "m",
+            "load_start": [],
+            "load_end": [],
+            "rounds": 4,
+            "seeds": [0],
+        },
+        "rows": rows,
+        "summary": harness.summarise(rows),
+        "records": [],
+    }
+    table = harness.markdown(doc)
+    assert (
+        table.startswith("# Server optimisers at Flower's defaults")
+        and "| fedadam | flower | 1actor |" in table
+    )
+    doc["rows"] = rows[:3]
+    doc["summary"] = harness.summarise(rows[:3])
+    assert "| hpcfl | 1proc | 1 | 3 |" in harness.markdown(doc) and "fedadam" not in harness.markdown(doc)

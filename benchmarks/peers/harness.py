@@ -21,6 +21,16 @@ that narrows it writes ``bench-out/peers/results/`` unless ``--out`` says otherw
 ``--combine DIR [DIR ...]`` runs nothing: it joins the records of earlier invocations (each DIR's
 ``peers_<device>.json``, e.g. every framework's default mode over 3 seeds and the parallel modes
 over 1) into one table, with each invocation's conditions kept beside it.
+
+``--algorithms`` (issue 60, item 5; default ``fedavg``): hpcfl's server optimisers beside Flower's
+strategies of the same name (fedadam, fedyogi, fedadagrad, fedavgm), each at Flower's defaults;
+only the runners that define ``ALGORITHMS`` run them (hpcfl, Flower), and without ``--modes`` each
+runs in its default mode (the comparison is accuracy; the modes' speed is FedAvg's table). The
+summary then groups by algorithm, each against hpcfl's run of the same algorithm, and the outputs
+are ``peers_server_opt_cpu.{json,csv,md,png}`` (``benchmarks/results/`` only for the full run,
+``--algorithms fedadam fedyogi fedadagrad fedavgm`` with nothing else narrowed)::
+
+    PYTHONPATH=. python benchmarks/peers/harness.py --algorithms fedadam fedyogi fedadagrad fedavgm
 """
 
 from __future__ import annotations
@@ -43,6 +53,25 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
 FRAMEWORKS = ("hpcfl", "flower", "pfl", "blazefl", "fedlab")
+SERVER_OPTIMISERS = ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
+ALGORITHMS = ("fedavg", *SERVER_OPTIMISERS)
+ALGORITHM_NAMES = {
+    "fedavg": "FedAvg",
+    "fedadam": "FedAdam",
+    "fedyogi": "FedYogi",
+    "fedadagrad": "FedAdagrad",
+    "fedavgm": "FedAvgM",
+}
+#: what hpcfl's server optimisers do differently from Flower's at the same parameters (run_hpcfl.py)
+SERVER_OPT_NOTES = (
+    "Both sides at Flower 1.42's defaults (FedAdam eta 0.1, beta1 0.9, beta2 0.99, tau 1e-3; FedYogi eta 0.01, "
+    "beta1 0.9, beta2 0.99, tau 1e-3; FedAdagrad eta 0.1, beta1 0, tau 1e-3; FedAvgM server lr 1, momentum 0, "
+    "which is FedAvg's step), clients at the bundle's lr (Flower's eta_l is stored, never sent to a client). "
+    "What hpcfl does differently at those parameters: its adaptive methods start the second moment at "
+    "v = tau^2 (Reddi et al.'s Algorithm 2), Flower's at 0; Flower's FedAdam scales eta by the bias correction "
+    "sqrt(1 - beta2^(t+1)) / (1 - beta1^(t+1)), hpcfl's does not. Given Flower's v and eta_t, both server steps "
+    "give the same model to 1e-6 (benchmarks/peers/server_opt_check.py, tests/test_server_opt_flower.py)."
+)
 REFERENCE = ("hpcfl", "1proc")  # ratios and accuracy differences are taken against it
 FULL_OUT = REPO / "benchmarks" / "results"
 SMOKE_OUT = REPO / "bench-out" / "peers" / "results"
@@ -61,19 +90,33 @@ def runner_path(framework: str) -> Path:
     return HERE / f"run_{framework}.py"
 
 
-def runner_modes(framework: str) -> dict[str, str]:
-    """The runner's ``MODES`` literal (read, not imported: the runner needs its own venv)."""
+def _runner_literal(framework: str, name: str) -> Any:
+    """The value of the runner's top-level literal ``name`` (read, not imported: the runner needs
+    its own venv); None when it has none."""
     path = runner_path(framework)
     if not path.is_file():
         raise HarnessError(f"framework {framework!r} has no runner ({path.relative_to(REPO)} is missing)")
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "MODES" for t in node.targets
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
         ):
-            modes = ast.literal_eval(node.value)
-            if isinstance(modes, dict) and modes:
-                return {str(k): str(v) for k, v in modes.items()}
-    raise HarnessError(f"{path.relative_to(REPO)} defines no MODES dict")
+            return ast.literal_eval(node.value)
+    return None
+
+
+def runner_modes(framework: str) -> dict[str, str]:
+    """The runner's ``MODES`` literal."""
+    modes = _runner_literal(framework, "MODES")
+    if isinstance(modes, dict) and modes:
+        return {str(k): str(v) for k, v in modes.items()}
+    raise HarnessError(f"{runner_path(framework).relative_to(REPO)} defines no MODES dict")
+
+
+def runner_algorithms(framework: str) -> tuple[str, ...]:
+    """The algorithms the runner takes as ``--algorithm`` (its ``ALGORITHMS`` literal; without
+    one, FedAvg only)."""
+    algorithms = _runner_literal(framework, "ALGORITHMS")
+    return tuple(str(a) for a in algorithms) if algorithms else ("fedavg",)
 
 
 def framework_python(framework: str) -> tuple[Path | None, str | None]:
@@ -105,6 +148,35 @@ def choose_modes(framework: str, wanted: list[str], device: str = "cpu") -> list
     return chosen
 
 
+def make_plan(
+    frameworks: list[str], algorithms: list[str], wanted_modes: list[str] | None, device: str, explicit: bool
+) -> list[tuple[str, str, str]]:
+    """(algorithm, framework, mode) in the order they run for each seed; refuses (HarnessError)
+    before anything runs. A framework named by ``--frameworks`` must run every asked algorithm;
+    by default the frameworks whose runner has one run it (the others are FedAvg's). Without
+    ``--modes``, FedAvg runs in every mode and a server optimiser in the framework's default."""
+    plan: list[tuple[str, str, str]] = []
+    for algorithm in algorithms:
+        for fw in frameworks:
+            if algorithm not in runner_algorithms(fw):
+                if explicit:
+                    raise HarnessError(
+                        f"framework {fw!r} runs {', '.join(runner_algorithms(fw))} only, not {algorithm}"
+                    )
+                continue
+            framework_python(fw)
+            wanted = wanted_modes or (["all"] if algorithm == "fedavg" else ["default"])
+            modes = choose_modes(fw, wanted, device)
+            if not modes:
+                raise HarnessError(
+                    f"none of the modes {wanted} is a {device} mode of {fw} ({', '.join(runner_modes(fw))})"
+                )
+            plan += [(algorithm, fw, m) for m in modes]
+    if not plan:
+        raise HarnessError(f"no framework among {', '.join(frameworks)} runs {', '.join(algorithms)}")
+    return plan
+
+
 def loadavg() -> list[float]:
     try:
         return [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
@@ -114,26 +186,37 @@ def loadavg() -> list[float]:
 
 # ---------------------------------------------------------------------------------------- one run
 def run_one(
-    framework: str, mode: str, seed: int, rounds: int, experiment: Path, out: Path, timeout: float
+    framework: str,
+    mode: str,
+    seed: int,
+    rounds: int,
+    experiment: Path,
+    out: Path,
+    timeout: float,
+    algorithm: str = "fedavg",
 ) -> dict[str, Any]:
-    """Run one (framework, mode, seed) and return its record (a failed one if it wrote none)."""
+    """Run one (framework, mode, seed, algorithm) and return its record (a failed one if it wrote none)."""
     python, why = framework_python(framework)
     base = {
         "framework": framework,
         "version": None,
         "mode": runner_modes(framework)[mode],
         "mode_key": mode,
+        "algorithm": algorithm,
         "seed": seed,
     }
     if python is None:
         return {**base, "status": "failed", "error": why}
-    record_path = out / "records" / f"{framework}_{mode}_{seed}.json"
-    log_path = out / "logs" / f"{framework}_{mode}_{seed}.log"
+    stem = f"{framework}_{mode}_{seed}" if algorithm == "fedavg" else f"{framework}_{algorithm}_{mode}_{seed}"
+    record_path = out / "records" / f"{stem}.json"
+    log_path = out / "logs" / f"{stem}.log"
     for p in (record_path, log_path):
         p.parent.mkdir(parents=True, exist_ok=True)
     record_path.unlink(missing_ok=True)
     cmd = [str(python), str(runner_path(framework)), "--experiment", str(experiment), "--seed", str(seed)]
     cmd += ["--mode", mode, "--rounds", str(rounds), "--out", str(record_path)]
+    if algorithm != "fedavg":
+        cmd += ["--algorithm", algorithm]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     if framework == "hpcfl":
         env["PYTHONPATH"] = str(REPO)
@@ -170,6 +253,7 @@ def _mean(xs: list[float]) -> float | None:
 def row_of(record: dict[str, Any]) -> dict[str, Any]:
     """The table row of one record: medians of rounds 2..R, the last-3-evaluations accuracy."""
     row = {k: record.get(k) for k in ("framework", "version", "mode", "mode_key", "seed", "status", "error")}
+    row["algorithm"] = record.get("algorithm") or "fedavg"  # records from before item 5 are FedAvg's
     round_s, with_eval = record.get("round_s") or [], record.get("round_eval_s") or []
     samples = record.get("samples_per_round") or []
     evals = record.get("eval") or []
@@ -199,15 +283,17 @@ def _stats(xs: list[float]) -> tuple[float | None, float | None]:
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean ± std over seeds per (framework, mode), the ratio to hpcfl's seconds per round and the
-    accuracy difference from hpcfl's (within max(2 points, 2 × pooled std))."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    """Mean ± std over seeds per (algorithm, framework, mode), the ratio to hpcfl's seconds per round
+    and the accuracy difference from hpcfl's (within max(2 points, 2 × pooled std)), each against
+    hpcfl's run of the same algorithm."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["framework"], r["mode_key"]), []).append(r)
+        groups.setdefault((r.get("algorithm") or "fedavg", r["framework"], r["mode_key"]), []).append(r)
     out = []
-    for (fw, mode), rs in groups.items():
+    for (algorithm, fw, mode), rs in groups.items():
         good = [r for r in rs if r["status"] == "ok"]
         s: dict[str, Any] = {
+            "algorithm": algorithm,
             "framework": fw,
             "mode_key": mode,
             "mode": rs[0]["mode"],
@@ -225,9 +311,10 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ):
             s[key], s[key + "_std"] = _stats([r[key] for r in good if r[key] is not None])
         out.append(s)
-    ref = next((s for s in out if (s["framework"], s["mode_key"]) == REFERENCE and s["seeds"]), None)
+    refs = {s["algorithm"]: s for s in out if (s["framework"], s["mode_key"]) == REFERENCE and s["seeds"]}
     for s in out:
         s["ratio_to_hpcfl"] = s["accuracy_diff"] = s["accuracy_tolerance"] = s["accuracy_within"] = None
+        ref = refs.get(s["algorithm"])
         if ref is None or not s["seeds"]:
             continue
         if s["seconds_per_round"] and ref["seconds_per_round"]:
@@ -270,22 +357,33 @@ def _pm(s: dict[str, Any], key: str, digits: int = 3, scale: float = 1.0) -> str
     return f"{s[key] * scale:.{digits}g} ± {s[key + '_std'] * scale:.2g}"
 
 
+def server_opt_doc(doc: dict[str, Any]) -> bool:
+    """Whether ``doc`` holds a server optimiser's runs (the item-5 table)."""
+    return any((r.get("algorithm") or "fedavg") != "fedavg" for r in doc["rows"])
+
+
 def markdown(doc: dict[str, Any]) -> str:
     c = doc["conditions"]
+    opt = server_opt_doc(doc)
+    algo_col = "algorithm | " if opt else ""
     lines = [
-        "# FedAvg on the same experiment: hpcfl and its peers (CPU)",
+        "# Server optimisers at Flower's defaults: hpcfl and Flower (CPU)"
+        if opt
+        else "# FedAvg on the same experiment: hpcfl and its peers (CPU)",
         "",
         f"{c['experiment']}. {c['machine']}. Load (1-min loadavg) {c['load_start']} at the start, "
         f"{c['load_end']} at the end; rounds {c['rounds']}, seeds {c['seeds']}, interleaved.",
+        *(["", SERVER_OPT_NOTES] if opt else []),
         "",
-        "| framework | mode | version | seeds | s/round (train+agg) | s/round incl. eval | samples/s | peak RSS MB "
-        "| final acc % | startup s | ratio to hpcfl | acc diff (pts) | within tol |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| {algo_col}framework | mode | version | seeds | s/round (train+agg) | s/round incl. eval | samples/s "
+        "| peak RSS MB | final acc % | startup s | ratio to hpcfl | acc diff (pts) | within tol |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if opt else ""),
     ]
     for s in doc["summary"]:
+        algo = f"{s['algorithm']} | " if opt else ""
         if not s["seeds"]:
             lines.append(
-                f"| {s['framework']} | {s['mode']} | {_fmt(s['version'])} | 0 | failed: {s['error']} |||||||||"
+                f"| {algo}{s['framework']} | {s['mode']} | {_fmt(s['version'])} | 0 | failed: {s['error']} |||||||||"
             )
             continue
         diff = (
@@ -295,7 +393,7 @@ def markdown(doc: dict[str, Any]) -> str:
         )
         within = "—" if s["accuracy_within"] is None else ("yes" if s["accuracy_within"] else "**no**")
         lines.append(
-            f"| {s['framework']} | {s['mode']} | {_fmt(s['version'])} | {s['seeds']} | {_pm(s, 'seconds_per_round')} "
+            f"| {algo}{s['framework']} | {s['mode']} | {_fmt(s['version'])} | {s['seeds']} | {_pm(s, 'seconds_per_round')} "
             f"| {_pm(s, 'seconds_per_round_with_eval')} | {_pm(s, 'samples_per_s', 4)} | {_pm(s, 'peak_rss_mb', 4)} "
             f"| {_pm(s, 'final_accuracy', 4, 100)} | {_pm(s, 'startup_s')} | {_fmt(s['ratio_to_hpcfl'])} | {diff} | {within} |"
         )
@@ -303,26 +401,36 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "s/round: median of rounds 2..R (training and aggregation); incl. eval: the mean of rounds 2..R with the "
         "evaluation every 5 rounds; ratio to hpcfl: the framework's s/round over hpcfl's (1 process), > 1 = hpcfl "
-        "faster; final acc: the mean of the last 3 evaluations; tolerance max(2 points, 2 x pooled std).",
+        "faster; final acc: the mean of the last 3 evaluations; tolerance max(2 points, 2 x pooled std)"
+        + ("; each algorithm against hpcfl's run of the same algorithm." if opt else "."),
         "",
         "## Runs",
         "",
-        "| " + " | ".join(ROW_COLUMNS) + " |",
-        "|" + "---|" * len(ROW_COLUMNS),
     ]
+    columns = ("algorithm", *ROW_COLUMNS) if opt else ROW_COLUMNS
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in doc["rows"]:
-        lines.append("| " + " | ".join(_fmt(r[k], 4) for k in ROW_COLUMNS) + " |")
-    notes = {(r["framework"], r.get("mode")): r.get("notes") for r in doc["records"] if r.get("notes")}
+        lines.append("| " + " | ".join(_fmt(r[k], 4) for k in columns) + " |")
+    notes = {
+        (r["framework"], r.get("mode"), r.get("algorithm") or "fedavg"): r.get("notes")
+        for r in doc["records"]
+        if r.get("notes")
+    }
     if notes:
         lines += ["", "## Notes from the runners", ""]
-        lines += [f"- **{fw}**, {mode}: {note}" for (fw, mode), note in notes.items()]
+        lines += [
+            f"- **{fw}**, {mode}{f', {algo}' if opt else ''}: {note}"
+            for (fw, mode, algo), note in notes.items()
+        ]
     return "\n".join(lines) + "\n"
 
 
 def write_csv(rows: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(
-        buf, fieldnames=[*ROW_COLUMNS, "mode_key", "load_before", "load_after"], extrasaction="ignore"
+        buf,
+        fieldnames=[*ROW_COLUMNS, "mode_key", "algorithm", "load_before", "load_after"],
+        extrasaction="ignore",
     )
     w.writeheader()
     for r in rows:
@@ -331,16 +439,30 @@ def write_csv(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
-    """Test accuracy against wall time (start-up included) for every run."""
+    """Test accuracy against wall time (start-up included) for every run; one panel per algorithm."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     from hpcfl.files import save_figure
 
-    fig = Figure(figsize=(8, 5), layout="constrained")
+    algorithms = list(dict.fromkeys(r.get("algorithm") or "fedavg" for r in records)) or ["fedavg"]
+    fig = Figure(figsize=(8 if len(algorithms) == 1 else 5 * len(algorithms), 5), layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    axes = fig.subplots(1, len(algorithms), squeeze=False)[0]
     colors: dict[tuple[str, str], str] = {}
+    for algorithm, ax in zip(algorithms, axes, strict=True):
+        _plot_panel(ax, [r for r in records if (r.get("algorithm") or "fedavg") == algorithm], colors)
+        ax.set_title(
+            "FedAvg, Fashion-MNIST dir:0.5, 100 clients, 10 per round"
+            if algorithms == ["fedavg"]
+            else f"{algorithm} at Flower's defaults"
+        )
+    save_figure(fig, path, dpi=110, fmt="png")
+
+
+def _plot_panel(ax: Any, records: list[dict[str, Any]], colors: dict[tuple[str, str], str]) -> None:
+    """One panel of :func:`plot`: each run's accuracy against its wall time, a colour per
+    framework and mode (shared by the panels)."""
     for rec in records:
         if rec.get("status") != "ok" or not rec.get("eval"):
             continue
@@ -364,11 +486,9 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         )
     ax.set_xlabel("wall time since the script started (s)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title("FedAvg, Fashion-MNIST dir:0.5, 100 clients, 10 per round")
     ax.grid(alpha=0.3)
-    if colors:
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    save_figure(fig, path, dpi=110, fmt="png")
 
 
 def write_outputs(out: Path, doc: dict[str, Any], name: str = "peers_cpu") -> None:
@@ -412,6 +532,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="default: the bundle's (50)")
     p.add_argument(
         "--modes", nargs="+", default=None, help="all (default) | default | KEY | FRAMEWORK:KEY ..."
+    )
+    p.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=None,
+        help=f"default: fedavg; the server optimisers ({' '.join(SERVER_OPTIMISERS)}) run on the frameworks "
+        "whose runner has them (hpcfl, flower), at Flower's defaults -> peers_server_opt_*",
     )
     p.add_argument(
         "--device",
@@ -466,25 +593,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.combine:
         return combine(args.combine, Path(args.out) if args.out else FULL_OUT, args.device)
-    full = args.device == "cpu" and all(
-        getattr(args, k) is None for k in ("frameworks", "seeds", "rounds", "modes")
+    algorithms = list(dict.fromkeys(args.algorithms or ["fedavg"]))
+    full = (
+        args.device == "cpu"
+        and all(getattr(args, k) is None for k in ("frameworks", "seeds", "rounds", "modes"))
+        and (algorithms == ["fedavg"] or sorted(algorithms) == sorted(SERVER_OPTIMISERS))
     )
     out = Path(args.out) if args.out else (FULL_OUT if full else SMOKE_OUT)
     try:
+        unknown = [a for a in algorithms if a not in ALGORITHMS]
+        if unknown:
+            raise HarnessError(f"unknown algorithm {unknown[0]!r}; known: {', '.join(ALGORITHMS)}")
         frameworks = args.frameworks or (list(FRAMEWORKS) if args.device == "cpu" else ["hpcfl"])
         unknown = [f for f in frameworks if f not in FRAMEWORKS]
         if unknown:
             raise HarnessError(f"unknown framework {unknown[0]!r}; known: {', '.join(FRAMEWORKS)}")
-        plan: list[tuple[str, str]] = []
-        for fw in frameworks:  # refuse before anything runs
-            framework_python(fw)
-            modes = choose_modes(fw, args.modes or ["all"], args.device)
-            if not modes:
-                raise HarnessError(
-                    f"none of the modes {args.modes or ['all']} is a {args.device} mode of {fw} "
-                    f"({', '.join(runner_modes(fw))})"
+        plan = make_plan(frameworks, algorithms, args.modes, args.device, explicit=bool(args.frameworks))
+        for algorithm in algorithms:
+            left = [fw for fw in frameworks if all(p[:2] != (algorithm, fw) for p in plan)]
+            if left:  # only without --frameworks: the runners that are FedAvg's only
+                print(
+                    f"harness: {algorithm} runs on {', '.join(sorted({p[1] for p in plan if p[0] == algorithm}))}; "
+                    f"not on {', '.join(left)} (their runners are FedAvg's only)"
                 )
-            plan += [(fw, m) for m in modes]
         import experiment
 
         try:
@@ -503,9 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     load_start = loadavg()
     records = []
     total = len(seeds) * len(plan)
-    for seed in seeds:  # seeds outermost: the frameworks interleave
-        for fw, mode in plan:
-            rec = run_one(fw, mode, seed, rounds, bundle, out, args.timeout)
+    for seed in seeds:  # seeds outermost: the frameworks interleave (within each algorithm)
+        for algorithm, fw, mode in plan:
+            rec = run_one(fw, mode, seed, rounds, bundle, out, args.timeout, algorithm)
             records.append(rec)
             row = row_of(rec)
             what = (
@@ -513,15 +644,16 @@ def main(argv: list[str] | None = None) -> int:
                 if rec["status"] == "ok"
                 else rec.get("error")
             )
+            what_run = f"{fw} {mode}" if algorithm == "fedavg" else f"{fw} {algorithm} {mode}"
             print(
-                f"[{len(records)}/{total}] {fw} {mode} seed {seed}: {rec['status']} ({what}); load {rec.get('load_after')}",
+                f"[{len(records)}/{total}] {what_run} seed {seed}: {rec['status']} ({what}); load {rec.get('load_after')}",
                 flush=True,
             )
     rows = [row_of(r) for r in records]
     doc = {
         "conditions": {
             "experiment": (
-                f"FedAvg, Fashion-MNIST {spec['partition']} over {spec['num_clients']} clients, {spec['clients_per_round']} "
+                f"{', '.join(ALGORITHM_NAMES[a] for a in algorithms)}, Fashion-MNIST {spec['partition']} over {spec['num_clients']} clients, {spec['clients_per_round']} "
                 f"per round, {spec['local_epochs']} local epoch, batch {spec['batch_size']}, SGD lr {spec['lr']}, "
                 f"{spec['model']} ({spec['num_params']:,} parameters), sample-weighted, test every {spec['eval_every']} rounds"
             ),
@@ -530,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_end": loadavg(),
             "rounds": rounds,
             "seeds": seeds,
+            "algorithms": algorithms,
             "full_run": full,
             "spec": spec,
         },
@@ -537,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarise(rows),
         "records": records,
     }
-    name = f"peers_{args.device}"
+    name = f"peers_{args.device}" if algorithms == ["fedavg"] else f"peers_server_opt_{args.device}"
     write_outputs(out, doc, name)
     failed = sum(r["status"] != "ok" for r in records)
     print(f"harness: {len(records)} runs, {failed} failed -> {out}/{name}.{{json,csv,md,png}}")

@@ -13,6 +13,10 @@ harness reads it without importing the runner; the first key is the default mode
 framework for ``args.rounds`` rounds and reports to the :class:`Recorder` ``rec``. The command
 line (``--experiment DIR --seed S --mode MODE --out FILE.json [--rounds R]``), the bundle, the
 sampler of peak RSS and the record (written atomically, also when the run fails) are handled here.
+A runner that also runs hpcfl's server optimisers with the peer's own (issue 60, item 5) defines
+``ALGORITHMS = ("fedavg", ...)`` (a literal tuple, read by the harness the same way) and passes it
+as ``pc.main(..., algorithms=ALGORITHMS)``: ``--algorithm NAME`` then picks one (``args.algorithm``,
+recorded as ``algorithm``); every other runner runs FedAvg only.
 
 The conventions (each matches hpcfl's, checked by ``tests/test_peers_harness.py``):
 
@@ -395,9 +399,11 @@ def one_line(err: BaseException) -> str:
     return (text[0] if text else type(err).__name__)[:500]
 
 
-def parse_args(modes: dict[str, str], argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(
+    modes: dict[str, str], argv: Sequence[str] | None = None, algorithms: Sequence[str] = ("fedavg",)
+) -> argparse.Namespace:
     """The runners' common command line; ``modes`` maps a mode key to its description, the first
-    being the default."""
+    being the default; ``algorithms`` the runner's algorithms (``--algorithm``, default fedavg)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="bundle directory (experiment.py)")
     p.add_argument("--seed", type=int, default=0)
@@ -409,6 +415,7 @@ def parse_args(modes: dict[str, str], argv: Sequence[str] | None = None) -> argp
     p.add_argument(
         "--work-dir", default=None, help="scratch folder for the framework (default: beside --out)"
     )
+    p.add_argument("--algorithm", default="fedavg", choices=list(algorithms))
     return p.parse_args(argv)
 
 
@@ -417,13 +424,14 @@ def main(
     run: Callable[[argparse.Namespace, Experiment, Recorder, dict[str, Any]], None],
     framework: str,
     argv: Sequence[str] | None = None,
+    algorithms: Sequence[str] = ("fedavg",),
 ) -> int:
     """Parse the command line, load the bundle, sample RSS, call ``run(args, exp, rec, info)`` and
     write the record. ``run`` drives the framework for ``args.rounds`` rounds, reporting to ``rec``;
     it fills ``info`` as early as it can (``version``; ``mode``, ``notes`` if they differ from the
     mode's description) so that a failure's record still names them. Any exception becomes ``status: failed`` with its
     one-line error (the traceback goes to stderr); the exit code is 0 for ok, 1 for failed."""
-    args = parse_args(modes, argv)
+    args = parse_args(modes, argv, algorithms)
     rec = Recorder()
     info: dict[str, Any] = {
         "framework": framework,
@@ -458,6 +466,7 @@ def main(
         "version": info["version"],
         "mode": info["mode"],
         "mode_key": args.mode,
+        "algorithm": args.algorithm,
         "seed": args.seed,
         "status": status,
         "error": error,
@@ -469,6 +478,8 @@ def main(
         "peak_rss_mb": peak,
         "num_params": int(info.get("num_params", 0)),
         "notes": info.get("notes", ""),
+        # a server optimiser's hyper-parameters as the framework ran it (None for FedAvg)
+        "server_params": info.get("server_params"),
         "rounds": args.rounds,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

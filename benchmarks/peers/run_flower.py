@@ -15,6 +15,15 @@ message to every node at start-up maps node id → ``partition-id`` (its ``node_
 ``configure_train`` is overridden to send the round's messages to the nodes of ``draws.json``.
 FedAvg's own ``aggregate_train`` averages weighted by ``num-examples`` (sample weighting).
 
+``--algorithm fedadam | fedyogi | fedadagrad | fedavgm`` (issue 60, item 5) runs Flower's own
+strategy of that name (``flwr.serverapp.strategy.FedAdam`` etc.) at its defaults (only
+``fraction_train`` and ``fraction_evaluate`` are set, as for FedAvg), with the same drawn clients:
+the selection above is a subclass over the chosen strategy whose ``configure_train`` calls the
+strategy's own (its bookkeeping: FedOpt keeps the arrays it sends, FedAvgM its first ones) and
+sends its message to the draw's nodes instead of the strategy's random sample. The strategy's
+defaults are read off the instance and checked against the parameters hpcfl is given
+(``server_opt_check.CASES``): a Flower whose defaults moved fails the run, naming them.
+
 Modes (``backend_config["client_resources"]``; Ray sizes its actor pool as CPUs / num_cpus):
 ``1actor``: one Ray actor with both cores (the fastest single-worker mode: the ClientApps run
 one at a time, each with 2 torch threads); ``ray2``: 2 Ray actors of 1 CPU each, two clients in
@@ -39,6 +48,15 @@ MODES = {
     "ray2": "run_simulation, 2 Ray actors x 1 CPU",
 }
 CLIENT_CPUS = {"1actor": 2, "ray2": 1}
+ALGORITHMS = ("fedavg", "fedadam", "fedyogi", "fedadagrad", "fedavgm")
+#: algorithm -> (Flower's strategy class in flwr.serverapp.strategy, its server_opt_check.CASES key)
+STRATEGIES = {
+    "fedavg": ("FedAvg", None),
+    "fedadam": ("FedAdam", "fedadam"),
+    "fedyogi": ("FedYogi", "fedyogi"),
+    "fedadagrad": ("FedAdagrad", "fedadagrad"),
+    "fedavgm": ("FedAvgM", "fedavgm_default"),
+}
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no network here: no usage events
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -86,13 +104,29 @@ def build_client_app() -> Any:
     return app
 
 
-def drawn_fedavg(exp: pc.Experiment, seed: int, rec: pc.Recorder, threads: set[int]) -> Any:
-    """FedAvg whose training round goes to the nodes of the bundle's draw (see the module docstring)."""
+def flower_params(strategy: Any, name: str) -> dict[str, float]:
+    """The hyper-parameters of ``strategy``, an instance of Flower's server-optimiser strategy
+    ``name`` (or a subclass), in hpcfl's keys (server_opt_check.CASES)."""
+    if name == "FedAvgM":
+        return {"server_lr": strategy.server_learning_rate, "beta": strategy.server_momentum}
+    out = {"server_lr": strategy.eta, "beta1": strategy.beta_1, "beta2": strategy.beta_2, "tau": strategy.tau}
+    if name == "FedAdagrad":
+        del out["beta2"]  # Flower's FedAdagrad sums Δ² (β2 unused); so does hpcfl's
+    return out
+
+
+def drawn_strategy(
+    exp: pc.Experiment, seed: int, rec: pc.Recorder, threads: set[int], algorithm: str = "fedavg"
+) -> Any:
+    """Flower's strategy for ``algorithm`` at its defaults, its training round sent to the nodes of
+    the bundle's draw (see the module docstring)."""
     from flwr.app import ConfigRecord, Message, MessageType, RecordDict
     from flwr.serverapp import Grid
-    from flwr.serverapp.strategy import FedAvg
+    from flwr.serverapp import strategy as strategies
 
-    class DrawnFedAvg(FedAvg):
+    base = getattr(strategies, STRATEGIES[algorithm][0])
+
+    class Drawn(base):  # type: ignore[misc,valid-type]
         def __init__(self) -> None:
             # fraction_evaluate=0: no federated evaluation; the global model is evaluated centrally
             super().__init__(
@@ -122,8 +156,12 @@ def drawn_fedavg(exp: pc.Experiment, seed: int, rec: pc.Recorder, threads: set[i
 
         def configure_train(self, server_round: int, arrays: Any, config: ConfigRecord, grid: Grid) -> Any:
             rec.round_start()
-            config["server-round"] = server_round
-            record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+            # the strategy's own configure_train (its bookkeeping, "server-round" in the config);
+            # its message goes to the draw's nodes, not to its random sample
+            sampled = list(super().configure_train(server_round, arrays, config, grid))
+            if not sampled:
+                raise RuntimeError(f"round {server_round}: {base.__name__}.configure_train sent nothing")
+            record = sampled[0].content
             nodes = [self.node_of[k] for k in exp.draw(seed, server_round)]
             return [Message(content=record, message_type=MessageType.TRAIN, dst_node_id=n) for n in nodes]
 
@@ -138,13 +176,24 @@ def drawn_fedavg(exp: pc.Experiment, seed: int, rec: pc.Recorder, threads: set[i
             rec.trained(samples)
             return out
 
-    return DrawnFedAvg()
+    Drawn.__name__ = Drawn.__qualname__ = f"Drawn{base.__name__}"
+    strategy = Drawn()
+    case = STRATEGIES[algorithm][1]
+    if case is not None:
+        from server_opt_check import CASES
+
+        ours, hpcfls = flower_params(strategy, base.__name__), CASES[case][3]
+        if ours != hpcfls:
+            raise RuntimeError(
+                f"Flower's {base.__name__} defaults {ours} differ from hpcfl's params {hpcfls}"
+            )
+    return strategy
 
 
 def build_server_app(
     args: Any, exp: pc.Experiment, rec: pc.Recorder, threads: set[int], box: dict[str, Any]
 ) -> Any:
-    """The ServerApp: FedAvg from hpcfl's initial model, centralized evaluation on the test set."""
+    """The ServerApp: the strategy from hpcfl's initial model, centralized evaluation on the test set."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
     from flwr.serverapp import Grid, ServerApp
 
@@ -167,7 +216,9 @@ def build_server_app(
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
-            strategy = drawn_fedavg(exp, args.seed, rec, threads)
+            strategy = drawn_strategy(exp, args.seed, rec, threads, args.algorithm)
+            if args.algorithm != "fedavg":
+                box["server_params"] = flower_params(strategy, STRATEGIES[args.algorithm][0])
             strategy.map_nodes(grid)
             config = ConfigRecord(
                 {
@@ -209,13 +260,19 @@ def run(args: Any, exp: pc.Experiment, rec: pc.Recorder, info: dict[str, Any]) -
     )
     if "error" in box:
         raise box["error"]
+    info["server_params"] = box.get("server_params")
     info["notes"] = (
         f"ray {version('ray')}; ClientApps in Ray actors (torch threads {sorted(threads)}), ServerApp in the "
         "driver; the round's clients chosen by a custom configure_train (Flower samples nodes at random); "
         "node ids mapped to partition ids by one query message per node at start-up; run_simulation is "
         "deprecated in 1.42 in favour of `flwr run`"
     )
+    if args.algorithm != "fedavg":
+        name = STRATEGIES[args.algorithm][0]
+        info["notes"] += f"; {name} at Flower's defaults {info['server_params']}" + (
+            "" if name == "FedAvgM" else " (v starts at 0; eta_l is stored, never sent to a client)"
+        )
 
 
 if __name__ == "__main__":
-    sys.exit(pc.main(MODES, run, "flower"))
+    sys.exit(pc.main(MODES, run, "flower", algorithms=ALGORITHMS))

@@ -17,6 +17,17 @@ other work) is taken off to give ``round_s`` (train + aggregation), as the peers
 stamps are taken when this process reads the bar: on an idle machine within milliseconds; on a
 loaded one they lag while it waits for a core (a smoke run at load 14 on 2 cores gave one round of
 0.16 s beside rounds of 0.6-1.6 s), so only the idle run's figures are quoted.
+
+``--algorithm fedadam | fedyogi | fedadagrad | fedavgm`` (issue 60, item 5) runs hpcfl's server
+optimiser of that name at Flower 1.42's defaults, in hpcfl's keys (:data:`FLOWER_DEFAULTS`, the
+table of ``server_opt_check.py``, whose unit check feeds the same client models to both server
+steps and finds them equal): FedAdam η 0.1, β1 0.9, β2 0.99, τ 1e-3; FedYogi η 0.01, β1 0.9,
+β2 0.99, τ 1e-3; FedAdagrad η 0.1, β1 0 (Flower's has no first moment), τ 1e-3; FedAvgM η 1,
+momentum 0 (Flower's default: FedAvg's step). Flower's ``eta_l`` (0.1 for FedAdam and FedAdagrad,
+0.0316 for FedYogi) is stored by its strategies and never sent to a client: both sides train with
+the bundle's lr. What hpcfl cannot match by a parameter (:data:`DIFFERENCES`): its adaptive
+methods start the second moment at v₋₁ = τ² (Reddi et al.'s Algorithm 2; Flower: 0), and its
+FedAdam takes no bias correction (Flower's: η·√(1 − β2^(t+1))/(1 − β1^(t+1)) in round t).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import peer_common as pc  # noqa: E402  (first: the script's start time)
+from server_opt_check import CASES  # noqa: E402  (Flower's defaults in hpcfl's keys)
 
 MODES = {
     "1proc": "hpcfl run, 1 process",
@@ -50,14 +62,42 @@ CLIENT_BATCH = {
     "cuda": "1",
     "cuda-auto": "auto",
 }
+ALGORITHMS = ("fedavg", "fedadam", "fedyogi", "fedadagrad", "fedavgm")
+#: algorithm -> the ``params`` hpcfl runs it with: Flower 1.42's defaults for the server optimisers
+#: (server_opt_check.CASES: ``fedavgm_default`` is Flower's FedAvgM, momentum 0)
+FLOWER_DEFAULTS: dict[str, dict[str, float]] = {
+    "fedadam": CASES["fedadam"][3],
+    "fedyogi": CASES["fedyogi"][3],
+    "fedadagrad": CASES["fedadagrad"][3],
+    "fedavgm": CASES["fedavgm_default"][3],
+}
+#: what hpcfl's server step does differently from Flower's at the same parameters
+DIFFERENCES = {
+    "fedadam": "v starts at tau^2 (Flower: 0); no bias correction (Flower: eta*sqrt(1-beta2^(t+1))/(1-beta1^(t+1)))",
+    "fedyogi": "v starts at tau^2 (Flower: 0)",
+    "fedadagrad": "v starts at tau^2 (Flower: 0)",
+    "fedavgm": "none at momentum 0 (the step is FedAvg's on both sides)",
+}
 REPO = pc.HERE.parent.parent
 _BAR = re.compile(r"\b(\d+)/(\d+) \[")  # tqdm's "  4/50 [00:12<..." (the rounds done)
 
 
-def hpcfl_config(exp_dir: Path, spec: dict[str, Any], seed: int, rounds: int, mode: str) -> dict[str, Any]:
+def algorithm_params(algorithm: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The config's ``params``: FedAvg's weighting from the bundle; a server optimiser's Flower
+    defaults (hpcfl's server optimisers average the uploads by samples, as Flower's strategies)."""
+    if algorithm == "fedavg":
+        return {"weighting": spec["weighting"]}
+    if spec["weighting"] != "samples":
+        raise ValueError(f"{algorithm} averages by samples; the bundle asks {spec['weighting']!r}")
+    return dict(FLOWER_DEFAULTS[algorithm])
+
+
+def hpcfl_config(
+    exp_dir: Path, spec: dict[str, Any], seed: int, rounds: int, mode: str, algorithm: str = "fedavg"
+) -> dict[str, Any]:
     """The ``hpcfl run`` config of the experiment: the bundle's spec, in hpcfl's keys."""
     return {
-        "name": f"peers-{mode}-{seed}",
+        "name": f"peers-{mode}-{seed}" if algorithm == "fedavg" else f"peers-{algorithm}-{mode}-{seed}",
         "imports": ["hpcfl_bundle"],
         "dataset": "peers-bundle",
         "data_root": str(exp_dir.resolve()),
@@ -65,8 +105,8 @@ def hpcfl_config(exp_dir: Path, spec: dict[str, Any], seed: int, rounds: int, mo
         "partition": "natural",
         "num_clients": int(spec["num_clients"]),
         "model": spec["model"],
-        "algorithm": "fedavg",
-        "params": {"weighting": spec["weighting"]},
+        "algorithm": algorithm,
+        "params": algorithm_params(algorithm, spec),
         "rounds": rounds,
         "local_epochs": int(spec["local_epochs"]),
         "batch_size": int(spec["batch_size"]),
@@ -141,7 +181,9 @@ def run(args: Any, exp: pc.Experiment, rec: pc.Recorder, info: dict[str, Any]) -
     work = Path(args.work_dir) if args.work_dir else out.with_suffix("")
     work.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds
-    cfg = hpcfl_config(Path(args.experiment), exp.spec, args.seed, rounds, args.mode)
+    cfg = hpcfl_config(Path(args.experiment), exp.spec, args.seed, rounds, args.mode, args.algorithm)
+    if args.algorithm != "fedavg":
+        info["server_params"] = cfg["params"]
     config = work / "config.yaml"
     config.write_text(json.dumps(cfg, indent=1) + "\n")  # JSON is YAML
     run_dir = work / "run"
@@ -178,7 +220,12 @@ def run(args: Any, exp: pc.Experiment, rec: pc.Recorder, info: dict[str, Any]) -
         f"{used.get('threads_per_rank')}, client_batch used {used.get('client_batch_used')}; a checkpoint "
         "only after the last round (hpcfl's default: every round)"
     )
+    if args.algorithm != "fedavg":
+        info["notes"] += (
+            f"; {args.algorithm} at Flower 1.42's defaults {cfg['params']}, differences: "
+            f"{DIFFERENCES[args.algorithm]}"
+        )
 
 
 if __name__ == "__main__":
-    sys.exit(pc.main(MODES, run, "hpcfl"))
+    sys.exit(pc.main(MODES, run, "hpcfl", algorithms=ALGORITHMS))
