@@ -134,10 +134,10 @@ def _rank_process(launcher: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.mpi
-def test_a_run_whose_rank_stops_mid_round_ends_in_one_line(tmp_path) -> None:
+def _stop_rank_mid_run(tmp_path: Path, run: Path, rank: int) -> tuple[subprocess.Popen, str]:
+    """A 2-rank ``hpcfl run`` into ``run`` whose ``rank`` is SIGSTOPped once two rounds are written (its
+    host vanished: it neither dies nor answers); the finished job and its stderr."""
     cfg = synthetic_config(tmp_path, rounds=500, algorithm="fedavg", comm_timeout=TIMEOUT_S)
-    run = tmp_path / "run"
     env = repo_env()
     env.pop("HPCFL_RANK_GUARD", None)
     env.pop("HPCFL_COMM_TIMEOUT", None)
@@ -150,12 +150,19 @@ def test_a_run_whose_rank_stops_mid_round_ends_in_one_line(tmp_path) -> None:
             not metrics.exists() or len(metrics.read_text().splitlines()) < 2
         ):
             time.sleep(0.1)
-        pid = _rank_process(job.pid, 1)
+        pid = _rank_process(job.pid, rank)
         assert pid is not None and job.poll() is None, "the run did not get going"
-        os.kill(pid, signal.SIGSTOP)  # its host vanished: it neither dies nor answers
+        os.kill(pid, signal.SIGSTOP)
         _, err = job.communicate(timeout=60)
     finally:
         job.kill()
+    return job, err
+
+
+@pytest.mark.mpi
+def test_a_run_whose_rank_stops_mid_round_ends_in_one_line(tmp_path) -> None:
+    run = tmp_path / "run"
+    job, err = _stop_rank_mid_run(tmp_path, run, 1)
     assert job.returncode == EXIT_PEER_LOST, err
     assert err.strip().splitlines() == [_line(1)]
     assert json.loads((run / "determinism.json").read_text())["comm_timeout"] == TIMEOUT_S
@@ -297,26 +304,8 @@ def test_a_side_without_a_majority_says_what_it_saw_when_the_others_are_killed(
 
 @pytest.mark.mpi
 def test_a_run_whose_rank_0_stops_says_so_from_rank_1_and_leaves_peer_lost(tmp_path) -> None:
-    cfg = synthetic_config(tmp_path, rounds=500, algorithm="fedavg", comm_timeout=TIMEOUT_S)
     run = tmp_path / "run"
-    env = repo_env()
-    env.pop("HPCFL_RANK_GUARD", None)
-    env.pop("HPCFL_COMM_TIMEOUT", None)
-    job = subprocess.Popen(
-        mpiexec_cmd(2, "run", str(cfg), "--run-dir", str(run)), env=env, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        metrics, until = run / "metrics.jsonl", time.monotonic() + 60
-        while time.monotonic() < until and (
-            not metrics.exists() or len(metrics.read_text().splitlines()) < 2
-        ):
-            time.sleep(0.1)
-        pid = _rank_process(job.pid, 0)
-        assert pid is not None and job.poll() is None, "the run did not get going"
-        os.kill(pid, signal.SIGSTOP)
-        _, err = job.communicate(timeout=60)
-    finally:
-        job.kill()
+    job, err = _stop_rank_mid_run(tmp_path, run, 0)
     line = SILENT_BEFORE[2, "0"]
     assert job.returncode == EXIT_PEER_LOST, err
     assert err.strip().splitlines() == [line]

@@ -76,6 +76,15 @@ REFERENCE = ("hpcfl", "1proc")  # ratios and accuracy differences are taken agai
 FULL_OUT = REPO / "benchmarks" / "results"
 SMOKE_OUT = REPO / "bench-out" / "peers" / "results"
 ACC_TOLERANCE = 0.02  # 2 points
+METRICS = (
+    "seconds_per_round",
+    "seconds_per_round_with_eval",
+    "samples_per_s",
+    "peak_rss_mb",
+    "final_accuracy",
+    "startup_s",
+)
+"""A run's figures: a row's columns and the summary's means ± std."""
 
 
 class HarnessError(Exception):
@@ -301,14 +310,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         s["seeds"], s["failed"] = len(good), len(rs) - len(good)
         s["error"] = next((r["error"] for r in rs if r["status"] != "ok"), None)
-        for key in (
-            "seconds_per_round",
-            "seconds_per_round_with_eval",
-            "samples_per_s",
-            "peak_rss_mb",
-            "final_accuracy",
-            "startup_s",
-        ):
+        for key in METRICS:
             s[key], s[key + "_std"] = _stats([r[key] for r in good if r[key] is not None])
         out.append(s)
     refs = {s["algorithm"]: s for s in out if (s["framework"], s["mode_key"]) == REFERENCE and s["seeds"]}
@@ -327,20 +329,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-ROW_COLUMNS = (
-    "framework",
-    "version",
-    "mode",
-    "seed",
-    "status",
-    "seconds_per_round",
-    "seconds_per_round_with_eval",
-    "samples_per_s",
-    "peak_rss_mb",
-    "final_accuracy",
-    "startup_s",
-    "error",
-)
+ROW_COLUMNS = ("framework", "version", "mode", "seed", "status", *METRICS, "error")
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
