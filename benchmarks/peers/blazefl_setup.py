@@ -196,6 +196,7 @@ def hpcfl_side(model: str, clients: int, rounds: int, work: Path) -> dict:
         "local_epochs": EPOCHS,
         "lr": LR,
         "momentum": 0.0,
+        "weight_decay": 0.0,  # BlazeFL's trainers: torch.optim.SGD(lr) (hpcfl's default is 1e-5)
         "batch_size": BATCH,
         "eval_every": 1,  # hpcfl writes a metrics row on evaluated rounds; its eval_s is not timed here
         "checkpoint_every": rounds,
