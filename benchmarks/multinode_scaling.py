@@ -1,7 +1,7 @@
 """Scaling measured ACROSS hosts: ``hpcfl bench scaling`` in world mode on emulated nodes.
 
-For each link profile (default ``10gbe`` and ``1gbe``, :mod:`hpcfl.testing.links`) this
-starts an emulated SLURM cluster of ``--nodes`` nodes (:func:`tests.slurm_cluster.start_cluster`:
+For each link profile (default ``10gbe`` and ``1gbe``, :mod:`tests.cluster.links`) this
+starts an emulated SLURM cluster of ``--nodes`` nodes (:func:`tests.cluster.slurm.start_cluster`:
 one network + UTS + mount namespace and one ``slurmd`` per node, links shaped with ``tc``), then runs
 ``srun -N n --ntasks-per-node r python -m hpcfl bench scaling --mode world`` at every point n×r of
 ``--points`` (MPI between nodes over TCP on the shaped links; inside a node over shared memory).
@@ -56,9 +56,9 @@ from hpcfl.bench.scaling.perfmodel import (  # noqa: E402
     projected_round,
     ring_allreduce_s,
 )
-from hpcfl.testing.links import parse_link  # noqa: E402
+from tests.cluster.links import parse_link  # noqa: E402
+from tests.cluster.slurm import start_cluster  # noqa: E402
 from tests.helpers import repo_env  # noqa: E402
-from tests.slurm_cluster import start_cluster  # noqa: E402
 
 SAMPLES = 50
 FIT_RANKS = os.cpu_count() or 1  # probes with at most this many ranks feed the α-β fit

@@ -1,6 +1,6 @@
 """Submit-to-first-round latency of ``hpcfl submit`` on a real single-node SLURM.
 
-Stands up the private localhost SLURM of the test harness (tests/slurm_cluster.py: munged,
+Stands up the private localhost SLURM of the test harness (tests/cluster/slurm.py: munged,
 slurmctld, slurmd, slurmdbd + MariaDB in a temp dir; needs root and Debian's slurm packages,
 ``bash .ci/setup_slurm.sh`` installs them) and measures, in one run:
 
@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpcfl.bench.machine import with_machine, with_machine_columns  # noqa: E402
+from tests.cluster.slurm import start_cluster  # noqa: E402
 from tests.helpers import synthetic_config  # noqa: E402
-from tests.slurm_cluster import start_cluster  # noqa: E402
 
 
 def _first_row(run_dir: Path, t0: float, timeout: float = 300.0) -> float:

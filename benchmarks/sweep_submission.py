@@ -1,6 +1,6 @@
 """Submission overhead of a sweep as ONE job array against the same points as single jobs.
 
-Stands up the private localhost SLURM of the test harness (tests/slurm_cluster.py; needs root and
+Stands up the private localhost SLURM of the test harness (tests/cluster/slurm.py; needs root and
 Debian's slurm packages, ``bash .ci/setup_slurm.sh`` installs them) and, for an N-point grid of a
 small synthetic config (lr × partition × seeds), measures from the command's start until every
 task is in the queue:
@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpcfl.bench.machine import with_machine, with_machine_columns  # noqa: E402
+from tests.cluster.slurm import SlurmCluster, start_cluster  # noqa: E402
 from tests.helpers import synthetic_config  # noqa: E402
-from tests.slurm_cluster import SlurmCluster, start_cluster  # noqa: E402
 
 HOLD = ["--sbatch", "begin=now+1hour", "--time", "10", "-c", "1"]
 

@@ -155,7 +155,7 @@ def _client_eval_at(args: argparse.Namespace, K: int) -> dict[str, Any]:
     from hpcfl.algorithms.stage_types import EVAL_SLOT
     from hpcfl.comm import LocalComm
     from hpcfl.config import config_from_dict
-    from hpcfl.runner.client_eval import ClientEval
+    from hpcfl.runner.client_eval import ClientEval, EvalSettings
     from hpcfl.runner.federation import build_federation
     from hpcfl.runner.observers import LocalWork, RoundEnd, RoundStart
     from hpcfl.training.evaluate import JointCounts
@@ -178,7 +178,7 @@ def _client_eval_at(args: argparse.Namespace, K: int) -> dict[str, Any]:
     )
     fed = build_federation(cfg, LocalComm())
     server = fed.algorithm.init_server(fed.flat.vector.clone())
-    observer = ClientEval.for_federation(fed)
+    observer = ClientEval.for_federation(fed, EvalSettings.of(fed.cfg, 0, 1), fed.validation_parts)
     evaluate = fed.model_plan().evaluate
 
     def client_round(rnd: int) -> float:

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from hpcfl.algorithms.asynchronous import AsyncAlgorithm
 from hpcfl.algorithms.base import HyperParams
 from hpcfl.algorithms.system import SystemSection, validate_system
 from hpcfl.entk.settings import EntkSection
@@ -509,7 +510,7 @@ def validate(cfg: Config) -> None:
         local_epochs=cfg.local_epochs,
         local_steps=cfg.local_steps,
         private=cfg.privacy.enabled,
-        asynchronous=ALGORITHMS[cfg.algorithm].asynchronous,
+        asynchronous=issubclass(ALGORITHMS[cfg.algorithm], AsyncAlgorithm),
     )
     _validate_evaluation(cfg)
     _check_against_dataset(cfg)

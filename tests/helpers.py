@@ -230,15 +230,65 @@ def plugin_env(*extra: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def one_line_error(capsys, argv: list[str]) -> str:
-    """Run ``hpcfl ARGV`` in this process; assert it failed with one error line and no traceback,
-    and return that line."""
+def one_line_error(capsys, argv: list[str], code: int | None = None) -> str:
+    """Run ``hpcfl ARGV`` in this process; assert it failed (with exit status ``code`` where given)
+    with one error line and no traceback, and return that line."""
     from hpcfl.cli.main import main
 
     rc = main(argv)
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert rc != 0, err
+    assert rc != 0 if code is None else rc == code, err
     assert lines and lines[-1].startswith("hpcfl: error:") and "Traceback" not in err, err
     assert len([ln for ln in lines if ln.startswith("hpcfl: error:")]) == 1, err
     return lines[-1]
+
+
+def local_sgd(flat, x, y, schedule, generator, *, loss_fn=None, correction=None):
+    """A client's plain local SGD in place, read at once: :func:`hpcfl.training.sgd.descend` along
+    its :class:`~hpcfl.training.sgd.LocalSteps` (the reference the batched and DP paths are held to;
+    the package's own entry point is :class:`hpcfl.algorithms.Trainer`)."""
+    from hpcfl.training.sgd import LocalSteps, cross_entropy_loss, descend, read_result
+
+    steps = LocalSteps(flat, x, y, schedule, generator, loss_fn or cross_entropy_loss)
+    return read_result(*descend(flat, steps, correction))
+
+
+def dp_local_sgd(flat, x, y, schedule, generator, *, clip, noise_multiplier, loss_fn=None, correction=None):
+    """:func:`local_sgd` with DP-SGD's steps (:class:`hpcfl.privacy.sgd.DPSteps`: Poisson batches,
+    clipped and noised gradients)."""
+    from hpcfl.privacy.sgd import DPSteps
+    from hpcfl.training.sgd import cross_entropy_loss, descend, read_result
+
+    steps = DPSteps(
+        flat,
+        x,
+        y,
+        schedule,
+        generator,
+        loss_fn or cross_entropy_loss,
+        clip=clip,
+        noise_multiplier=noise_multiplier,
+    )
+    return read_result(*descend(flat, steps, correction))
+
+
+def stop_after_rows(run_dir: Path, rows: int):
+    """A :class:`hpcfl.runner.StopRequest` raised once the run has written ``rows`` metrics rows (as
+    a signal arriving during that round would be)."""
+    from hpcfl.runner import StopRequest
+
+    class StopAfterRows(StopRequest):
+        def __init__(self) -> None:
+            super().__init__()
+            self._metrics = run_dir / "metrics.jsonl"
+
+        @property  # type: ignore[override]
+        def requested(self) -> bool:
+            return self._metrics.exists() and len(self._metrics.read_text().splitlines()) >= rows
+
+        @requested.setter
+        def requested(self, value: bool) -> None:
+            pass
+
+    return StopAfterRows()

@@ -17,8 +17,8 @@ from hpcfl.models import build_model
 from hpcfl.runner import run_experiment
 from hpcfl.training.batched import ClientJob, LinearCorrection, batched_local_sgd
 from hpcfl.training.flat import FlatModel
-from hpcfl.training.sgd import LocalSchedule, cross_entropy_loss, local_sgd
-from tests.helpers import synthetic_config
+from hpcfl.training.sgd import LocalSchedule, cross_entropy_loss
+from tests.helpers import local_sgd, synthetic_config
 
 RTOL = 1e-5
 
@@ -324,7 +324,8 @@ def test_a_non_finite_loss_is_reported_at_the_step_it_happened_on_both_paths() -
     """Neither path reads the device during the round, yet both report a client whose loss turns
     non-finite as an early stop would: ``finite=False`` and the steps taken before it (the step
     whose mini-batch first holds the sample with an inf, found by replaying its generator)."""
-    from hpcfl.training.sgd import batch_indices, local_sgd
+    from hpcfl.training.sgd import batch_indices
+    from tests.helpers import local_sgd
 
     shape = (1, 12, 12)
     torch.manual_seed(0)

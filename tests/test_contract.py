@@ -55,8 +55,8 @@ from hpcfl.algorithms import Algorithm, ClientContext, state_from_dict
 from hpcfl.comm import LocalComm
 from hpcfl.config import Config, config_from_dict
 from hpcfl.registry import ALGORITHMS
-from hpcfl.runner import RunResult, StopRequest, run_experiment
-from tests.helpers import MPIEXEC, REPO, final_state, plugin_env, write_config
+from hpcfl.runner import RunResult, run_experiment
+from tests.helpers import MPIEXEC, REPO, final_state, plugin_env, stop_after_rows, write_config
 
 GOLDEN = REPO / "tests" / "golden" / "contract_hashes.json"
 #: the file name of a plugin's own golden hashes, beside the module that defines its algorithm
@@ -128,23 +128,6 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
-class _StopAfterRows(StopRequest):
-    """A stop request that is raised once the run has written ``rows`` metrics rows (as a signal
-    arriving during that round would be)."""
-
-    def __init__(self, run_dir: Path, rows: int) -> None:
-        super().__init__()
-        self._metrics, self._rows = run_dir / "metrics.jsonl", rows
-
-    @property  # type: ignore[override]
-    def requested(self) -> bool:
-        return self._metrics.exists() and len(self._metrics.read_text().splitlines()) >= self._rows
-
-    @requested.setter
-    def requested(self, value: bool) -> None:
-        pass
-
-
 def hetero_config(name: str, **extra: Any) -> dict[str, Any]:
     """The tiny run of ``name`` with system heterogeneity (:data:`SYSTEM`) on."""
     return contract_config(name, system=SYSTEM, **extra)
@@ -198,7 +181,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
 def stopped_and_resumed(cfg: Config, run_dir: Path) -> RunResult:
     """``cfg``'s run in ``run_dir`` stopped after its 2nd metrics row, then resumed to its end."""
-    stopped = run_experiment(cfg, run_dir, stop=_StopAfterRows(run_dir, 2))
+    stopped = run_experiment(cfg, run_dir, stop=stop_after_rows(run_dir, 2))
     assert (stopped.rounds_done, stopped.finished) == (2, False)
     resumed = run_experiment(cfg, run_dir, resume=True)
     assert resumed.finished

@@ -19,7 +19,8 @@ from hpcfl.errors import ConfigError
 from hpcfl.training import FlatModel, LocalSchedule
 from hpcfl.training.batched import ClientJob, batched_local_sgd
 from hpcfl.training.layout import StateLayout
-from hpcfl.training.sgd import batch_indices, local_norm, local_sgd
+from hpcfl.training.sgd import batch_indices, local_norm
+from tests.helpers import local_sgd
 from tests.test_algorithms import _least_squares_clients, _mse
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,17 +20,9 @@ from hpcfl.errors import StoppedError
 from hpcfl.features.store import verify_client
 from hpcfl.report import summarise
 from hpcfl.runner import StopRequest, run_experiment
-from tests.helpers import final_state, synthetic_config, tiny_tct_config
+from tests.helpers import final_state, one_line_error, synthetic_config, tiny_tct_config
 
-
-def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
-    rc = main(argv)
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert rc == code, err
-    assert lines and lines[-1].startswith("hpcfl: error:") and "Traceback" not in err, err
-    assert len([ln for ln in lines if ln.startswith("hpcfl: error:")]) == 1, err
-    return lines[-1]
+_one_line_error = partial(one_line_error, code=2)  # every refusal here exits 2
 
 
 def _rows(run_dir: Path) -> list[str]:

@@ -28,8 +28,8 @@ from hpcfl.config import config_from_dict
 from hpcfl.errors import ConfigError
 from hpcfl.registry import ALGORITHMS
 from hpcfl.runner import run_experiment
-from hpcfl.training.sgd import LocalSteps, descend, local_sgd, read_result
-from tests.helpers import write_config
+from hpcfl.training.sgd import LocalSteps, descend, read_result
+from tests.helpers import local_sgd, write_config
 from tests.test_dp_contract import Personal, _config
 
 pytest.importorskip("opacus")

@@ -28,7 +28,8 @@ from hpcfl.registry import ALGORITHMS
 from hpcfl.runner import run_experiment
 from hpcfl.testing.fake_accelerator import fake_cuda
 from hpcfl.training.flat import FlatModel
-from hpcfl.training.sgd import LocalSchedule, local_sgd
+from hpcfl.training.sgd import LocalSchedule
+from tests.helpers import local_sgd
 from tests.test_contract import BASE, SYSTEM, contract_config
 
 MIX = "Expected all tensors to be on the same device"
@@ -240,9 +241,9 @@ def test_the_reverted_loss_sum_raises() -> None:
 # -- host syncs per client per round ----------------------------------------------------------------
 def _count(path: str, steps: int) -> tuple[int, int, int]:
     """(clients, host syncs, host-to-device copies) of one round of ``path`` on the fake device."""
-    from hpcfl.privacy.sgd import dp_local_sgd
     from hpcfl.training.batched import ClientJob, batched_local_sgd
     from hpcfl.training.sgd import cross_entropy_loss
+    from tests.helpers import dp_local_sgd
 
     schedule = LocalSchedule(lr=0.1, batch_size=8, steps=steps, momentum=0.5)
     with fake_cuda() as dev:

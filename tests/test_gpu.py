@@ -223,9 +223,9 @@ def test_sample_level_dp_on_cuda_matches_the_cpu_step_and_trains(tmp_path: Path)
     one seed taken from the client's generator, so only its distribution matches the CPU's); with
     noise, a short run on CUDA learns as the CPU run does (test accuracy within 5 points)."""
     from hpcfl.models import build_model
-    from hpcfl.privacy.sgd import dp_local_sgd
     from hpcfl.training.flat import FlatModel
     from hpcfl.training.sgd import LocalSchedule
+    from tests.helpers import dp_local_sgd
 
     torch.manual_seed(0)
     x = torch.randn(96, 1, 28, 28)

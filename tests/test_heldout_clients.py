@@ -17,10 +17,10 @@ from hpcfl.comm import LocalComm
 from hpcfl.config import config_from_dict
 from hpcfl.data import load_dataset, load_partition, partition
 from hpcfl.errors import ConfigError
-from hpcfl.runner import StopRequest, run_experiment
+from hpcfl.runner import run_experiment
 from hpcfl.runner.federation import build_federation, participation_of
 from hpcfl.training.evaluate import evaluate
-from tests.helpers import REPO, final_state, mpiexec_cmd, synthetic_config, write_config
+from tests.helpers import REPO, final_state, mpiexec_cmd, stop_after_rows, synthetic_config, write_config
 from tests.test_bad_input import _fails_cleanly
 
 
@@ -49,22 +49,6 @@ def _config(data_root: Path, **extra: Any) -> dict[str, Any]:
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-
-
-class _StopAfterRows(StopRequest):
-    """Raised once the run has written ``rows`` metrics rows (a signal during that round)."""
-
-    def __init__(self, run_dir: Path, rows: int) -> None:
-        super().__init__()
-        self._metrics, self._rows = run_dir / "metrics.jsonl", rows
-
-    @property  # type: ignore[override]
-    def requested(self) -> bool:
-        return self._metrics.exists() and len(self._metrics.read_text().splitlines()) >= self._rows
-
-    @requested.setter
-    def requested(self, value: bool) -> None:
-        pass
 
 
 @pytest.mark.parametrize(
@@ -180,7 +164,7 @@ def test_heldout_run_stopped_and_resumed_is_bit_identical(ditto_run, tmp_path):
     cfg_dict, reference = ditto_run
     cfg = config_from_dict(cfg_dict)
     run_dir = tmp_path / "resumed"
-    run_experiment(cfg, run_dir, stop=_StopAfterRows(run_dir, 2))
+    run_experiment(cfg, run_dir, stop=stop_after_rows(run_dir, 2))
     assert len(_rows(run_dir)) == 2
     result = run_experiment(cfg, run_dir, resume=True)
     assert torch.equal(result.server.x, final_state(reference))

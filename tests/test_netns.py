@@ -1,4 +1,4 @@
-"""The emulated hosts themselves (:mod:`hpcfl.testing.netns`): what they are made of, and that
+"""The emulated hosts themselves (:mod:`tests.cluster.netns`): what they are made of, and that
 nothing is left behind when they are stopped or when the process that made them is killed."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcfl.testing.links import parse_link
-from hpcfl.testing.netns import NamespaceError, namespaces_available, start_network
+from tests.cluster.links import parse_link
+from tests.cluster.netns import NamespaceError, namespaces_available, start_network
 from tests.helpers import repo_env
 
 pytestmark = pytest.mark.multinode
@@ -81,7 +81,7 @@ def test_a_killed_maker_leaves_no_namespace_behind(tmp_path: Path) -> None:
     """The process that made the nodes is SIGKILLed (pytest killed): the holders die with it, and
     with them the namespaces and links."""
     script = (
-        "from hpcfl.testing.netns import start_network\n"
+        "from tests.cluster.netns import start_network\n"
         "net = start_network(2)\n"
         "print(net.head.pid, *(n.pid for n in net.nodes), flush=True)\n"
         "import time; time.sleep(60)\n"

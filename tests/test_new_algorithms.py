@@ -251,7 +251,7 @@ def test_fednova_normalises_unequal_step_counts_as_the_paper():
 def test_fednova_local_norm_is_the_momentum_sgd_step_sum(momentum):
     """Under a constant gradient c, τ steps of momentum SGD move the weights by lr·‖a‖₁·c."""
     from hpcfl.algorithms.fednova import local_norm
-    from hpcfl.training.sgd import local_sgd
+    from tests.helpers import local_sgd
 
     model = nn.Linear(3, 1, bias=False).double()
     nn.init.zeros_(model.weight)

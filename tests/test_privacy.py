@@ -205,9 +205,9 @@ def test_book_keeping_refuses_an_output_modified_in_place_and_sgd_falls_back() -
 def test_dp_sgd_noise_has_the_configured_scale() -> None:
     """One DP-SGD step with and without noise (same batches): the difference is N(0, (σC)²)·lr/qn."""
     from hpcfl.models import build_model
-    from hpcfl.privacy.sgd import dp_local_sgd
     from hpcfl.training.flat import FlatModel
     from hpcfl.training.sgd import LocalSchedule
+    from tests.helpers import dp_local_sgd
 
     torch.manual_seed(1)
     flat = FlatModel(build_model("mlp", (1, 28, 28), 10))

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import slurm_cluster as cluster_module
-from tests.slurm_cluster import REPO, SlurmCluster
+from tests.cluster import slurm as cluster_module
+from tests.cluster.slurm import REPO, SlurmCluster
 
 pytestmark = pytest.mark.slurm
 

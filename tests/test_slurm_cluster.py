@@ -1,4 +1,4 @@
-"""The real local SLURM (tests/slurm_cluster.py) does what hpcfl's batch jobs rely on.
+"""The real local SLURM (tests/cluster/slurm.py) does what hpcfl's batch jobs rely on.
 
 Each test is one fact later code builds on: batch jobs run, ``srun --mpi=pmi2`` wires up the
 MPICH wheel's MPI, submitit returns results and reads real states through sacct, bad requests fail
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import slurm_cluster as cluster_module
+from tests.cluster import slurm as cluster_module
+from tests.cluster.slurm import REPO, SlurmCluster, SlurmCommandError
 from tests.helpers import synthetic_config
-from tests.slurm_cluster import REPO, SlurmCluster, SlurmCommandError
 
 pytestmark = pytest.mark.slurm
 

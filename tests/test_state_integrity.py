@@ -19,19 +19,9 @@ import torch
 
 from hpcfl.cli.main import main
 from hpcfl.runner.client_states import ClientStateError, ClientStates
-from tests.helpers import synthetic_config
+from tests.helpers import one_line_error, synthetic_config
 
 CLIENT = 2  # the client whose chunk is damaged
-
-
-def _one_line_error(capsys, argv: list[str]) -> str:
-    rc = main(argv)
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert rc != 0, err
-    assert lines and lines[-1].startswith("hpcfl: error:") and "Traceback" not in err, err
-    assert len([ln for ln in lines if ln.startswith("hpcfl: error:")]) == 1, err
-    return lines[-1]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +72,7 @@ def test_damaged_client_state_chunk_refuses_the_resume(stopped, tmp_path, capsys
         chunk.write_bytes(bytes(raw))
         problem = "fails its checksum"
     before = (run / "metrics.jsonl").read_text()
-    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
+    err = one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
     assert err == (
         f"hpcfl: error: client {CLIENT}'s state (slot {slot}) cannot be trusted: {chunk} {problem}; "
         f"resume with --reset-client-states {CLIENT} to re-initialise that client's state (or restore the file)"
@@ -96,7 +86,7 @@ def test_deleted_presence_chunk_is_not_an_empty_state(stopped, tmp_path, capsys)
     run = _copy(src, tmp_path / "run")
     flags = run / "client_states_train.zarr" / "present" / "c" / "1" / str(CLIENT) / "0"
     flags.unlink()
-    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
+    err = one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
     assert f"client {CLIENT}'s state (slot 1) cannot be trusted: {flags} is missing" in err
 
 
@@ -105,7 +95,7 @@ def test_every_damaged_client_is_named_at_once(stopped, tmp_path, capsys):
     run = _copy(src, tmp_path / "run")
     for chunk in sorted((run / "client_states_train.zarr" / "field_h" / "c" / "0").glob("*/0")):
         chunk.unlink()
-    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
+    err = one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
     assert err.startswith("hpcfl: error: 4 clients' stored states cannot be trusted (first: client 0's")
     assert err.endswith(
         "resume with --reset-client-states 0,1,2,3 to re-initialise them (or restore the files)"
@@ -145,7 +135,7 @@ def test_reset_client_states_resumes_and_is_logged(stopped, tmp_path, capsys):
 def test_bad_reset_client_states_gives_one_line(stopped, tmp_path, capsys, value, extra, message):
     cfg, src = stopped[0]
     run = _copy(src, tmp_path / "run") if extra else tmp_path / "fresh"
-    err = _one_line_error(
+    err = one_line_error(
         capsys, ["run", str(cfg), "--run-dir", str(run), *extra, "--reset-client-states", value]
     )
     assert err == f"hpcfl: error: {message}"
@@ -159,7 +149,7 @@ def test_memory_form_damaged_client_file_names_the_reset(tmp_path, capsys):
     assert main(["run", str(cfg), "--run-dir", str(run), "--set", "rounds=2"]) == 0
     for d in (run / "checkpoints").glob("round_*"):
         (d / "clients" / f"client_{CLIENT}.pt").write_bytes(b"")
-    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
+    err = one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
     assert err.endswith(f"start over with --overwrite, or resume with --reset-client-states {CLIENT}")
     assert (
         main(["run", str(cfg), "--run-dir", str(run), "--resume", "--reset-client-states", str(CLIENT)]) == 0
@@ -178,7 +168,7 @@ def test_nan_in_a_stored_state_is_not_blamed_on_the_learning_rate(tmp_path, caps
     state = torch.load(path, weights_only=True)
     state["h"] = torch.full_like(state["h"], float("nan"))
     torch.save(state, path)
-    err = _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
+    err = one_line_error(capsys, ["run", str(cfg), "--run-dir", str(run), "--resume"])
     assert f"on client {CLIENT}, whose stored state already held NaN/inf when it was read" in err
     assert f"not the learning rate; resume with --reset-client-states {CLIENT}" in err
 

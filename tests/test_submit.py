@@ -27,9 +27,9 @@ from hpcfl.cli.main import main  # noqa: E402
 from hpcfl.config import load_config  # noqa: E402
 from hpcfl.errors import ConfigError  # noqa: E402
 from hpcfl.launch import SubmitOptions, render_sbatch, submit_run  # noqa: E402
-from tests import slurm_cluster as cluster_module  # noqa: E402
+from tests.cluster import slurm as cluster_module  # noqa: E402
+from tests.cluster.slurm import SlurmCluster  # noqa: E402
 from tests.helpers import run_cli, synthetic_config  # noqa: E402
-from tests.slurm_cluster import SlurmCluster  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden"
 

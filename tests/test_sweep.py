@@ -26,9 +26,9 @@ from hpcfl.errors import ConfigError
 from hpcfl.sweep.grid import Axis, combine_axes, expand, parse_grid_arg, point_name, read_grid_file
 from hpcfl.sweep.plan import read_sweep
 from hpcfl.sweep.select import choose
-from tests import slurm_cluster as cluster_module
+from tests.cluster import slurm as cluster_module
+from tests.cluster.slurm import SlurmCluster
 from tests.helpers import hpcfl_cmd, run_cli, synthetic_config, write_config
-from tests.slurm_cluster import SlurmCluster
 
 slurm_cluster = cluster_module.slurm_cluster
 

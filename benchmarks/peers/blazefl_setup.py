@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--clients", nargs="+", default=[], metavar="MODEL=N", help="clients per model (same for both)"
     )
-    p.add_argument("--rounds", type=int, default=2, help="rounds per run (>= 2: the first is a warm-up)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per run (>= 2: the first is a warm-up)")
     p.add_argument("--blazefl-modes", nargs="+", choices=BLAZEFL_MODES, default=["single-threaded"])
     p.add_argument("--blazefl-python", default=str(REPO / ".peers/blazefl/bin/python"))
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results")

@@ -1,8 +1,8 @@
 """What the asynchronous algorithms (FedBuff, FedAsync) share: staleness weights, the server state
 that holds the updates still in flight, and the local step (issue 54).
 
-An asynchronous algorithm (:attr:`Algorithm.asynchronous <hpcfl.algorithms.Algorithm>`) runs on the
-virtual clock (:mod:`hpcfl.algorithms.clock`, :mod:`hpcfl.runner.asynchronous`): at most
+An asynchronous algorithm (a subclass of :class:`AsyncAlgorithm`: the runner checks the type) runs
+on the virtual clock (:mod:`hpcfl.algorithms.clock`, :mod:`hpcfl.runner.asynchronous`): at most
 ``concurrency`` clients train at once; each starts from the server model current when it is
 dispatched and its update arrives ``samples / speed + delay`` simulated seconds later. A round of
 the runner is one server step: its participants are the clients dispatched from that step's model,
@@ -123,7 +123,6 @@ class AsyncAlgorithm(Algorithm[P, AsyncServerState, ClientState]):
     trained model, gathered), the pending updates, and the resolved concurrency. A subclass sets
     :meth:`kept` (what is kept of a trained model) and :meth:`apply` (the server step)."""
 
-    asynchronous = True
     unbatched_reason = "none: the local step is a declared task"
 
     def __init__(self, params: P, **kwargs: object) -> None:

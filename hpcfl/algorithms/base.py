@@ -364,7 +364,7 @@ Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Arrival:
-    """An update an asynchronous server step applies (:attr:`Algorithm.asynchronous`): client
+    """An update an asynchronous server step applies (:class:`hpcfl.algorithms.asynchronous.AsyncAlgorithm`): client
     ``client`` trained from the model of step ``version`` and arrived at simulated second ``time``;
     ``staleness`` is the step applying it minus ``version``."""
 
@@ -478,11 +478,6 @@ class Algorithm(ABC, Generic[P, S, C]):
     #: why the levels not in :attr:`dp_levels` are refused: one clause, read in the refusal
     #: "privacy.level=L does not support algorithm 'A': <dp_refusal>"
     dp_refusal: ClassVar[str] = "it declares no differential-privacy support (Algorithm.dp_levels)"
-    #: whether the algorithm runs on the virtual clock (:mod:`hpcfl.runner.asynchronous`): a round
-    #: is one server step; its participants are the updates dispatched from that step's model, and
-    #: ``ServerContext.arrivals`` the updates the step applies. Such an algorithm is an
-    #: :class:`hpcfl.algorithms.asynchronous.AsyncAlgorithm` (its ``concurrency`` and ``buffer_size``)
-    asynchronous: ClassVar[bool] = False
 
     def __init__(self, params: P, *, layout: StateLayout, participation: Participation | None = None) -> None:
         self.params: P = params

@@ -125,7 +125,7 @@ class ClippedDynCorrection:
     linear terms, ∇L_k − shift − pull·anchor, is clipped to ``max_norm`` (``clip_grad_norm_``'s
     coefficient max_norm/(‖·‖ + 1e-6), at most 1), then pull·w and the weight decay are added
     (they are the official optimiser's ``weight_decay``, outside the clip). ``d`` arrives as
-    ∇L_k + weight_decay·w (``local_sgd``'s order)."""
+    ∇L_k + weight_decay·w (``descend``'s order)."""
 
     max_norm: float
     weight_decay: float

@@ -280,7 +280,7 @@ class FedPVR(Algorithm[FedPVRParams, FedPVRServerState, FedPVRClientState]):
 
         if momentum and not self.params.momentum_on_corrected:
             # Momentum on the plain-SGD part only: train without the schedule's momentum and apply
-            # it here, the same ops as local_sgd's buffer, then keep the corrected entries' own step.
+            # it here, the same ops as descend's buffer, then keep the corrected entries' own step.
             keep = self.mask(server.x.device)
             buf: list[torch.Tensor] = []
 

@@ -181,9 +181,11 @@ class RoundPlan:
     stage_index: int = 0
     eval_every: int = 1
     reduction: str = "float64"  # float64 (placement-independent) | float32
-    lr_hint: str = ""  # how to name the learning rate in a divergence message
-    #: the other settings a divergence may come from ("params.server_lr (1.0)"), named beside it
-    divergence_hint: str = ""
+    #: the step size a local update's divergence is blamed on first, as (name, value): ("lr", 0.05);
+    #: None: the message names no value
+    learning_rate: tuple[str, float] | None = None
+    #: the other settings a divergence may come from, as (name, value): (("params.server_lr", 1.0),)
+    divergence_settings: tuple[tuple[str, float], ...] = ()
     observers: tuple[Observer, ...] = ()  # metrics chosen by the config (CKA, drift diversity, ...)
     client_metrics: tuple[str, ...] = ("loss",)  # what the participants' local updates report
     #: participants per vectorised training step, ``auto`` already resolved (resolve_client_batch)

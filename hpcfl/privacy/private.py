@@ -358,7 +358,7 @@ class Private(Algorithm[Any, ServerState, ClientState]):
         uploads a model other than the one it received while it took fewer DP-SGD steps than its
         schedule (none at all, or some): it trained some other way (``torch.optim`` on the
         trainer's model, a fresh :class:`Trainer`, ``Trainer.steps`` called past the DP trainer's
-        own, ``local_sgd``, :class:`LocalSteps`), and its upload is not private. What this cannot
+        own, ``descend``, :class:`LocalSteps`), and its upload is not private. What this cannot
         see: non-private training beside a full schedule of DP-SGD steps."""
         assert ctx.trainer is not None
         due = ctx.trainer.schedule.num_steps(data.n)  # the participant's own (system.work) schedule

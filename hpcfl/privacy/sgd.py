@@ -33,15 +33,11 @@ from hpcfl.privacy import ghost
 from hpcfl.training.batched import _Loss
 from hpcfl.training.flat import FlatModel
 from hpcfl.training.sgd import (
-    Correction,
-    LocalResult,
     LocalSchedule,
     LocalSteps,
     LossFn,
     Tallies,
     cross_entropy_loss,
-    descend,
-    read_result,
 )
 
 OPACUS_EPS = 1e-6  # the constant Opacus adds to per-sample norms in its clip factor
@@ -251,27 +247,6 @@ class DPSteps(LocalSteps):
     def tallies(self, state_finite: torch.Tensor) -> Tallies:
         """The tallies, the loss averaged over the samples the batches held (not over the steps)."""
         return super().tallies(state_finite)._replace(mean_over=self.seen)
-
-
-def dp_local_sgd(
-    flat: FlatModel,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    schedule: LocalSchedule,
-    generator: torch.Generator,
-    *,
-    clip: float,
-    noise_multiplier: float,
-    loss_fn: LossFn = cross_entropy_loss,
-    correction: Correction | None = None,
-) -> LocalResult:
-    """DP-SGD on ``flat.model`` in place (module docstring); ``finite=False`` on a NaN/inf loss.
-
-    As :func:`~hpcfl.training.sgd.local_sgd`, nothing is read back from the device until the end
-    (one read): a client whose loss turns non-finite runs its remaining steps on a meaningless model
-    and is reported with the steps it took before."""
-    steps = DPSteps(flat, x, y, schedule, generator, loss_fn, clip=clip, noise_multiplier=noise_multiplier)
-    return read_result(*descend(flat, steps, correction))
 
 
 @dataclass

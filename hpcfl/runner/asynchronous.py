@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpcfl.algorithms.asynchronous import AsyncAlgorithm
 from hpcfl.algorithms.base import Arrival
 from hpcfl.algorithms.clock import UNIT_CLOCK, VirtualClock, update_samples
 from hpcfl.algorithms.stage_types import Observer, RoundEnd, RoundPlan
@@ -105,7 +106,11 @@ class AsyncSchedule:
     records every step's simulated second and applied updates for :class:`ClockRecord`."""
 
     def __init__(self, plan: RoundPlan, round_offset: int = 0) -> None:
-        self.plan, self.round_offset = plan, round_offset
+        if not isinstance(plan.algorithm, AsyncAlgorithm):
+            raise TypeError(
+                f"{plan.algorithm.name} is not an AsyncAlgorithm: it has no virtual-clock schedule"
+            )
+        self.plan, self.algorithm, self.round_offset = plan, plan.algorithm, round_offset
         self.clock = plan_clock(plan)
         self.timeline = Timeline()
         self._heap: list[tuple[float, int, int, int, bool]] = []  # (arrival, seq, client, version, dropped)
@@ -144,7 +149,7 @@ class AsyncSchedule:
         """Refill every free slot at once (no ``starts`` process: the paper's simulation)."""
         if self._poisson is not None:
             return
-        while len(self._in_flight) < self.plan.algorithm.concurrency and self._dispatch(self._now, version):
+        while len(self._in_flight) < self.algorithm.concurrency and self._dispatch(self._now, version):
             pass
 
     def _next_start(self, after: float) -> float:
@@ -158,7 +163,7 @@ class AsyncSchedule:
         """Under Poisson starts: dispatch the start due before the next ``arrival`` if a slot is free
         (a start that found every slot busy happens when one frees, at ``self._now``); False when no
         start is due, no slot is free, or no client is left to dispatch from ``version``."""
-        if self._start_at > arrival or len(self._in_flight) >= self.plan.algorithm.concurrency:
+        if self._start_at > arrival or len(self._in_flight) >= self.algorithm.concurrency:
             return False
         when = max(self._start_at, self._now)
         if not self._dispatch(when, version):
@@ -169,7 +174,7 @@ class AsyncSchedule:
 
     def _advance(self) -> None:
         """Simulate step ``self._next``: pop arrivals until the buffer is full, refilling each slot."""
-        t, K = self._next, self.plan.algorithm.buffer_size
+        t, K = self._next, self.algorithm.buffer_size
         buffer: list[Arrival] = []
         while len(buffer) < K:
             if self._start(t, self._heap[0][0] if self._heap else math.inf):

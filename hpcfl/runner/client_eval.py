@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,7 +57,7 @@ import torch
 
 from hpcfl.algorithms import ClientData, ClientState, ServerState
 from hpcfl.algorithms.base import ClientContext, NonFiniteLoss
-from hpcfl.algorithms.stage_types import EVAL_SLOT
+from hpcfl.algorithms.stage_types import EVAL_SLOT, FederationView
 from hpcfl.comm.local import LocalComm
 from hpcfl.comm.placement import place_round
 from hpcfl.runner.observers import Observer, RoundEnd
@@ -65,7 +66,7 @@ from hpcfl.training.seeds import seeded_generator, seeded_rng
 from hpcfl.training.sgd import LocalSchedule
 
 if TYPE_CHECKING:
-    from hpcfl.runner.federation import Federation
+    from hpcfl.config import Config, FinetuneEval
 
 #: The row key holding per-client values ({client id: {accuracy, loss, n, ...}}); the run's
 #: bookkeeping writes it to ``client_metrics.jsonl`` and keeps it out of ``metrics.jsonl``.
@@ -98,6 +99,38 @@ def sampled_clients(num_clients: int, m: int | None, seed: int, rnd: int) -> lis
         return list(range(num_clients))
     rng = seeded_rng(seed, _SAMPLE_SALT, rnd)
     return sorted(int(k) for k in rng.choice(num_clients, size=m, replace=False))
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What the evaluation observers (:class:`ClientEval`, :class:`hpcfl.runner.heldout.HeldOutEval`)
+    read of a run besides its federation view: a few settings and this rank's place, never the
+    config or the communicator (each rank evaluates its clients whole, so only placement is needed)."""
+
+    seed: int
+    batch_size: int  # the fine-tuning's mini-batches
+    weight_decay: float  # the fine-tuning's
+    finetune: FinetuneEval
+    sample: int | None  # ``client_eval_clients``: a round evaluates this many clients (None: all)
+    shares: bool  # ``client_eval`` > 0: each client has an evaluation share of its own
+    private: bool  # a run under DP (personal models are built outside the accountant)
+    rank: int
+    ranks: int
+
+    @classmethod
+    def of(cls, cfg: Config, rank: int, ranks: int) -> EvalSettings:
+        """The settings of ``cfg`` for rank ``rank`` of ``ranks``."""
+        return cls(
+            seed=cfg.seed,
+            batch_size=cfg.batch_size,
+            weight_decay=cfg.weight_decay,
+            finetune=cfg.finetune_eval,
+            sample=cfg.client_eval_clients,
+            shares=cfg.client_eval > 0,
+            private=cfg.privacy.enabled,
+            rank=rank,
+            ranks=ranks,
+        )
 
 
 #: (accuracy, loss) of a server vector on client k's held-out share, computed on this rank alone.
@@ -153,11 +186,13 @@ class ClientEval(Observer):
         self._tuned = False
 
     @classmethod
-    def for_federation(cls, fed: Federation) -> ClientEval:
+    def for_federation(
+        cls, fed: FederationView, settings: EvalSettings, validation_parts: list[torch.Tensor] | None
+    ) -> ClientEval:
         """The observer of a federation with ``client_eval``: the configured network (held-out
-        shares sliced once, lazily), placed on ranks balanced by held-out size. With ``validation``
-        as well, every model is also scored on each client's own validation share (its
-        ``*_val_acc_*`` columns: what a method's settings are chosen by, never the held-out share)."""
+        shares sliced once, lazily), placed on ranks balanced by held-out size. With
+        ``validation_parts`` (each client's own validation share), every model is also scored on it
+        (its ``*_val_acc_*`` columns: what a method's settings are chosen by, never the held-out share)."""
         assert fed.client_eval is not None
         train, model, load = fed.dataset.train, fed.flat.model, fed.flat.load
         alone = LocalComm()  # each rank evaluates its clients whole: no collective per client
@@ -174,17 +209,17 @@ class ClientEval(Observer):
 
             return score
 
-        ft = fed.cfg.finetune_eval
+        ft = settings.finetune
         tune = None
         if ft.steps > 0:
             schedule = LocalSchedule(
-                lr=ft.lr, batch_size=fed.cfg.batch_size, steps=ft.steps, weight_decay=fed.cfg.weight_decay
+                lr=ft.lr, batch_size=settings.batch_size, steps=ft.steps, weight_decay=settings.weight_decay
             )
 
             def tune(x: torch.Tensor, k: int, rnd: int) -> torch.Tensor | None:
                 try:
                     tuned, _ = fed.trainer.train(
-                        x, fed.client_data(k), finetune_generator(fed.cfg.seed, rnd, k), schedule=schedule
+                        x, fed.client_data(k), finetune_generator(settings.seed, rnd, k), schedule=schedule
                     )
                 except NonFiniteLoss:
                     return None
@@ -195,7 +230,7 @@ class ClientEval(Observer):
         if algo.personalised:
 
             def personal(server: ServerState, state: ClientState, k: int, rnd: int) -> torch.Tensor | None:
-                gen = finetune_generator(fed.cfg.seed, rnd, k, salt=_PERSONAL_SALT)
+                gen = finetune_generator(settings.seed, rnd, k, salt=_PERSONAL_SALT)
                 ctx = ClientContext(rnd, (), fed.population, fed.trainer, gen)
                 try:
                     x = algo.personal_model(server, state, fed.client_data(k), ctx)
@@ -210,11 +245,11 @@ class ClientEval(Observer):
 
         def place(ids: list[int]) -> list[int]:
             if personal is None:  # balanced by held-out size
-                return place_round(ids, [sizes[k] for k in ids], fed.comm.size)[fed.comm.rank]
+                return place_round(ids, [sizes[k] for k in ids], settings.ranks)[settings.rank]
             # where the states are: the training placement of the whole population (memory states
             # live on the rank that trains the client under full participation)
             everyone = list(range(len(train_sizes)))
-            mine = set(place_round(everyone, list(train_sizes), fed.comm.size)[fed.comm.rank])
+            mine = set(place_round(everyone, list(train_sizes), settings.ranks)[settings.rank])
             return [k for k in ids if k in mine]
 
         return cls(
@@ -223,11 +258,11 @@ class ClientEval(Observer):
             place=place,
             tune=tune,
             last_only=ft.rounds == "last",
-            sample=fed.cfg.client_eval_clients,
-            seed=fed.cfg.seed,
+            sample=settings.sample,
+            seed=settings.seed,
             personal=personal,
-            val_score=None if fed.validation_parts is None else scorer(fed.validation_parts),
-            private=fed.cfg.privacy.enabled,
+            val_score=None if validation_parts is None else scorer(validation_parts),
+            private=settings.private,
         )
 
     def _layout(self) -> dict[str, int]:

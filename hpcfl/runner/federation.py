@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hpcfl.algorithms import ALGORITHMS, Algorithm, ClientData, ServerState, Trainer
+from hpcfl.algorithms.asynchronous import AsyncAlgorithm
 from hpcfl.algorithms.clock import VirtualClock
 from hpcfl.algorithms.participation import Participation, Population
 from hpcfl.algorithms.stage_types import Evaluator, Observer, RoundPlan
@@ -28,6 +29,7 @@ from hpcfl.metrics.drift import DriftDiversity
 from hpcfl.metrics.similarity import LayerSimilarity
 from hpcfl.models import build_model
 from hpcfl.registry import MODEL_SPECS
+from hpcfl.runner.client_eval import ClientEval, EvalSettings
 from hpcfl.runner.executor import resolve_client_batch
 from hpcfl.runner.heldout import HeldOut, HeldOutEval, hold_out
 from hpcfl.runner.observers import Drift, LayerCKA
@@ -91,7 +93,9 @@ class Federation:
     def _keeps_data(self) -> bool:
         """Whether every owned client trains every round (full, synchronous participation)."""
         algo, count = self.algorithm, self.algorithm.participation.count
-        return not algo.asynchronous and (count is None or count >= len(self.parts))  # Participation.full
+        return not isinstance(algo, AsyncAlgorithm) and (
+            count is None or count >= len(self.parts)
+        )  # Participation.full
 
     @property
     def clients(self) -> dict[int, ClientData]:
@@ -155,8 +159,6 @@ class Federation:
         over the given functions, with the config's sample, fine-tuning steps and seed."""
         if self.client_eval is None:
             return None
-        from hpcfl.runner.client_eval import ClientEval
-
         ft = self.cfg.finetune_eval
         return ClientEval(
             score=score,
@@ -257,14 +259,14 @@ def model_evaluator(
     return evaluate_server
 
 
-def divergence_hint(fed: Federation) -> str:
+def divergence_settings(fed: Federation) -> tuple[tuple[str, float], ...]:
     """The settings besides ``lr`` a NaN model may come from, with their values: the algorithm's
     ``divergence_params`` and, under differential privacy, the clip (its noise scales with it)."""
     algo = fed.algorithm
-    keys = [(f"params.{n}", getattr(algo.params, n)) for n in algo.divergence_params]
+    keys = [(f"params.{n}", float(getattr(algo.params, n))) for n in algo.divergence_params]
     if fed.cfg.privacy.enabled:
-        keys.append(("privacy.clip", fed.cfg.privacy.clip))
-    return ", ".join(f"{key} ({value:g})" for key, value in keys)
+        keys.append(("privacy.clip", float(fed.cfg.privacy.clip)))
+    return tuple(keys)
 
 
 def model_plan(fed: Federation) -> RoundPlan:
@@ -287,8 +289,8 @@ def model_plan(fed: Federation) -> RoundPlan:
         seed=fed.cfg.seed,
         reduction=fed.cfg.reduction,
         eval_every=fed.cfg.eval_every,
-        lr_hint=f" (lr is {fed.cfg.lr})",
-        divergence_hint=divergence_hint(fed),
+        learning_rate=("lr", fed.cfg.lr),
+        divergence_settings=divergence_settings(fed),
         observers=chosen_observers(fed),
         client_batch=fed.client_batch,
         system=fed.system,
@@ -318,12 +320,11 @@ def chosen_observers(fed: Federation) -> tuple[Observer, ...]:
     if fed.cfg.drift_diversity:
         uploads_the_model(fed.algorithm, fed.flat.size, "drift_diversity", fed.cfg.algorithm)
         chosen.append(Drift(DriftDiversity(fed.algorithm.layout), fed.algorithm.num_params))
+    settings = EvalSettings.of(fed.cfg, fed.comm.rank, fed.comm.size)
     if fed.client_eval is not None:
-        from hpcfl.runner.client_eval import ClientEval
-
-        chosen.append(ClientEval.for_federation(fed))
+        chosen.append(ClientEval.for_federation(fed, settings, fed.validation_parts))
     if fed.heldout is not None:
-        chosen.append(HeldOutEval(fed))
+        chosen.append(HeldOutEval(fed, fed.heldout, settings))
     return tuple(chosen)
 
 

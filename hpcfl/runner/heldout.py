@@ -47,16 +47,16 @@ import torch
 
 from hpcfl.algorithms import ClientData
 from hpcfl.algorithms.base import ClientContext, NonFiniteLoss
-from hpcfl.algorithms.stage_types import EVAL_SLOT, Observer, RoundEnd
+from hpcfl.algorithms.stage_types import EVAL_SLOT, FederationView, Observer, RoundEnd
 from hpcfl.comm.local import LocalComm
 from hpcfl.comm.placement import place_round
+from hpcfl.runner.client_eval import EvalSettings
 from hpcfl.runner.shares import split_clients
 from hpcfl.training.evaluate import shard_counts
 from hpcfl.training.seeds import seeded_generator, seeded_rng
 
 if TYPE_CHECKING:
     from hpcfl.config import Config
-    from hpcfl.runner.federation import Federation
 
 _CHOICE_SALT = 0x686C64  # "hld": which clients are held out
 _SHARE_SALT = 0x686365  # "hce": the held-out clients' evaluation shares
@@ -96,11 +96,10 @@ class HeldOutEval(Observer):
     group = "heldout"
     columns = ("heldout_accuracy", "heldout_loss", "heldout_personal_accuracy", "heldout_personal_loss")
 
-    def __init__(self, fed: Federation) -> None:
-        assert fed.heldout is not None
-        self.fed, self.held = fed, fed.heldout
-        self.personal = fed.algorithm.personalised and fed.cfg.client_eval > 0
-        self.last_only = fed.cfg.finetune_eval.rounds == "last"
+    def __init__(self, fed: FederationView, held: HeldOut, settings: EvalSettings) -> None:
+        self.fed, self.held, self.settings = fed, held, settings
+        self.personal = fed.algorithm.personalised and settings.shares
+        self.last_only = settings.finetune.rounds == "last"
         self._adapted = False
 
     def _data(self, idx: torch.Tensor, k: int) -> ClientData:
@@ -115,7 +114,7 @@ class HeldOutEval(Observer):
 
         def ctx(salt: int) -> ClientContext:
             return ClientContext(
-                rnd, (), fed.population, fed.trainer, seeded_generator(fed.cfg.seed, salt, rnd, k)
+                rnd, (), fed.population, fed.trainer, seeded_generator(self.settings.seed, salt, rnd, k)
             )
 
         try:
@@ -135,7 +134,7 @@ class HeldOutEval(Observer):
         table = torch.zeros(len(sizes), 6, dtype=torch.float64)  # host: per-client counts
         alone = LocalComm()  # each rank evaluates its clients whole
         x = end.server.evaluated()[""]
-        for j in place_round(list(range(len(sizes))), sizes, fed.comm.size)[fed.comm.rank]:
+        for j in place_round(list(range(len(sizes))), sizes, self.settings.ranks)[self.settings.rank]:
             data = self._data(held.evaluation[j], fed.population.size + j)
             models = {0: x}
             if self._adapted:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from hpcfl.algorithms import ClientState, ServerState
+from hpcfl.algorithms.asynchronous import AsyncAlgorithm
 from hpcfl.algorithms.base import (
     Aggregate,
     ClientContext,
@@ -252,7 +253,7 @@ def run_rounds(
     bdtype = buffer_dtype(plan, dtype)
     ordered = ordered_sums(plan, ex)
     # an asynchronous algorithm's steps come from the virtual clock (hpcfl.runner.asynchronous)
-    steps = AsyncSchedule(plan, round_offset) if algo.asynchronous else None
+    steps = AsyncSchedule(plan, round_offset) if isinstance(algo, AsyncAlgorithm) else None
     draws = RoundDraws(plan, start, stop, round_offset, steps)  # refuses a round all drop out of
     timeline = steps.timeline if steps is not None else draws.timeline
     observers = round_observers(plan, clock_record(plan, start, timeline))
@@ -544,10 +545,16 @@ def _check_finite(flags: torch.Tensor, who: tuple[int, ...], rnd: int, lr_hint: 
         )
 
 
+def _named(settings: tuple[tuple[str, float], ...]) -> str:
+    """``params.server_lr (1e+30), privacy.clip (1)``: settings with their values, for a message."""
+    return ", ".join(f"{name} ({value:g})" for name, value in settings)
+
+
 def _lr_hint(plan: RoundPlan) -> str:
-    """How a local update's divergence names its causes: the learning rate, and the other settings
-    the plan names (:attr:`RoundPlan.divergence_hint`)."""
-    return plan.lr_hint + (f", or {plan.divergence_hint}" if plan.divergence_hint else "")
+    """How a local update's divergence names its causes after "lower the learning rate": the plan's
+    :attr:`~RoundPlan.learning_rate` and :attr:`~RoundPlan.divergence_settings`."""
+    lr = f" ({plan.learning_rate[0]} is {plan.learning_rate[1]:g})" if plan.learning_rate else ""
+    return lr + (f", or {_named(plan.divergence_settings)}" if plan.divergence_settings else "")
 
 
 def _check_server_finite(server: ServerState, plan: RoundPlan, rnd: int) -> None:
@@ -558,8 +565,8 @@ def _check_server_finite(server: ServerState, plan: RoundPlan, rnd: int) -> None
             f"the server step of round {rnd} ({plan.algorithm.name}) made the model NaN/inf "
             f"from finite uploads; "
             + (
-                f"lower {plan.divergence_hint}"
-                if plan.divergence_hint
+                f"lower {_named(plan.divergence_settings)}"
+                if plan.divergence_settings
                 else "check the algorithm's server step"
             )
         )

@@ -266,7 +266,7 @@ def _stage2_setup(
         reduction=fed.reduction,
         evaluate=_evaluator(problems, test, shape, comm, fed.device),
         eval_every=1,
-        lr_hint=f" (stage-2 η is {lr:g})",
+        learning_rate=("stage-2 η", lr),
         observers=_client_evaluation(fed, problems, held, solvers, shape, lr),
         # dropped participants (their stage-2 uploads missing) as in stage 1; a stage-2 client's work is
         # the configured M closed-form steps, so ``system.work`` does not change it

@@ -3,7 +3,7 @@
 from hpcfl.training.batched import ClientJob, LinearCorrection, batched_local_sgd
 from hpcfl.training.evaluate import evaluate
 from hpcfl.training.flat import FlatModel
-from hpcfl.training.sgd import LocalResult, LocalSchedule, LocalSteps, cross_entropy_loss, local_sgd
+from hpcfl.training.sgd import LocalResult, LocalSchedule, LocalSteps, cross_entropy_loss
 
 __all__ = [
     "ClientJob",
@@ -15,5 +15,4 @@ __all__ = [
     "batched_local_sgd",
     "cross_entropy_loss",
     "evaluate",
-    "local_sgd",
 ]

@@ -1,16 +1,16 @@
-"""Local SGD of many clients as one vectorised step: the batched counterpart of ``local_sgd``.
+"""Local SGD of many clients as one vectorised step: the batched counterpart of ``descend``.
 
 The K clients' state vectors are stacked into one ``(K, S)`` matrix; each local step runs the model
 once under ``torch.func.vmap`` over ``functional_call`` with per-client parameters, per-client
 BatchNorm statistics and per-client mini-batches, and one backward pass of the summed per-client
 losses gives every client's own gradient (clients share no parameter, so ∂(Σ_j L_j)/∂w_i = ∂L_i/∂w_i).
-The optimiser is ``local_sgd``'s (weight decay, correction, momentum initialised to the first
+The optimiser is ``descend``'s (weight decay, correction, momentum initialised to the first
 direction, no dampening) applied to the rows.
 
 What keeps it equal to training the clients one by one (to float32 rounding of batched kernels):
 
 - each client's mini-batches are drawn from its own generator by :func:`batch_indices`, exactly as
-  ``local_sgd`` draws them, so the result does not depend on how clients are grouped;
+  ``descend``'s steps draw them, so the result does not depend on how clients are grouped;
 - a step runs only the clients that still have a step to take (clients with fewer steps stop; their
   rows and momentum stay as they were), and clients whose mini-batch of that step has another size
   (the last batch of an epoch) run in a separate vectorised call, so no batch is padded (padding would
@@ -132,11 +132,11 @@ def batched_local_sgd(
     *,
     batches: Sequence[list[torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, list[LocalResult]]:
-    """Train every job's client from its ``x0`` as ``local_sgd`` would, in vectorised steps.
+    """Train every job's client from its ``x0`` as ``descend`` would, in vectorised steps.
 
     ``batches``: each job's mini-batches (host index tensors) when they are already drawn (the
     trainer draws them through its :class:`~hpcfl.training.sgd.LocalSteps`); else drawn here from
-    each job's generator by :func:`~hpcfl.training.sgd.batch_indices`, as ``local_sgd`` draws them.
+    each job's generator by :func:`~hpcfl.training.sgd.batch_indices`, as ``LocalSteps`` draws them.
 
     Returns the ``(K, S)`` matrix of final state vectors and each client's :class:`LocalResult`
     (``finite=False`` for a client whose loss became NaN/inf; its row is then meaningless). Nothing is

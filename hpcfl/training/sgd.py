@@ -286,21 +286,6 @@ def descend(flat: FlatModel, steps: LocalSteps, correction: Correction | None = 
     return steps.tallies(torch.isfinite(w).all())
 
 
-def local_sgd(
-    flat: FlatModel,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    schedule: LocalSchedule,
-    generator: torch.Generator,
-    *,
-    loss_fn: LossFn = cross_entropy_loss,
-    correction: Correction | None = None,
-) -> LocalResult:
-    """Train ``flat.model`` in place on (x, y): :func:`descend` along the client's
-    :class:`LocalSteps`; ``finite=False`` on a NaN/inf loss or state (the tallies read once)."""
-    return read_result(*descend(flat, LocalSteps(flat, x, y, schedule, generator, loss_fn), correction))
-
-
 def read_result(
     loss_sum: torch.Tensor,
     finite_steps: torch.Tensor,

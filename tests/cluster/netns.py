@@ -19,7 +19,7 @@ namespace with its links once nothing else runs in it. :meth:`EmulatedNetwork.st
 at once. Links are shaped with ``tc`` (``tbf``: a bandwidth per direction) and made lossy with the
 iptables ``statistic`` match; this kernel has no ``netem``, so a profile's latency is not injected:
 what is measured carries the veth's own latency and the projection adds the profile's (see
-:mod:`hpcfl.testing.links`).
+:mod:`tests.cluster.links`).
 
 Needs root (``unshare``, ``nsenter``, ``ip``, ``tc``; ``iptables`` for loss). Standard library only.
 """
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcfl.testing.links import LinkProfile
+from tests.cluster.links import LinkProfile
 
 #: The emulated hosts' subnet, 10.231.0.0/24: it exists only inside each network's own namespaces,
 #: so two networks on one machine never meet.
