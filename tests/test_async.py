@@ -27,8 +27,8 @@ from hpcfl.runner.asynchronous import AsyncSchedule, Step, _update, async_schedu
 from hpcfl.runner.federation import build_federation, model_plan
 from hpcfl.training.layout import StateLayout
 from hpcfl.training.seeds import seeded_rng
-from tests.helpers import synthetic_config
-from tests.test_contract import BASE, _rows, _StopAfterRows, two_rank_runs
+from tests.helpers import stop_after_rows, synthetic_config
+from tests.test_contract import BASE, _rows, two_rank_runs
 
 LOGNORMAL = {
     "speed": {"kind": "lognormal", "mu": 3.0, "sigma": 1.0},
@@ -89,7 +89,7 @@ def test_synchronous_rounds_last_as_long_as_their_slowest_arrival(tmp_path: Path
 def test_a_resumed_synchronous_run_keeps_its_simulated_time(tmp_path: Path) -> None:
     cfg = config_from_dict(_cfg(algorithm="fedprox", system={"clock": LOGNORMAL}))
     whole = run_experiment(cfg, tmp_path / "whole").metrics
-    stopped = run_experiment(cfg, tmp_path / "s", stop=_StopAfterRows(tmp_path / "s", 2))
+    stopped = run_experiment(cfg, tmp_path / "s", stop=stop_after_rows(tmp_path / "s", 2))
     assert stopped.rounds_done == 2
     run_experiment(cfg, tmp_path / "s", resume=True)
     keys = ("sim_time", "client_updates", "test_accuracy")
@@ -317,7 +317,7 @@ def test_a_stopped_and_resumed_asynchronous_run_is_bit_identical(tmp_path: Path,
     cfg = config_from_dict({**_clocked(name), "checkpoint_every": 1})
     whole = run_experiment(cfg, tmp_path / "whole")
     assert any(r["staleness"] and max(r["staleness"]) > 0 for r in whole.metrics)  # stale updates
-    stopped = run_experiment(cfg, tmp_path / "s", stop=_StopAfterRows(tmp_path / "s", 3))
+    stopped = run_experiment(cfg, tmp_path / "s", stop=stop_after_rows(tmp_path / "s", 3))
     assert stopped.rounds_done == 3 and stopped.server.pending.shape[0] > 0  # updates in flight
     resumed = run_experiment(cfg, tmp_path / "s", resume=True)
     assert torch.equal(resumed.server.x, whole.server.x)
@@ -334,7 +334,7 @@ def test_a_run_on_flsims_clock_resumes_bit_identically(tmp_path: Path) -> None:
     system = {**HETERO_CLOCK, "clock": {**clock, "per_update": True}}
     cfg = config_from_dict({**_clocked("fedbuff"), "system": system, "checkpoint_every": 1, "eval_every": 2})
     whole = run_experiment(cfg, tmp_path / "whole")
-    stopped = run_experiment(cfg, tmp_path / "s", stop=_StopAfterRows(tmp_path / "s", 1))
+    stopped = run_experiment(cfg, tmp_path / "s", stop=stop_after_rows(tmp_path / "s", 1))
     assert 0 < stopped.rounds_done < 6
     resumed = run_experiment(cfg, tmp_path / "s", resume=True)
     assert torch.equal(resumed.server.x, whole.server.x)
