@@ -43,24 +43,26 @@ from hpcfl.bench.machine import with_machine, with_machine_columns  # noqa: E402
 PLANS = (layers.LinearPlan, layers.ConvPlan, layers.NormPlan, layers.EmbeddingPlan, layers.LayerNormPlan)
 
 
+def _shape(module: torch.nn.Module) -> str:
+    weight = getattr(module, "weight", None)
+    return "" if weight is None else "x".join(map(str, weight.shape))
+
+
 class Probe:
     """Wraps the fused batch's parts; ``parts`` collects one round's seconds by name."""
 
-    def __init__(self, names: dict[int, str]) -> None:
-        self.names = names  # id(module) -> its name in the model
-        self.by_shape: dict[tuple[type, str], str] = {}
+    def __init__(self, model: torch.nn.Module) -> None:
+        #: (kind, weight shape) -> the layer's name in ``model`` (the runner builds its own copy of the
+        #: model, so its modules are named by matching their kind and shape)
+        self.by_shape = {(type(m), _shape(m)): n for n, m in reversed(list(model.named_modules()))}
         self.parts: dict[str, float] = defaultdict(float)
         self._forward, self._grad, self._run_tasks = fused._forward, torch.autograd.grad, fused.run_tasks
         self._tasks = {cls: cls.tasks for cls in PLANS}
 
     def label(self, module: torch.nn.Module) -> str:
-        """The module's name in the model, else its kind and weight shape (the runner builds its own
-        copy of the model, so names are matched by shape)."""
-        if id(module) in self.names:
-            return self.names[id(module)]
-        weight = getattr(module, "weight", None)
-        shape = "" if weight is None else "x".join(map(str, weight.shape))
-        return self.by_shape.get((type(module), shape), f"{type(module).__name__} {shape}")
+        """The module's name in the model, else its kind and weight shape."""
+        key = (type(module), _shape(module))
+        return self.by_shape.get(key, f"{type(module).__name__} {key[1]}")
 
     def install(self) -> None:
         probe = self
@@ -144,14 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     run, _, _, _ = make_runner(spec)
     model, x = model_and_batch({**spec, "method": "plain"})
-    names = {id(m): n for n, m in model.named_modules()}  # the plain side's model: the same names
     load_before = open("/proc/loadavg").read().split()[:3]
     rounds: list[dict[str, float]] = []
-    probe = Probe(names)
-    for n, m in model.named_modules():
-        weight = getattr(m, "weight", None)
-        if weight is not None:
-            probe.by_shape.setdefault((type(m), "x".join(map(str, weight.shape))), n)
+    probe = Probe(model)
     run()  # warm-up (plan, workspace)
     plain_parts(model, x)
     for r in range(args.rounds):

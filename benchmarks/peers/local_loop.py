@@ -22,6 +22,7 @@ warm-up) and their ratio (hpcfl / plain: < 1 is hpcfl faster), with the machine 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
 import sys
@@ -154,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         threads=torch.get_num_threads(),
     )
     with open(args.out / "peers_local_loop_cpu.csv", "w", newline="") as fh:
-        import csv
-
         w = csv.DictWriter(fh, fieldnames=list(flat_rows[0]))
         w.writeheader()
         w.writerows(flat_rows)
