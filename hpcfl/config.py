@@ -94,6 +94,9 @@ class Config:
     client_batch: str = (
         "auto"  # participants as one vectorised step: auto (1 on a CPU, sized on a GPU) | 1 | N
     )
+    # CPU: participants a rank trains at once in Python threads, each with threads // client_threads
+    # torch threads (a small model's step does not fill the cores; hpcfl.runner.executor)
+    client_threads: int = 1
     client_eval: float = 0.0  # share of each client's data held out (seeded) for per-client accuracy
     client_eval_clients: int | None = None  # evaluate a seeded sample of M clients per row (None: all)
     finetune_eval: FinetuneEval = field(default_factory=lambda: FinetuneEval())  # personalised accuracy
@@ -232,6 +235,7 @@ RESUMABLE_KEYS = frozenset(
         "progress",
         "client_state_memory",
         "client_batch",  # results equal to float32 rounding (not bit for bit) across values
+        "client_threads",  # the torch threads of a client's kernels: noted by the run's record
         "conformal",
         "conformal_calibration",
         "loggers",  # views of metrics.jsonl
@@ -455,7 +459,7 @@ def validate(cfg: Config) -> None:
     """Check every name and range that can be checked without touching data."""
     _validate_run_name(cfg.name)
     _check_positive(cfg, ("num_clients", "batch_size", "eval_every", "checkpoint_every", "local_epochs"))
-    _check_positive(cfg, ("local_steps", "threads", "lr"))
+    _check_positive(cfg, ("local_steps", "threads", "client_threads", "lr"))
     if cfg.rounds < 0:
         raise ConfigError(f"config key 'rounds' must be >= 0, got {cfg.rounds}")
     check_seed(cfg.seed, "seed")
@@ -498,6 +502,16 @@ def validate(cfg: Config) -> None:
         if value not in choices:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
     parse_memory_budget(cfg.client_state_memory)
+    if cfg.client_threads > 1 and cfg.device != "cpu":
+        raise ConfigError(
+            f"config key 'client_threads' ({cfg.client_threads}) is for the CPU; on {cfg.device} "
+            "train a round's clients together with client_batch"
+        )
+    if cfg.client_threads > 1 and parse_client_batch(cfg.client_batch) not in ("auto", 1):
+        raise ConfigError(
+            f"config keys client_batch ({cfg.client_batch}) and client_threads ({cfg.client_threads}) "
+            "are two ways to train a round's clients at once; set one"
+        )
     parse_client_batch(cfg.client_batch)
     validate_privacy(cfg.privacy, cfg)
     if cfg.system.dropout.trace is not None:  # absolute where it enters, as the data root

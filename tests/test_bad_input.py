@@ -43,6 +43,9 @@ def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
         ("client_batch=0", ("client_batch", "auto or a positive integer")),
         ("client_batch=all", ("client_batch", "auto or a positive integer")),
         ("client_batch=2.5", ("client_batch", "auto or a positive integer")),
+        ("client_threads=0", ("config key 'client_threads' must be > 0, got 0",)),
+        ("client_threads=2 client_batch=3", ("client_batch (3) and client_threads (2)", "set one")),
+        ("client_threads=2 device=cuda", ("'client_threads' (2) is for the CPU", "client_batch")),
         ("params=[1]", ("config key 'params' must be a mapping of scaffold hyper-parameters, got [1]",)),
         ("params=5", ("config key 'params' must be a mapping of scaffold hyper-parameters, got 5",)),
         ("seed=1e30", ("config key 'seed' must be an integer in [0, 2**63 - 1], got 1e+30",)),
@@ -59,7 +62,7 @@ def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
     ],
 )
 def test_bad_config_values(tmp_path, capsys, override, fragments):
-    overrides = [override]
+    overrides = override.split(" ")  # several keys where the fault is their combination
     if override == "partition=classes:1":
         overrides.append("num_clients=3")  # 3 clients x 1 class cannot cover 10 classes
     cfg = synthetic_config(tmp_path)

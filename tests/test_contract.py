@@ -585,6 +585,36 @@ def test_client_batch_equals_one_by_one(runs: Runs, tmp_path: Path, name: str) -
     assert_batched_matches(batched, reference, exact=ALGORITHMS[name].local_task is Algorithm.local_task)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_client_threads_equal_one_by_one_bit_for_bit(runs: Runs, tmp_path: Path, name: str) -> None:
+    """``client_threads: 2`` (3 participants a round on 2 threads, each client on its own copy of the
+    model) ends bit for bit where one-by-one training does: with ``threads: 1`` every client's kernels
+    run on one thread either way. A method that declares no local task is trained one by one."""
+    threaded = run_experiment(config_from_dict(contract_config(name, client_threads=2)), tmp_path / "t")
+    assert torch.equal(threaded.server.x, runs.reference(name).server.x)
+    assert _accuracies(threaded.metrics) == _accuracies(runs.reference(name).metrics)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "scaffold"])
+def test_client_threads_share_the_ranks_torch_threads(runs: Runs, tmp_path: Path, name: str) -> None:
+    """``threads: 2, client_threads: 2``: each client trains on 2 // 2 = 1 torch thread, so the run
+    ends bit for bit where ``threads: 1`` one by one does, and the rank's 2 threads are back after it."""
+    threaded = run_experiment(
+        config_from_dict(contract_config(name, threads=2, client_threads=2)), tmp_path / "t"
+    )
+    assert torch.get_num_threads() == 2
+    assert torch.equal(threaded.server.x, runs.reference(name).server.x)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "scaffold", "fednova"])
+def test_client_threads_follow_each_participants_own_schedule(runs: Runs, tmp_path: Path, name: str) -> None:
+    """Under ``system.work`` (1-3 local steps drawn per participant) a threaded client trains its own
+    schedule: bit for bit the heterogeneous one-by-one run."""
+    cfg = config_from_dict({**hetero_config(name), "client_threads": 2})
+    threaded = run_experiment(cfg, tmp_path / "t")
+    assert torch.equal(threaded.server.x, runs.reference(name, hetero=True).server.x)
+
+
 def _record(names: list[str]) -> None:
     """Store this CPU capability's final-state hash of each named algorithm's contract run, in the
     file :func:`golden_file` names (a plugin's beside its own module, never hpcfl's tests/golden).

@@ -31,6 +31,7 @@ def test_run_records_the_threads_of_every_rank(tmp_path):
         "reduction": "float64",
         "client_batch": "auto",  # the default: one by one on the CPU, recorded as the size used
         "client_batch_used": 1,
+        "client_threads": 1,
         "device": "cpu",
         "comm_timeout": "auto",
         "comm_timeout_from": "config",
@@ -63,6 +64,13 @@ def test_resume_names_each_setting_that_differs(tmp_path, capsys):
     assert main(argv) == 0
     notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hpcfl: note:")]
     assert len(notes) == 1 and "the run began with 1 thread(s) per rank" in notes[0], notes
+
+
+def test_client_threads_matter_only_through_the_threads_a_client_trains_on():
+    one = {"threads_per_rank": [1], "reduction": "float64", "client_batch": "1", "device": "cpu"}
+    assert differences(one, {**one, "client_threads": 2}) == []  # 1 // 2: still 1 thread per client
+    two = {**one, "threads_per_rank": [2]}
+    assert differences(two, {**two, "client_threads": 2}) == ["client_threads 1 vs 2"]  # 2 vs 1 each
 
 
 def test_rank_count_matters_only_with_float32_sums():

@@ -17,6 +17,10 @@ process with the same torch threads:
 
 Prints and writes the median seconds of each side over ``--repeats`` (the first of each dropped as a
 warm-up) and their ratio (hpcfl / plain: < 1 is hpcfl faster), with the machine record.
+
+``--threads 1`` measures both loops on one torch thread (``peers_local_loop_cpu_1thread.*``): the
+plain loop's samples/s there, times the cores, is what no framework running clients in parallel
+one thread each can beat on this host (the parallel modes' ceiling in the peers table).
 """
 
 from __future__ import annotations
@@ -103,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--experiment", type=Path, default=REPO / "bench-out/peers/experiment")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's; 1 -> *_1thread.*)"
+    )
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.repeats < 2:
         p.error("--repeats must be >= 2 (the first is a warm-up)")
     load_before = open("/proc/loadavg").read().split()[:3]
@@ -130,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             "clients": len(clients),
             "samples": samples,
             "plain_s": med["plain"],
+            "plain_samples_per_s": samples / med["plain"],
             "hpcfl_s": med["hpcfl"],
             "ratio_hpcfl_over_plain": med["hpcfl"] / med["plain"],
             "plain_runs": times["plain"],
@@ -138,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(
             f"{model}: {len(clients)} client(s), {samples} samples: plain {med['plain']:.3f} s, "
-            f"hpcfl {med['hpcfl']:.3f} s, hpcfl/plain {row['ratio_hpcfl_over_plain']:.3f} "
+            f"hpcfl {med['hpcfl']:.3f} s, hpcfl/plain {row['ratio_hpcfl_over_plain']:.3f}, plain "
+            f"{row['plain_samples_per_s']:.0f} samples/s on {torch.get_num_threads()} thread(s) "
             f"(median of {args.repeats - 1} interleaved repeats)"
         )
     args.out.mkdir(parents=True, exist_ok=True)
@@ -149,17 +160,18 @@ def main(argv: list[str] | None = None) -> int:
         "load_after": open("/proc/loadavg").read().split()[:3],
     }
     payload = with_machine({"conditions": conditions, "rows": rows}, threads=torch.get_num_threads())
-    (args.out / "peers_local_loop_cpu.json").write_text(json.dumps(payload, indent=2) + "\n")
+    stem = "peers_local_loop_cpu" + ("_1thread" if args.threads == 1 else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")
     flat_rows = with_machine_columns(
         [{k: v for k, v in r.items() if not k.endswith("_runs")} for r in rows],
         threads=torch.get_num_threads(),
     )
-    with open(args.out / "peers_local_loop_cpu.csv", "w", newline="") as fh:
+    with open(args.out / f"{stem}.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(flat_rows[0]))
         w.writeheader()
         w.writerows(flat_rows)
     print(
-        f"local_loop: -> {args.out}/peers_local_loop_cpu.{{json,csv}}; load {conditions['load_before']} -> {conditions['load_after']}"
+        f"local_loop: -> {args.out}/{stem}.{{json,csv}}; load {conditions['load_before']} -> {conditions['load_after']}"
     )
     return 0
 

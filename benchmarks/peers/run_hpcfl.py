@@ -51,6 +51,7 @@ MODES = {
     "mpi2": "mpiexec -n 2 hpcfl run (2 MPI ranks x 1 thread)",
     "batch-auto": "hpcfl run, 1 process, client_batch auto",
     "batch-10": "hpcfl run, 1 process, client_batch 10 (the round's clients as one vectorised step)",
+    "threads2": "hpcfl run, 1 process, client_threads 2 (2 clients at once, 1 torch thread each)",
     "cuda": "hpcfl run, 1 process, 1 GPU, client_batch 1",
     "cuda-auto": "hpcfl run, 1 process, 1 GPU, client_batch auto",
 }
@@ -59,6 +60,7 @@ CLIENT_BATCH = {
     "mpi2": "1",
     "batch-auto": "auto",
     "batch-10": "10",
+    "threads2": "1",
     "cuda": "1",
     "cuda-auto": "auto",
 }
@@ -119,6 +121,7 @@ def hpcfl_config(
         "seed": seed,
         "device": "cuda" if mode.startswith("cuda") else "cpu",
         "client_batch": CLIENT_BATCH[mode],
+        "client_threads": 2 if mode == "threads2" else 1,
         # the peers keep no checkpoint: one at the end (hpcfl's default is every round)
         "checkpoint_every": rounds,
         "progress": True,  # its per-round updates are the timing read here
@@ -217,7 +220,8 @@ def run(args: Any, exp: pc.Experiment, rec: pc.Recorder, info: dict[str, Any]) -
     used = json.loads((run_dir / "determinism.json").read_text())
     info["notes"] = (
         f"hpcfl's own draw checked against draws.json on every evaluated round; torch threads per rank "
-        f"{used.get('threads_per_rank')}, client_batch used {used.get('client_batch_used')}; a checkpoint "
+        f"{used.get('threads_per_rank')}, client_batch used {used.get('client_batch_used')}, client_threads "
+        f"{used.get('client_threads', 1)}; a checkpoint "
         "only after the last round (hpcfl's default: every round)"
     )
     if args.algorithm != "fedavg":

@@ -190,6 +190,8 @@ class RoundPlan:
     client_metrics: tuple[str, ...] = ("loss",)  # what the participants' local updates report
     #: participants per vectorised training step, ``auto`` already resolved (resolve_client_batch)
     client_batch: int = 1
+    #: participants trained at once in Python threads on the CPU (``client_threads``)
+    client_threads: int = 1
     system: SystemModel | None = None  # unequal work and dropped participants (``system``), None when off
     clock: VirtualClock | None = None  # simulated time (``system.clock``), None when off
 

@@ -4,7 +4,8 @@ hpcfl's results are a pure function of the config *and* of a few settings of the
 config does not fix: the torch threads each rank used (a CPU kernel's reduction order follows its
 thread count, so 1 process with 2 threads and 2 ranks with 1 thread each differ in the last bits),
 the ``reduction`` (with ``float32`` the round's sum also depends on the rank count), ``client_batch``
-(the vectorised step rounds differently from the one-by-one loop), the device, and the eNTK path's
+(the vectorised step rounds differently from the one-by-one loop), ``client_threads`` (a client then
+trains on ``threads // client_threads`` torch threads), the device, and the eNTK path's
 settings (``entk:``, each overridden by its environment variable, :mod:`hpcfl.entk.settings`): the
 cost constants ``entk.costs`` / ``$HPCFL_ENTK_COSTS`` names (they choose each layer's form of TCT's
 features), CUDA-graph replay and Triton autotuning, recorded with their sources and the eNTK method
@@ -70,6 +71,7 @@ def collect(
         "ranks": [w for _, w in every],
         "reduction": cfg.reduction,
         "client_batch": str(cfg.client_batch),
+        "client_threads": int(cfg.client_threads),
         "device": cfg.device,
     }
     # not a bit-identity setting: the collective deadline (hpcfl.comm.deadline), who set it, its bound
@@ -127,6 +129,8 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     float32 = "float32" in (a.get("reduction"), b.get("reduction"))
     if set(ta) != set(tb) or (float32 and len(ta) != len(tb)):
         out.append(f"threads {_threads(a)} vs {_threads(b)}")
+    if a.get("client_threads", 1) != b.get("client_threads", 1) and _per_client(a) != _per_client(b):
+        out.append(f"client_threads {a.get('client_threads', 1)} vs {b.get('client_threads', 1)}")
     for key in ("reduction", "client_batch", "device"):
         if key == "client_batch" and {"client_batch_used"} <= a.keys() & b.keys():
             if a["client_batch_used"] != b["client_batch_used"]:  # auto and 1 on a CPU are the same
@@ -141,6 +145,12 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
         # a tile size sets a conv gather's reduction order (CUDA graphs replay the same kernels)
         out.append(f"entk.triton_autotune {ea.get('triton_autotune')} vs {eb.get('triton_autotune')}")
     return out
+
+
+def _per_client(record: dict[str, Any]) -> set[int]:
+    """The torch threads a client's kernels ran on: each rank's threads shared by ``client_threads``."""
+    share = int(record.get("client_threads", 1))
+    return {max(1, int(t) // share) for t in record.get("threads_per_rank", [])}
 
 
 def _costs(record: dict[str, Any] | None) -> str:

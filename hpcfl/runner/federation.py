@@ -293,6 +293,7 @@ def model_plan(fed: Federation) -> RoundPlan:
         divergence_settings=divergence_settings(fed),
         observers=chosen_observers(fed),
         client_batch=fed.client_batch,
+        client_threads=fed.cfg.client_threads,
         system=fed.system,
         clock=fed.clock,
     )

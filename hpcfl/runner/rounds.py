@@ -257,7 +257,7 @@ def run_rounds(
     draws = RoundDraws(plan, start, stop, round_offset, steps)  # refuses a round all drop out of
     timeline = steps.timeline if steps is not None else draws.timeline
     observers = round_observers(plan, clock_record(plan, start, timeline))
-    executor = ClientExecutor(plan.client_batch, rank=comm.rank)
+    executor = ClientExecutor(plan.client_batch, rank=comm.rank, threads=plan.client_threads)
     done = start
     for rnd in range(start, stop):
         t0 = time.perf_counter()
