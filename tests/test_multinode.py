@@ -468,7 +468,9 @@ def test_a_cut_link_ends_the_job_in_one_line_and_the_rerun_resumes_bit_identical
     reason="SLURM's own race (issue 61, open): the rerun started the moment node 1 registers again "
     "is refused ('Job credential revoked') in about 1 run of 3; holding the requeued job until node 1 "
     "is idle did not help (2 of 4), nor until its old batch step is gone (0 of 3: the rerun is then "
-    "killed 6 s in, exit 137, cause not found); HPCFL_TEST_BATCH_HOST_CUT=1 runs it",
+    "killed 6 s in, exit 137, cause not found), nor a requeue delay of 30 s (cred_expire=30: 1 of 2 "
+    "refused the same way, slurmctld 'Killing non-startable batch JobId=...: Job credential revoked'); "
+    "HPCFL_TEST_BATCH_HOST_CUT=1 runs it",
 )
 def test_a_cut_link_on_the_batch_host_requeues_a_job_that_runs(
     cluster: SlurmCluster, fault_reference: tuple[Path, Path], tmp_path: Path

@@ -22,8 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "run directory. Bit-identical results (across rank counts and resumes) need the same config "
             "AND the same torch threads per rank (set `threads`: unset, it is the node's cores shared by "
             "its ranks, so 1 process and R ranks differ), `reduction` (float64; with float32 also the same "
-            "rank count), `client_batch` and `device`; determinism.json records what each rank used and a "
-            "resume that differs says so."
+            "rank count), `client_batch`, `client_threads` and `device`; determinism.json records what each "
+            "rank used and a resume that differs says so. On a CPU, `client_threads: 2` trains 2 clients "
+            "at once in one process (faster than 2 torch threads on one small model)."
         ),
         epilog="example: hpcfl run configs/fmnist_fedavg.yaml --set rounds=5 lr=0.05 --run-dir runs/try",
     )
