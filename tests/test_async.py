@@ -318,7 +318,7 @@ def test_a_stopped_and_resumed_asynchronous_run_is_bit_identical(tmp_path: Path,
     whole = run_experiment(cfg, tmp_path / "whole")
     assert any(r["staleness"] and max(r["staleness"]) > 0 for r in whole.metrics)  # stale updates
     stopped = run_experiment(cfg, tmp_path / "s", stop=stop_after_rows(tmp_path / "s", 3))
-    assert stopped.rounds_done == 3 and stopped.server.pending.shape[0] > 0  # updates in flight
+    assert stopped.rounds_done == 3 and stopped.server.in_flight > 0  # updates in flight
     resumed = run_experiment(cfg, tmp_path / "s", resume=True)
     assert torch.equal(resumed.server.x, whole.server.x)
     assert _same_rows(_rows(tmp_path / "s"), whole.metrics)
@@ -375,7 +375,7 @@ def test_fedbuff_and_fedasync_server_steps_follow_their_papers() -> None:
     s1, _ = buff.server_update(
         s0, Aggregate({}, 2.0, 2, {"y": y}), ServerContext(0, (2, 0), pop, lambda t: t)
     )
-    assert torch.equal(s1.x, x0) and s1.pending.shape == (2, 3)
+    assert torch.equal(s1.x, x0) and s1.pending.shape == (2, 3) and s1.in_flight == 2
     arrivals = (Arrival(0, 0, 5.0, 1), Arrival(2, 0, 6.0, 1))
     s2, m = buff.server_update(
         s1, Aggregate({}, 0.0, 0, {"y": []}), ServerContext(1, (), pop, lambda t: t, arrivals=arrivals)
@@ -383,8 +383,18 @@ def test_fedbuff_and_fedasync_server_steps_follow_their_papers() -> None:
     weight = staleness_weight("polynomial", 1, 0.5, 4)
     assert weight == 2**-0.5
     expected = x0 + 0.5 / 2 * (weight * (y[1] - x0) + weight * (y[0] - x0))
-    assert torch.allclose(s2.x, expected, rtol=0, atol=1e-15) and s2.pending.shape == (0, 3)
+    assert torch.allclose(s2.x, expected, rtol=0, atol=1e-15) and s2.in_flight == 0
+    assert s2.pending.shape == (2, 3) and s1.pending_keys.tolist() == [
+        [0, 2],
+        [0, 0],
+    ]  # slots kept, s1 intact
     assert m == {"staleness_mean": 1.0, "staleness_max": 1.0}
+    # the next update takes a freed slot: the rows are never copied to a new matrix
+    s3, _ = buff.server_update(
+        s2, Aggregate({}, 1.0, 1, {"y": [y[1]]}), ServerContext(2, (3,), pop, lambda t: t)
+    )
+    assert s3.pending.data_ptr() == s2.pending.data_ptr() and s3.in_flight == 1
+    assert torch.equal(s3.pending[0], y[1] - s2.x) and s3.pending_keys.tolist()[0] == [2, 3]
 
     mix = FedAsync(FedAsyncParams(alpha=0.5, staleness="hinge", a=2.0, b=1, concurrency=2), layout=layout)
     mix.resolved(pop, None)  # type: ignore[arg-type]
