@@ -15,6 +15,7 @@ rounds and MB to target on a running mean, curves with ± std bands — the same
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import json
 import multiprocessing
@@ -28,6 +29,24 @@ from hpcfl.report.targets import default_target
 
 if TYPE_CHECKING:
     from hpcfl.sweep.select import Choice
+
+
+def add_dataset_option(parser: argparse.ArgumentParser) -> None:
+    """``--dataset-option KEY=VALUE ...``: the runs' ``dataset_options`` (read by :func:`dataset_options`)."""
+    parser.add_argument(
+        "--dataset-option",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dataset_options, e.g. sample_roles=100 test_samples=4000 split=temporal (shakespeare); "
+        "whole numbers are read as numbers",
+    )
+
+
+def dataset_options(args: argparse.Namespace) -> dict[str, int | str]:
+    """``--dataset-option``'s pairs: a whole number as a number, anything else as written."""
+    pairs = (o.split("=", 1) for o in args.dataset_option)
+    return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
 
 
 def run_cached(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:

@@ -42,7 +42,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _runs import Setting, column_targets, run_dir_of, run_protocol, write_tables
+from _runs import (
+    Setting,
+    add_dataset_option,
+    column_targets,
+    dataset_options,
+    run_dir_of,
+    run_protocol,
+    write_tables,
+)
 
 from hpcfl.bench.machine import with_machine
 from hpcfl.report.methods import Cell
@@ -55,14 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", help="datasets directory (default: $HPCFL_DATA)")
     p.add_argument("--dataset", default="fashion-mnist")
-    p.add_argument(
-        "--dataset-option",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dataset_options, e.g. sample_roles=100 test_samples=4000 split=temporal (shakespeare); "
-        "whole numbers are read as numbers",
-    )
+    add_dataset_option(p)
     p.add_argument("--partition", default="dir:0.1")
     p.add_argument("--model", default="mlp")
     p.add_argument("--clients", type=int, default=100)
@@ -95,16 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _option(value: str) -> int | str:
-    """A ``--dataset-option`` value: a whole number as a number, anything else as written."""
-    return int(value) if value.lstrip("-").isdigit() else value
-
-
 def base_config(args: argparse.Namespace, algorithm: str, **extra: Any) -> dict[str, Any]:
     """A run of ``algorithm`` on the benchmark's federation (without lr and seed)."""
     cfg: dict[str, Any] = dict(
         dataset=args.dataset,
-        dataset_options={k: _option(v) for k, v in (o.split("=", 1) for o in args.dataset_option)},
+        dataset_options=dataset_options(args),
         partition=args.partition,
         num_clients=args.clients,
         clients_per_round=args.per_round,

@@ -68,7 +68,9 @@ class Config:
     drop_last: bool = False  # drop each epoch's last partial batch: E·⌊n/B⌋ local steps (FedPVR's code)
     eval_every: int = 1
     eval_train: bool = False
-    checkpoint_every: int = 1
+    # auto | N: checkpoint every N rounds (server steps). auto = 1 for synchronous methods; for an
+    # asynchronous one, every concurrency / K steps, since its checkpoint holds every update in flight
+    checkpoint_every: str = "auto"
     seed: int = 0
     device: str = "cpu"  # cpu | cuda (the GPU of the rank's local index)
     threads: int | None = None  # torch intra-op threads per rank (None: torch's default)
@@ -458,7 +460,8 @@ def _check_positive(cfg: Any, keys: tuple[str, ...], prefix: str = "") -> None:
 def validate(cfg: Config) -> None:
     """Check every name and range that can be checked without touching data."""
     _validate_run_name(cfg.name)
-    _check_positive(cfg, ("num_clients", "batch_size", "eval_every", "checkpoint_every", "local_epochs"))
+    _check_positive(cfg, ("num_clients", "batch_size", "eval_every", "local_epochs"))
+    parse_client_batch(cfg.checkpoint_every, "checkpoint_every")  # the same form: auto | N >= 1
     _check_positive(cfg, ("local_steps", "threads", "client_threads", "lr"))
     if cfg.rounds < 0:
         raise ConfigError(f"config key 'rounds' must be >= 0, got {cfg.rounds}")

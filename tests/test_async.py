@@ -341,6 +341,17 @@ def test_a_run_on_flsims_clock_resumes_bit_identically(tmp_path: Path) -> None:
     assert _same_rows(_rows(tmp_path / "s"), whole.metrics)
 
 
+def test_an_asynchronous_run_checkpoints_every_concurrency_over_k_steps_by_default(tmp_path: Path) -> None:
+    """``checkpoint_every: auto``: a FedAsync checkpoint holds every update in flight, so it is written
+    every concurrency / K = 4 steps (and at the end), not every step; a number still rules."""
+    kept = {}
+    for setting in ("auto", 3):
+        run_dir = tmp_path / str(setting)
+        run_experiment(config_from_dict({**_clocked("fedasync"), "checkpoint_every": setting}), run_dir)
+        kept[setting] = sorted(p.name for p in (run_dir / "checkpoints").glob("round_*"))
+    assert kept == {"auto": ["round_000004", "round_000006"], 3: ["round_000003", "round_000006"]}
+
+
 @pytest.mark.mpi
 def test_one_rank_and_two_ranks_agree_under_a_heterogeneous_clock(tmp_path: Path) -> None:
     from tests.helpers import final_state

@@ -44,6 +44,8 @@ def _fails_cleanly(capsys, argv: list[str], *fragments: str) -> str:
         ("client_batch=all", ("client_batch", "auto or a positive integer")),
         ("client_batch=2.5", ("client_batch", "auto or a positive integer")),
         ("client_threads=0", ("config key 'client_threads' must be > 0, got 0",)),
+        ("checkpoint_every=0", ("'checkpoint_every' must be auto or a positive integer, got '0'",)),
+        ("checkpoint_every=often", ("'checkpoint_every' must be auto or a positive integer, got 'often'",)),
         ("client_threads=2 client_batch=3", ("client_batch (3) and client_threads (2)", "set one")),
         ("client_threads=2 device=cuda", ("'client_threads' (2) is for the CPU", "client_batch")),
         ("params=[1]", ("config key 'params' must be a mapping of scaffold hyper-parameters, got [1]",)),

@@ -44,7 +44,7 @@ from hpcfl.runner.progress import Progress
 from hpcfl.runner.rounds import MemoryStates, RoundHook, run_rounds
 from hpcfl.runner.rundir import BUDGET_STOP, DONE, FAILED, PEER_LOST, prepare_run_dir
 from hpcfl.tct.pipeline import STAGE1_MODEL as STAGE1_MODEL
-from hpcfl.units import parse_memory_budget
+from hpcfl.units import parse_client_batch, parse_memory_budget
 
 
 @dataclass
@@ -188,6 +188,19 @@ def run_stages(cfg: Config) -> list[Stage]:
     return [dataclasses.replace(s, rounds=cfg.rounds) if s.rounds < 0 else s for s in stages]
 
 
+def checkpoint_interval(setting: str, algorithm: object) -> int:
+    """Rounds (server steps) between checkpoints: ``setting``, or for ``auto`` 1 (synchronous), and
+    for an asynchronous method concurrency / K steps: its checkpoint holds every update in flight
+    (concurrency × the model), so one a step made a FedAsync run at concurrency 100 spend ten times
+    its training time writing them; one every concurrency / K steps writes about one model per
+    client update, as a synchronous run does."""
+    if (every := parse_client_batch(setting, "checkpoint_every")) != "auto":
+        return int(every)
+    if isinstance(algorithm, AsyncAlgorithm):
+        return max(1, algorithm.concurrency // algorithm.buffer_size)
+    return 1
+
+
 def stage_rounds(cfg: Config) -> tuple[int, int]:
     """(rounds of the first stage, total rounds over every stage)."""
     stages = run_stages(cfg)
@@ -235,6 +248,7 @@ class _Bookkeeper:
         self.wall_before = float(self.rows[-1].get("wall_s", 0.0)) if self.rows else 0.0
         self.progress = Progress(total=total, initial=start, enabled=cfg.progress and comm.rank == 0)
         self.budget_stop: str | None = None  # set when privacy.epsilon_budget ends the run
+        self.checkpoint_every = 1  # rounds between checkpoints: set from checkpoint_interval
 
     def open_loggers(self, cfg: Config) -> None:
         """Open the configured loggers (rank 0) and write the rows they have not seen yet."""
@@ -266,7 +280,7 @@ class _Bookkeeper:
             # would exceed it
             if done < self.total and (line := budget_line(srv)) is not None:
                 self.budget_stop, halt = line, True
-            if done % self.cfg.checkpoint_every == 0 or done in (last, self.total) or halt:
+            if done % self.checkpoint_every == 0 or done in (last, self.total) or halt:
                 extra: dict[str, Any] = {"stage": stage}
                 held, part = states.checkpoint()  # files per client, or the store's slot map
                 extra.update(part)
@@ -399,6 +413,7 @@ def _run_locked(
     if comm.rank == 0 and start < total:  # only now that the checkpoint loaded: unfinished again
         (run_dir / DONE).unlink(missing_ok=True)
     book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total, started)
+    book.checkpoint_every = checkpoint_interval(cfg.checkpoint_every, fed.algorithm)
     if reset and ckpt is not None:
         book.note["reset_client_states"] = reset
     if cfg.loggers:

@@ -9,7 +9,7 @@ attached as artifacts / images.
 
 Exactly once per round, across kills and resumes: a row is handed to the loggers only once a
 checkpoint covers it (the run's bookkeeping calls :meth:`Loggers.flush` after saving one, every
-round with the default ``checkpoint_every: 1``), and each logger records in ``loggers.json`` of the
+round with the default ``checkpoint_every: auto`` of a synchronous method), and each logger records in ``loggers.json`` of the
 run directory the last round it wrote (and, while writing, the rounds in doubt) and the id of its
 run. A resumed run continues the same TensorBoard directory, MLflow run and W&B run, and first
 writes what a logger has not seen yet (a logger added on resume catches up); a round that was
