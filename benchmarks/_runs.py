@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from hpcfl.sweep.select import Choice
 
 
-def add_dataset_option(parser: argparse.ArgumentParser) -> None:
-    """``--dataset-option KEY=VALUE ...``: the runs' ``dataset_options`` (read by :func:`dataset_options`)."""
+def add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--dataset-option`` and ``--model-option KEY=VALUE ...``: the runs' ``dataset_options`` and
+    ``model_options`` (read by :func:`options`)."""
     parser.add_argument(
         "--dataset-option",
         nargs="+",
@@ -41,12 +42,19 @@ def add_dataset_option(parser: argparse.ArgumentParser) -> None:
         help="dataset_options, e.g. sample_roles=100 test_samples=4000 split=temporal (shakespeare); "
         "whole numbers are read as numbers",
     )
+    parser.add_argument(
+        "--model-option",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model_options, e.g. d_model=32 layers=1 heads=2 (char-transformer)",
+    )
 
 
-def dataset_options(args: argparse.Namespace) -> dict[str, int | str]:
-    """``--dataset-option``'s pairs: a whole number as a number, anything else as written."""
-    pairs = (o.split("=", 1) for o in args.dataset_option)
-    return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
+def options(pairs: list[str]) -> dict[str, int | str]:
+    """``KEY=VALUE`` pairs: a whole number as a number, anything else as written."""
+    split = (o.split("=", 1) for o in pairs)
+    return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in split}
 
 
 def run_cached(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _runs import Setting, add_dataset_option, column_targets, dataset_options, run_protocol, write_tables
+from _runs import Setting, add_option_arguments, column_targets, options, run_protocol, write_tables
 
 from hpcfl.bench.machine import with_machine
 from hpcfl.report.methods import Cell
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", help="datasets directory (default: $HPCFL_DATA)")
     p.add_argument("--dataset", default="fashion-mnist")
-    add_dataset_option(p)
+    add_option_arguments(p)
     p.add_argument("--partition", default="dir:0.1")
     p.add_argument("--model", default="mlp")
     p.add_argument("--clients", type=int, default=100)
@@ -126,11 +126,12 @@ def config(args: argparse.Namespace, method: str) -> dict[str, Any]:
         params = {**asynchronous, "alpha": args.alpha}
     cfg: dict[str, Any] = dict(
         dataset=args.dataset,
-        dataset_options=dataset_options(args),
+        dataset_options=options(args.dataset_option),
         partition=args.partition,
         num_clients=args.clients,
         clients_per_round=args.per_round,
         model=args.model,
+        model_options=options(args.model_option),
         algorithm=method,
         params=params,
         rounds=args.updates // step,
@@ -312,13 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     cells = run_protocol(settings, seeds=seeds, out=args.out, jobs=args.jobs, protocol=protocol)
     targets = column_targets(cells, [args.partition], protocol)
     target = args.target if args.target is not None else targets[args.partition]
-    options = f", {' '.join(args.dataset_option)}" if args.dataset_option else ""
-    header = f"# Asynchronous FL at equal client updates ({args.dataset} {args.partition}{options})"
+    given = f", {' '.join(args.dataset_option)}" if args.dataset_option else ""
+    header = f"# Asynchronous FL at equal client updates ({args.dataset} {args.partition}{given})"
     protocol_md = write_tables(
         cells, protocol, {args.partition: target}, args.results / f"{args.stem}_protocol", header
     )
     budget = (
-        f"{args.model}, {args.clients} clients, {args.updates} client updates per run ({args.per_round} per "
+        f"{args.model}{' (' + ' '.join(args.model_option) + ')' if args.model_option else ''}, {args.clients} clients, {args.updates} client updates per run ({args.per_round} per "
         f"synchronous round, FedBuff K = {args.buffer}, concurrency {args.concurrency}), {args.local_steps} "
         f"local steps of batch {args.batch}, {clock_text(args)}, delay {args.delay} s, {args.seeds} seeds"
     )

@@ -44,9 +44,9 @@ from typing import Any
 
 from _runs import (
     Setting,
-    add_dataset_option,
+    add_option_arguments,
     column_targets,
-    dataset_options,
+    options,
     run_dir_of,
     run_protocol,
     write_tables,
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", help="datasets directory (default: $HPCFL_DATA)")
     p.add_argument("--dataset", default="fashion-mnist")
-    add_dataset_option(p)
+    add_option_arguments(p)
     p.add_argument("--partition", default="dir:0.1")
     p.add_argument("--model", default="mlp")
     p.add_argument("--clients", type=int, default=100)
@@ -100,11 +100,12 @@ def base_config(args: argparse.Namespace, algorithm: str, **extra: Any) -> dict[
     """A run of ``algorithm`` on the benchmark's federation (without lr and seed)."""
     cfg: dict[str, Any] = dict(
         dataset=args.dataset,
-        dataset_options=dataset_options(args),
+        dataset_options=options(args.dataset_option),
         partition=args.partition,
         num_clients=args.clients,
         clients_per_round=args.per_round,
         model=args.model,
+        model_options=options(args.model_option),
         algorithm=algorithm,
         rounds=args.rounds,
         momentum=0.0,
