@@ -311,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = [Setting(s.row, s.column, {**s.config, "validation": 0.0}, s.lrs) for s in settings]
     seeds = list(range(args.seeds))
     cells = run_protocol(settings, seeds=seeds, out=args.out, jobs=args.jobs, protocol=protocol)
+    for cell in cells:  # the per-update lists (participants, staleness, applied) stay in the run dirs
+        for run in cell.runs:
+            run.rows[:] = [{k: v for k, v in row.items() if not isinstance(v, list)} for row in run.rows]
     targets = column_targets(cells, [args.partition], protocol)
     target = args.target if args.target is not None else targets[args.partition]
     given = f", {' '.join(args.dataset_option)}" if args.dataset_option else ""
