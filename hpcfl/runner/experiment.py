@@ -228,6 +228,7 @@ class _Bookkeeper:
         start: int,
         total: int,
         started: float | None = None,
+        checkpoint_every: int = 1,
     ) -> None:
         self.started = time.perf_counter() if started is None else started
         self.cfg, self.comm, self.run_dir, self.stop = cfg, comm, run_dir, stop
@@ -248,7 +249,7 @@ class _Bookkeeper:
         self.wall_before = float(self.rows[-1].get("wall_s", 0.0)) if self.rows else 0.0
         self.progress = Progress(total=total, initial=start, enabled=cfg.progress and comm.rank == 0)
         self.budget_stop: str | None = None  # set when privacy.epsilon_budget ends the run
-        self.checkpoint_every = 1  # rounds between checkpoints: set from checkpoint_interval
+        self.checkpoint_every = checkpoint_every  # rounds between checkpoints (checkpoint_interval)
 
     def open_loggers(self, cfg: Config) -> None:
         """Open the configured loggers (rank 0) and write the rows they have not seen yet."""
@@ -412,8 +413,8 @@ def _run_locked(
     total = sum(s.rounds for s in stages)
     if comm.rank == 0 and start < total:  # only now that the checkpoint loaded: unfinished again
         (run_dir / DONE).unlink(missing_ok=True)
-    book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total, started)
-    book.checkpoint_every = checkpoint_interval(cfg.checkpoint_every, fed.algorithm)
+    interval = checkpoint_interval(cfg.checkpoint_every, fed.algorithm)
+    book = _Bookkeeper(cfg, comm, run_dir, stop or StopRequest(), start, total, started, interval)
     if reset and ckpt is not None:
         book.note["reset_client_states"] = reset
     if cfg.loggers:
