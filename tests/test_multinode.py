@@ -17,7 +17,6 @@ bit-identically; a slow or lossy link changes the time, not the results.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ import yaml
 pytest.importorskip("submitit")
 
 from tests.cluster.links import parse_link  # noqa: E402
-from tests.cluster.slurm import SlurmCluster, ensure_packages, start_cluster  # noqa: E402
+from tests.cluster.slurm import SPARE_PARTITION, SlurmCluster, ensure_packages, start_cluster  # noqa: E402
 from tests.helpers import (  # noqa: E402
     final_state,
     hpcfl_cmd,
@@ -54,13 +53,15 @@ def _skip_reason() -> str | None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SlurmCluster]:
-    """Two emulated nodes on 10 Gb/s-shaped links, four (stand-in) GPUs each, for this module."""
+    """Two emulated nodes on 10 Gb/s-shaped links, four (stand-in) GPUs each, for this module, and a
+    third, drained, in the partition ``spare`` only: the node a job moves to when its batch host is
+    cut off."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
     ensure_packages(accounting=True)
-    c = start_cluster(nodes=2, link="10gbe", gpus_per_node=4)
-    print(f"\n[multinode] 2 nodes up in {c.timings['total']:.1f}s at {c.tmpdir}")
+    c = start_cluster(nodes=3, link="10gbe", gpus_per_node=4, spare_nodes=1)
+    print(f"\n[multinode] 2 nodes and a spare up in {c.timings['total']:.1f}s at {c.tmpdir}")
     try:
         yield c
     finally:
@@ -463,32 +464,30 @@ def test_a_cut_link_ends_the_job_in_one_line_and_the_rerun_resumes_bit_identical
     assert torch.equal(final_state(run_dir), final_state(reference))
 
 
-@pytest.mark.skipif(
-    os.environ.get("HPCFL_TEST_BATCH_HOST_CUT") != "1",
-    reason="SLURM's own race (issue 61, open): the rerun started the moment node 1 registers again "
-    "is refused ('Job credential revoked') in about 1 run of 3; holding the requeued job until node 1 "
-    "is idle did not help (2 of 4), nor until its old batch step is gone (0 of 3: the rerun is then "
-    "killed 6 s in, exit 137, cause not found), nor a requeue delay of 30 s (cred_expire=30: 1 of 2 "
-    "refused the same way, slurmctld 'Killing non-startable batch JobId=...: Job credential revoked'); "
-    "HPCFL_TEST_BATCH_HOST_CUT=1 runs it",
-)
 def test_a_cut_link_on_the_batch_host_requeues_a_job_that_runs(
     cluster: SlurmCluster, fault_reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """slurm/cpu.sbatch: node 1 — the batch host, rank 0's node — loses its link mid-round. Rank
-    0's side (a tie) says the line, but node 1 cannot reach the controller to requeue: SLURM
-    requeues the job on the node's failure, and once the link is mended the rerun resumes
-    bit-identically. Here srun stays blocked while the link is down, so the batch script is ended
-    by slurmd when node 1 registers again — and the rerun SLURM starts there at once is sometimes
-    refused for that kill ("Job already killed, do not launch batch job": FAILED, the probe's case).
-    Where srun returns first, the script keeps asking the controller instead of reporting an end
-    the rerun could be taken for: tests/test_requeue.py."""
+    0's side (a tie) says the line, but node 1 cannot reach the controller to requeue: SLURM marks
+    the node DOWN and requeues the job itself (``--requeue``), the rerun starts on the nodes left
+    (node 2 and the spare) while node 1 is still cut off, and resumes bit-identically; once the
+    link is mended, node 1's stale batch script is ended by slurmd.
+
+    Without a spare node the rerun can only start on node 1 the moment it registers again, and
+    SLURM sometimes refuses it there ("Job credential revoked": slurmd is still ending the stale
+    copy; the controller then completes the job as non-startable, FAILED, the probe's case). That
+    is SLURM's own race (slurmctld completes any batch launch slurmd refuses, except on a prolog
+    failure), so a site with no node to spare resumes such a job by hand (`scontrol requeue`, or
+    `sbatch` again: the run resumes from its checkpoint) — docs/multinode.md. Where srun returns
+    first, the script keeps asking the controller instead of reporting an end the rerun could be
+    taken for: tests/test_requeue.py."""
     cfg, reference = fault_reference
     run_dir = tmp_path / "run"
     gate = _gate(cfg)
+    (spare,) = cluster.spares
     job = cluster.sbatch(
         (REPO / "slurm" / "cpu.sbatch").read_text(),
-        args=["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        args=["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", f"--partition={SPARE_PARTITION}"],
         env={
             **repo_env(),
             "CONFIG": str(cfg),
@@ -497,16 +496,31 @@ def test_a_cut_link_on_the_batch_host_requeues_a_job_that_runs(
         },
     )
     log = cluster.output_path(job)
-    t_hit = _strike_mid_round(run_dir, gate, lambda: cluster.network.cut(1))
+
+    def cut_batch_host() -> None:
+        cluster.network.cut(1)
+        cluster.set_node(spare, "resume")  # a node to move to (drained until now: the job is on 1 and 2)
+
+    t_hit = _strike_mid_round(run_dir, gate, cut_batch_host)
     try:
         _wait_for(lambda: (run_dir / "PEER_LOST").exists(), 60, "the lost peer's line")
         said = time.monotonic() - t_hit
-        _wait_for(lambda: cluster.squeue_state(job) in ("PENDING", "REQUEUED"), 120, "the requeue")
-        requeued = time.monotonic() - t_hit
+        _wait_for(lambda: (run_dir / "DONE").exists(), 180, "the rerun's end on the nodes left")
+        rerun = time.monotonic() - t_hit
+        assert cluster.node_states()["node1"] in ("down*", "idle*"), cluster.node_states()  # still cut off
+    except BaseException:
+        print(
+            log.read_text(),
+            cluster.run("squeue", "-t", "all").stdout,
+            cluster.node_states(),
+            cluster.log_tails(20),
+        )
+        raise
     finally:
         cluster.network.mend(1)
-    state = cluster.wait_state(job, ["COMPLETED"], timeout=240)
-    print(f"\nnode 1's link cut: the line {said:.1f} s later, requeued {requeued:.1f} s later")
+        cluster.set_node(spare, "drain", "spare")
+    state = cluster.wait_state(job, ["COMPLETED"], timeout=120)
+    print(f"\nnode 1's link cut: the line {said:.1f} s later, the rerun done {rerun:.1f} s later")
     print(*[x for x in log.read_text().splitlines() if x.startswith("hpcfl:")], sep="\n")
     assert state == "COMPLETED", log.read_text() + cluster.log_tails(20)
     text = log.read_text()
@@ -515,7 +529,7 @@ def test_a_cut_link_on_the_batch_host_requeues_a_job_that_runs(
         "hpcfl: error: ranks 2, 3 (host node2) did not answer within 4 s (their nodes were lost or their "
         "links cut); ending the job — resume with --resume"
     ) in errors, text
-    assert "run 1: 4 ranks" in text, text
+    assert "run 1: 4 ranks on node[2-3]" in text, text  # the rerun moved off the cut node
     assert [r["round"] for r in _rows(run_dir)] == list(range(1, FAULT_ROUNDS + 1))
     assert _results(run_dir) == _results(reference)
     assert torch.equal(final_state(run_dir), final_state(reference))

@@ -259,12 +259,30 @@ class SlurmCluster:
     #: GPUs each emulated node declares (a count only: jobs get them scheduled, and play them with
     #: the fake accelerator)
     gpus_per_node: int = 0
+    #: emulated nodes beyond the default partition (the last ones): drained at start, in the
+    #: partition :attr:`SPARE_PARTITION` with every node, for a test that needs a node to move to
+    spare_nodes: int = 0
     _daemons: list[_Daemon] = field(default_factory=list, repr=False)
 
     @property
     def nodes(self) -> list[str]:
         """The node names (one: this host's name; emulated: ``node1`` .. ``nodeN``)."""
         return [n.name for n in self.network.nodes] if self.network else [self.node]
+
+    @property
+    def partition_nodes(self) -> list[str]:
+        """The default partition's nodes: every node but the spares."""
+        return self.nodes[: len(self.nodes) - self.spare_nodes]
+
+    @property
+    def spares(self) -> list[str]:
+        """The spare nodes' names (drained until a test resumes them)."""
+        return self.nodes[len(self.nodes) - self.spare_nodes :]
+
+    def set_node(self, name: str, state: str, reason: str = "") -> None:
+        """``scontrol update`` a node's state (``resume``, ``drain`` with a reason)."""
+        extra = [f"reason={reason}"] if reason else []
+        self.run("scontrol", "update", f"nodename={name}", f"state={state}", *extra, timeout=10)
 
     @property
     def prefix(self) -> list[str]:
@@ -522,6 +540,8 @@ class SlurmCluster:
 
 
 CLUSTER_NAME = "hpcfl-test"
+#: the partition of every emulated node, spares included (start_cluster(spare_nodes=...))
+SPARE_PARTITION = "spare"
 #: What jobs on emulated nodes get in their environment (see :func:`start_cluster`).
 EMULATED_FABRIC = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 #: Bump when the template's contents change (e.g. other mariadbd options at creation).
@@ -702,6 +722,9 @@ def _slurm_conf(cluster: SlurmCluster, ports: dict[str, int], munge_sock: Path, 
             files = f"{tmpdir}/fakegpu[0-{cluster.gpus_per_node - 1}]"
             _write(tmpdir / "gres.conf", f"Name=gpu File={files}\n")
         timeout = 10  # a lost node is marked DOWN (and its jobs requeued) within ~10-15 s
+    spare = ""
+    if cluster.spare_nodes:
+        spare = f"PartitionName={SPARE_PARTITION} Nodes={','.join(cluster.nodes)} MaxTime=INFINITE State=UP OverSubscribe=YES\n"
     # below MaxJobId (67043328), 100 ids apart
     first_job_id = 1000 + int.from_bytes(os.urandom(4), "little") % 600_000 * 100
     if cluster.accounting:
@@ -756,8 +779,8 @@ InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout={timeout}
 {node_lines}
-PartitionName={cluster.partition} Nodes={",".join(cluster.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
-"""
+PartitionName={cluster.partition} Nodes={",".join(cluster.partition_nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+{spare}"""
 
 
 def start_cluster(
@@ -767,6 +790,7 @@ def start_cluster(
     nodes: int | None = None,
     link: str | LinkProfile | None = None,
     gpus_per_node: int = 0,
+    spare_nodes: int = 0,
 ) -> SlurmCluster:
     """Start munged (+ MariaDB + slurmdbd), slurmctld and slurmd; return once every node is idle.
 
@@ -775,8 +799,10 @@ def start_cluster(
     one bridge), one ``slurmd`` per node, the controller and accounting in the head namespace,
     every link shaped to ``link`` (a profile name of :mod:`tests.cluster.links` or
     ``rate=100mbit``; None: unshaped veth), each node declaring ``gpus_per_node`` GPUs (a GRES count
-    without device files, for the fake accelerator). An unknown profile or an impossible node count
-    is a ValueError with one line.
+    without device files, for the fake accelerator). ``spare_nodes=S`` adds S emulated nodes outside
+    the default partition, drained once up: jobs submitted to the partition ``spare`` (every node)
+    can move to them once a test resumes them (``set_node(name, "resume")``). An unknown profile or
+    an impossible node count is a ValueError with one line.
 
     ``accounting`` defaults to ``$HPCFL_SLURM_ACCOUNTING`` (on unless ``0``). Raises
     :class:`SlurmClusterError` naming the daemon and showing its log when something does not
@@ -788,6 +814,10 @@ def start_cluster(
         isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES
     ):
         raise ValueError(f"an emulated cluster has 1 to {MAX_NODES} nodes; got {nodes!r}")
+    if spare_nodes and (nodes is None or not 0 < spare_nodes < nodes):
+        raise ValueError(
+            f"spare nodes are some of an emulated cluster's nodes; got {spare_nodes!r} of {nodes!r}"
+        )
     profile = parse_link(link)  # ValueError naming the known profiles
     t_start = time.monotonic()
     tmpdir = Path(tempfile.mkdtemp(prefix="hpcfl-slurm-", dir="/tmp"))
@@ -812,6 +842,7 @@ def start_cluster(
         partition=partition,
         env={"SLURM_CONF": str(conf)},
         gpus_per_node=gpus_per_node if nodes is not None else 0,
+        spare_nodes=spare_nodes,
     )
     last = [t_start]
 
@@ -880,7 +911,9 @@ def start_cluster(
                 raise SlurmClusterError(
                     f"slurmctld exited with {ctld.popen.returncode}\n{cluster.log_tails()}"
                 )
-            states = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False, timeout=10).stdout.split()
+            out = cluster.run("sinfo", "-h", "-N", "-o", "%N %T", check=False, timeout=10).stdout
+            by_node = dict(line.split() for line in out.splitlines() if line.strip())  # once per partition
+            states = list(by_node.values())
             for state in states:
                 if state.rstrip("*") in ("drained", "inval", "draining", "drain"):
                     reason = cluster.run("sinfo", "-h", "-N", "-o", "%E", check=False, timeout=10).stdout
@@ -890,6 +923,8 @@ def start_cluster(
             return len(states) == len(cluster.nodes) and set(states) == {"idle"}
 
         cluster._wait_for(slurmd, node_idle, 30 + 5 * len(cluster.nodes), "idle node")
+        for name in cluster.spares:
+            cluster.set_node(name, "drain", "spare")
         mark("slurmd")
         cluster.timings["total"] = time.monotonic() - t_start
     except BaseException:
