@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share the cores: OpenMP threads that spin while descheduled would slow both many
+    # times over (tests/test_cpu_contention.py); decided before torch loads, never over a user's own
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 try:  # decide before anything imports triton
     import torch
 
@@ -68,3 +73,14 @@ def _no_other_work_on_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     import hpcfl.node
 
     monkeypatch.setattr(hpcfl.node, "busy_cores", lambda interval=0.3: None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2 --dist loadgroup``), every test on a real SLURM or the emulated
+    nodes runs in one worker, in file order: they share one cluster per session and the host's
+    namespaces, and mostly wait on SLURM and on deadlines, so the other worker trains beside them."""
+    if not hasattr(config, "workerinput") and config.getoption("dist", "no") == "no":
+        return
+    for item in items:
+        if item.get_closest_marker("slurm") or item.get_closest_marker("multinode"):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
