@@ -283,6 +283,8 @@ def test_nodes_beyond_the_allocation_are_refused_with_slurms_reason(
         ({"nodes": 65}, "an emulated cluster has 1 to 64 nodes; got 65"),
         ({"nodes": 2, "link": "warp"}, "unknown link profile 'warp': use one of veth, 1gbe, 10gbe, ib-hdr"),
         ({"nodes": 2, "link": "rate=fast"}, "unknown link profile 'rate=fast'"),
+        ({"nodes": 2, "spare_nodes": 2}, "spare nodes are some of an emulated cluster's nodes; got 2 of 2"),
+        ({"spare_nodes": 1}, "spare nodes are some of an emulated cluster's nodes; got 1 of None"),
     ],
 )
 def test_the_fixture_refuses_impossible_clusters_in_one_line(kwargs: dict, message: str) -> None:
