@@ -19,10 +19,12 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcfl.comm.guard import die_with_parent
 from hpcfl.report.methods import Cell
 from hpcfl.report.protocol import VALIDATION, Protocol
 from hpcfl.report.targets import default_target
@@ -139,9 +141,20 @@ def _run_all(jobs: list[tuple[dict[str, Any], str]], parallel: int) -> None:
         for job in jobs:
             run_cached(*job)
         return
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=parallel, mp_context=ctx) as pool:
+    with worker_pool(parallel) as pool:
         list(pool.map(run_cached, *zip(*jobs, strict=True)))
+
+
+def worker_pool(parallel: int) -> concurrent.futures.ProcessPoolExecutor:
+    """``parallel`` spawned worker processes that end with this one: a killed benchmark sends its
+    workers SIGTERM, so a run in flight checkpoints and stops (orphans used to go on training and
+    writing into the run directories a later invocation resumes)."""
+    return concurrent.futures.ProcessPoolExecutor(
+        max_workers=parallel,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=die_with_parent,
+        initargs=(signal.SIGTERM,),
+    )
 
 
 def run_protocol(

@@ -46,10 +46,12 @@ def supervise_rank(args: Sequence[str], *, rank: int, world_size: int) -> None:
     )
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """Ask Linux to SIGKILL this process when its parent (the guard) dies."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:  # pragma: no cover - runs in the child
+    """Ask Linux to send ``sig`` to this process when the thread that started it dies (call it as a
+    ``preexec_fn`` or a pool's initializer), so a killed parent leaves no orphan behind; a no-op
+    where ``prctl`` is missing."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except (OSError, AttributeError):
         return
 
@@ -58,7 +60,7 @@ def guard(command: Sequence[str], rank: int) -> int:
     """Run ``command`` as the guarded rank ``rank``; return its exit code (128 + N if killed by N)."""
     env = {**os.environ, GUARD_ENV: "child"}
     # close_fds=False: the launcher's PMI socket (PMI_FD) must reach the child.
-    child = subprocess.Popen(list(command), env=env, close_fds=False, preexec_fn=_die_with_parent)
+    child = subprocess.Popen(list(command), env=env, close_fds=False, preexec_fn=die_with_parent)
     for sig in _FORWARDED:
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     code = child.wait()

@@ -26,7 +26,6 @@ Needs root (``unshare``, ``nsenter``, ``ip``, ``tc``; ``iptables`` for loss). St
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -38,21 +37,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcfl.comm.guard import die_with_parent
 from tests.cluster.links import LinkProfile
 
 #: The emulated hosts' subnet, 10.231.0.0/24: it exists only inside each network's own namespaces,
 #: so two networks on one machine never meet.
 SUBNET_PREFIX = "10.231"
 MAX_NODES = 64
-_PR_SET_PDEATHSIG = 1
 
 
 class NamespaceError(RuntimeError):
     """A namespace, link or shaping step was refused; the message names the step and the reason."""
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def namespaces_available() -> str | None:
@@ -239,7 +234,7 @@ def _holder(hostname: str, workdir: Path) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # ready once the holder runs `sleep` in its namespace

@@ -42,7 +42,7 @@ code that calls the SLURM commands itself, e.g. submitit).
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import hashlib
 import os
 import pwd
@@ -60,6 +60,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcfl.comm.guard import die_with_parent
 from tests.cluster.links import LinkProfile, parse_link
 from tests.cluster.netns import MAX_NODES, EmulatedNetwork, NamespaceError, start_network
 
@@ -164,15 +165,6 @@ def _tail(path: Path, lines: int = 15) -> str:
     except OSError:
         return f"  ({path.name}: no log)"
     return "\n".join(f"  {path.name}: {line}" for line in text[-lines:])
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the kernel sends SIGTERM to the daemon if the test process dies first."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 _Mark = Callable[[str], None]
@@ -473,7 +465,9 @@ class SlurmCluster:
                 group=user,
                 extra_groups=[] if user else None,
                 start_new_session=True,  # Ctrl-C in the terminal goes to pytest, not the daemons
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(
+                    die_with_parent, signal.SIGTERM
+                ),  # the test process dies: so do they
             )
         daemon = _Daemon(name, popen, log)
         self._daemons.append(daemon)
