@@ -465,9 +465,7 @@ class SlurmCluster:
                 group=user,
                 extra_groups=[] if user else None,
                 start_new_session=True,  # Ctrl-C in the terminal goes to pytest, not the daemons
-                preexec_fn=functools.partial(
-                    die_with_parent, signal.SIGTERM
-                ),  # the test process dies: so do they
+                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),  # ends with pytest
             )
         daemon = _Daemon(name, popen, log)
         self._daemons.append(daemon)
