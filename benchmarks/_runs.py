@@ -59,6 +59,24 @@ def options(pairs: list[str]) -> dict[str, int | str]:
     return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in split}
 
 
+def federation_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """The config keys of a benchmark's federation, from its ``--dataset``, ``--dataset-option``,
+    ``--partition``, ``--clients``, ``--per-round``, ``--model``, ``--model-option`` and
+    ``--data-root`` (left out when not given: ``$HPCFL_DATA`` decides)."""
+    keys: dict[str, Any] = dict(
+        dataset=args.dataset,
+        dataset_options=options(args.dataset_option),
+        partition=args.partition,
+        num_clients=args.clients,
+        clients_per_round=args.per_round,
+        model=args.model,
+        model_options=options(args.model_option),
+    )
+    if args.data_root:
+        keys["data_root"] = args.data_root
+    return keys
+
+
 def run_cached(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
     """One run (in a worker process): skipped when DONE with this config, resumed when unfinished."""
     from hpcfl.config import config_from_dict

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _runs import Setting, add_option_arguments, column_targets, options, run_protocol, write_tables
+from _runs import Setting, add_option_arguments, column_targets, federation_keys, run_protocol, write_tables
 
 from hpcfl.bench.machine import with_machine
 from hpcfl.report.methods import Cell
@@ -124,14 +124,8 @@ def config(args: argparse.Namespace, method: str) -> dict[str, Any]:
         params = {**asynchronous, "buffer_size": args.buffer, "server_lr": args.server_lr}
     elif method == "fedasync":
         params = {**asynchronous, "alpha": args.alpha}
-    cfg: dict[str, Any] = dict(
-        dataset=args.dataset,
-        dataset_options=options(args.dataset_option),
-        partition=args.partition,
-        num_clients=args.clients,
-        clients_per_round=args.per_round,
-        model=args.model,
-        model_options=options(args.model_option),
+    return dict(
+        federation_keys(args),
         algorithm=method,
         params=params,
         rounds=args.updates // step,
@@ -145,9 +139,6 @@ def config(args: argparse.Namespace, method: str) -> dict[str, Any]:
         progress=False,
         system={"clock": clock(args, asynchronous=method in ("fedbuff", "fedasync"))},
     )
-    if args.data_root:
-        cfg["data_root"] = args.data_root
-    return cfg
 
 
 def clock(args: argparse.Namespace, *, asynchronous: bool) -> dict[str, Any]:

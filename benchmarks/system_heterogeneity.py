@@ -46,7 +46,7 @@ from _runs import (
     Setting,
     add_option_arguments,
     column_targets,
-    options,
+    federation_keys,
     run_dir_of,
     run_protocol,
     write_tables,
@@ -98,14 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def base_config(args: argparse.Namespace, algorithm: str, **extra: Any) -> dict[str, Any]:
     """A run of ``algorithm`` on the benchmark's federation (without lr and seed)."""
-    cfg: dict[str, Any] = dict(
-        dataset=args.dataset,
-        dataset_options=options(args.dataset_option),
-        partition=args.partition,
-        num_clients=args.clients,
-        clients_per_round=args.per_round,
-        model=args.model,
-        model_options=options(args.model_option),
+    return dict(
+        federation_keys(args),
         algorithm=algorithm,
         rounds=args.rounds,
         momentum=0.0,
@@ -117,9 +111,6 @@ def base_config(args: argparse.Namespace, algorithm: str, **extra: Any) -> dict[
         eval_every=args.eval_every,
         **extra,
     )
-    if args.data_root:
-        cfg["data_root"] = args.data_root
-    return cfg
 
 
 def validation_score(cell: Cell, out: Path, setting: Setting, seed: int, k: int) -> float:
