@@ -480,7 +480,7 @@ def test_a_cut_link_on_the_batch_host_requeues_a_job_that_runs(
     copy; the controller then completes the job as non-startable, FAILED, the probe's case). That
     is SLURM's own race (slurmctld completes any batch launch slurmd refuses, except on a prolog
     failure), so a site with no node to spare resumes such a job by hand (`scontrol requeue`, or
-    `sbatch` again: the run resumes from its checkpoint) — docs/multinode.md. Where srun returns
+    `sbatch` again: the run resumes from its checkpoint) — docs/failures.md. Where srun returns
     first, the script keeps asking the controller instead of reporting an end the rerun could be
     taken for: tests/test_requeue.py."""
     cfg, reference = fault_reference
