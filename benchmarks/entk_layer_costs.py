@@ -10,6 +10,11 @@ choice (``auto``), the fitted constants' choice (``fitted``) and every layer for
 beside a plain forward+backward. The constants are then fitted by non-negative least squares on
 relative error (:func:`hpcfl.entk.costs.fit_constants`) over all measured (layer, form) rows.
 
+Where the native CPU kernel is usable (:mod:`hpcfl.entk.native`), each layer it takes gets a
+``native`` row too (timed, outside the fit: the plan uses it wherever it is usable, whatever the
+constants say), and the whole batches add a ``native`` policy; ``auto`` is then the plan's default
+(native where usable), ``torch`` and ``fitted`` the cost model's choice with the kernel switched off.
+
 Writes ``<out>/entk_layer_costs_<device>.csv`` (one row per layer × form: dims, counts, measured,
 predicted by the current and by the fitted constants) and ``.json`` (rows, whole-batch times, the
 current and fitted constants, how often each model picks the faster form), after every model so a
@@ -26,6 +31,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +121,7 @@ def layer_dims(lp: Any, act: Any, delta: Any) -> dict[str, int]:
 def measure_model(name: str, args: argparse.Namespace, device: Any) -> tuple[list[dict], dict[str, Any]]:
     import torch
 
-    from hpcfl.entk import costs
+    from hpcfl.entk import costs, native
     from hpcfl.entk._common import eval_mode
     from hpcfl.entk.coords import coordinate_set, param_columns, scope_parameters
     from hpcfl.entk.fused import build_plan, layer_inputs_and_deltas
@@ -147,10 +153,15 @@ def measure_model(name: str, args: argparse.Namespace, device: Any) -> tuple[lis
             dims = layer_dims(lp, act, delta)
             kind = "conv" if isinstance(lp, ConvPlan) else "linear"
             forms = ["full"] if weight.full else list(costs.FORMS)
-            chosen = (
+            if not weight.full and native.usable(device) and getattr(modules[layer], "groups", 1) == 1:
+                forms.append(costs.NATIVE)  # timed wherever the kernel could run, chosen or not
+            chosen = (  # the torch forms' pick (what the fit below scores)
                 "full"
                 if weight.full
                 else costs.choose_layer_form(batch=args.batch, device_type=device.type, **dims)
+            )
+            planned = (
+                lp.form(args.batch, dims["length"], act.shape[1]) if kind == "conv" else lp.form(args.batch)
             )
             for form in forms:
                 cls = ConvPlan if kind == "conv" else LinearPlan
@@ -164,18 +175,26 @@ def measure_model(name: str, args: argparse.Namespace, device: Any) -> tuple[lis
 
                 run()  # warm-up outside the timer: allocations, Triton compiles, autotuning
                 ms = bench(run)
+                shape = {key: dims[key] for key in ("out_channels", "k", "unfold_rows", "length")}
+                native_counts = (
+                    costs.native_features(batch=args.batch, **shape) if form == costs.NATIVE else {}
+                )
                 feats = (
                     {}
-                    if form == "full"
+                    if form in ("full", costs.NATIVE)
                     else costs.form_features(form, batch=args.batch, device_type=device.type, **dims)
                 )
-                predicted = sum(costs.constants(device.type)[k] * v for k, v in feats.items())
+                predicted = sum(costs.constants(device.type)[k] * v for k, v in feats.items()) + sum(
+                    costs.NATIVE_COSTS[k] * v for k, v in native_counts.items()
+                )
                 rows.append({"model": name, "layer": layer, "kind": kind, "batch": args.batch, "numel": weight.numel,
-                             **dims, "form": form, "chosen": chosen, "ms": ms,
-                             "predicted_ms": predicted / 1e6 if feats else None,
-                             **{f"count_{k}": feats.get(k, 0.0) for k in costs.COST_TERMS}})  # fmt: skip
+                             **dims, "form": form, "chosen": chosen, "planned": planned, "ms": ms,
+                             "predicted_ms": predicted / 1e6 if feats or native_counts else None,
+                             **{f"count_{k}": feats.get(k, 0.0) for k in costs.COST_TERMS},
+                             **{f"count_{k}": native_counts.get(k, 0.0) for k in costs.NATIVE_TERMS}})  # fmt: skip
                 print(f"  {name:9s} {layer:24s} {kind:6s} n={dims['n']:7d}/{weight.numel:8d} L={dims['length']:4d} "
-                      f"{form:11s} {ms:8.3f} ms{'  <- chosen' if form == chosen and len(forms) > 1 else ''}")  # fmt: skip
+                      f"{form:11s} {ms:8.3f} ms{'  <- chosen' if form == chosen and len(forms) > 1 else ''}"
+                      f"{'  <- planned' if form == planned and len(forms) > 1 else ''}")  # fmt: skip
         del captured
     return rows, {"model": name, "p": p, "P": total}
 
@@ -187,10 +206,11 @@ def whole_batches(
     import torch
     import torch.nn.functional as F
 
-    from hpcfl.entk import costs
+    from hpcfl.entk import costs, native
     from hpcfl.entk._common import eval_mode
     from hpcfl.entk.coords import coordinate_set, param_columns, scope_parameters
     from hpcfl.entk.fused import build_plan, fused_features
+    from hpcfl.entk.settings import active, applied
     from hpcfl.models import build_model
 
     torch.manual_seed(0)
@@ -211,13 +231,21 @@ def whole_batches(
 
     result["plain"] = bench(plain)
     current = costs.constants
-    for policy in ("auto", "fitted", "gather", "materialise"):
+    policies = ["auto", "torch", "fitted", *costs.FORMS]
+    if native.usable(device):
+        policies.append(costs.NATIVE)
+    for policy in policies:
         if policy == "fitted":
             costs.constants = lambda device_type: fitted  # this process only: the fitted constants' choice
+        kernel_off = replace(active(), native=False, native_from="entk_layer_costs")
         try:
-            with eval_mode(model):
+            with applied(kernel_off if policy in ("torch", "fitted") else active()), eval_mode(model):
                 plan = build_plan(
-                    model, named, columns, device, form=None if policy in ("auto", "fitted") else policy
+                    model,
+                    named,
+                    columns,
+                    device,
+                    form=None if policy in ("auto", "torch", "fitted") else policy,
                 )
                 result[policy] = bench(
                     lambda plan=plan: fused_features(
@@ -320,6 +348,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         fitted = dict(costs.constants(key))
         print("\nno layer with both forms (every weight kept whole?): nothing to fit")
+    native_rows = [r for r in rows if r["form"] == costs.NATIVE]
+    if native_rows:  # the native form's own constants (hpcfl.entk.costs.NATIVE_COSTS), fitted apart
+        native_fit = costs.fit_constants(
+            [{k: r[f"count_{k}"] for k in costs.NATIVE_TERMS} for r in native_rows],
+            [1e6 * r["ms"] for r in native_rows],
+            terms=costs.NATIVE_TERMS,
+        )
+        for r in native_rows:
+            r["fitted_ms"] = sum(native_fit[k] * r[f"count_{k}"] for k in costs.NATIVE_TERMS) / 1e6
+        report["native_fit"] = native_fit
+        write(args, tag, rows, report)
+        print(f"native form's constants (ns per count) over {len(native_rows)} rows:")
+        print("    " + repr({k: float(f"{v:.4g}") for k, v in native_fit.items()}))
     if not args.no_batches:
         print("\nwhole fused batches (auto = current constants, fitted = the fit's choice):")
         for name in args.models:

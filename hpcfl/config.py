@@ -248,6 +248,7 @@ RESUMABLE_KEYS = frozenset(
         "entk.costs",  # the eNTK path's implementation: rounding only, noted by the run's record
         "entk.cuda_graph",
         "entk.triton_autotune",
+        "entk.native",
     }
 )
 

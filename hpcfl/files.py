@@ -46,6 +46,13 @@ def _atomic(path: Path, write: Any) -> None:
         raise
 
 
+def user_cache_dir(name: str) -> Path:
+    """``$XDG_CACHE_HOME/hpcfl/<name>`` (else ``~/.cache/hpcfl/<name>``): what hpcfl can rebuild
+    (parsed datasets, checksums, compiled kernels). Not created here."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hpcfl" / name
+
+
 def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Call ``write(fh)`` on a temp file beside ``path``, then rename it to ``path``.
 

@@ -181,6 +181,7 @@ def test_a_tct_run_records_the_entk_path_it_used(tmp_path, capsys, monkeypatch):
         f"entk.costs={table}",
         "entk.cuda_graph=true",
         "entk.triton_autotune=false",
+        "entk.native=false",
         "stage2.method=fused",
     ]
     assert main(["run", str(cfg), "--run-dir", str(run), "--set", *sets]) == 0
@@ -193,6 +194,9 @@ def test_a_tct_run_records_the_entk_path_it_used(tmp_path, capsys, monkeypatch):
         "cuda_graph_from": "config",
         "triton_autotune": True,
         "triton_autotune_from": "HPCFL_TRITON_AUTOTUNE",
+        "native": False,
+        "native_from": "config",
+        "native_kernel": "off: switched off (config)",
     }
     assert record["entk_costs"] == {"file": str(table), "device_type": "cpu", "fitted": fitted}
     assert (run / "features.zarr").exists()  # the run computed eNTK features under these settings

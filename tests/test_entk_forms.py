@@ -13,7 +13,7 @@ from torch import nn
 
 import hpcfl.entk.costs as costs
 import hpcfl.entk.layers as layers
-from hpcfl.entk import entk_features, num_params
+from hpcfl.entk import entk_features, native, num_params
 from hpcfl.entk._common import eval_mode
 from hpcfl.entk.coords import coordinate_set, param_columns, scope_parameters
 from hpcfl.entk.fused import build_plan, fused_features
@@ -149,7 +149,9 @@ _MODELS = {
 
 
 @pytest.mark.parametrize("name", list(_CPU_CHOICE))
-def test_cpu_plan_keeps_todays_forms(name):
+def test_cpu_plan_keeps_todays_forms(name, monkeypatch):
+    """The torch forms' choice (the native kernel switched off: tests/test_entk_native.py covers it)."""
+    monkeypatch.setenv("HPCFL_ENTK_NATIVE", "0")
     shape, options = _MODELS[name]
     torch.manual_seed(0)
     model = build_model(name, shape, 10, **options).eval()
@@ -354,10 +356,15 @@ def test_layer_cost_script_times_both_forms_and_fits(tmp_path):
     rows = report["rows"]
     layers_ = {r["layer"] for r in rows}
     assert layers_ == {"conv1", "conv2", "conv3", "fc1", "classifier"}
-    assert all({r["form"] for r in rows if r["layer"] == layer} == set(costs.FORMS) for layer in layers_)
+    timed = {layer: {r["form"] for r in rows if r["layer"] == layer} for layer in layers_}
+    forms = set(costs.FORCEABLE) if native.usable(torch.device("cpu")) else set(costs.FORMS)
+    assert all(timed[layer] == forms for layer in layers_), timed  # the native form wherever it runs
     assert all(r["ms"] > 0 and r["fitted_ms"] is not None for r in rows)
     assert set(report["fitted"]) == set(costs.COST_TERMS) and min(report["fitted"].values()) >= 0
-    assert set(report["batches"]["simplecnn"]) == {"plain", "auto", "fitted", "gather", "materialise"}
+    policies = {"plain", "auto", "torch", "fitted", "gather", "materialise"}
+    assert set(report["batches"]["simplecnn"]) == policies | ({"native"} if "native" in forms else set())
+    if "native" in forms:
+        assert set(report["native_fit"]) == set(costs.NATIVE_TERMS)
     assert (tmp_path / "entk_layer_costs_cpu.csv").read_text().startswith("model,layer,kind,")
     # the report it wrote is what $HPCFL_ENTK_COSTS names to use the fitted constants on that device
     # type (a cluster's own GPU model) and only there

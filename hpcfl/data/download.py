@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from hpcfl.errors import DataError
-from hpcfl.files import atomic_write, atomic_write_text
+from hpcfl.files import atomic_write, atomic_write_text, user_cache_dir
 
 _CHUNK = 1 << 20
 
@@ -50,11 +50,6 @@ def md5sum(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def _user_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hpcfl" / "checksums"
-
-
 def _writable_dir(directory: Path) -> bool:
     """True when we may write into ``directory``; a directory with no write bit at all counts as
     read-only even for root (shared dataset stores are often mounted or chmod-ed that way)."""
@@ -70,7 +65,7 @@ def _sidecars(path: Path) -> list[Path]:
     resolved = path.resolve()
     key = hashlib.sha1(str(resolved).encode(), usedforsecurity=False).hexdigest()
     beside = resolved.with_name(f".{resolved.name}.md5.json")
-    return [beside, _user_cache_dir() / f"{key}.json"]
+    return [beside, user_cache_dir("checksums") / f"{key}.json"]
 
 
 def _identity(path: Path, st: os.stat_result) -> dict[str, object]:

@@ -52,7 +52,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
 import tarfile
 from dataclasses import dataclass
@@ -62,7 +61,7 @@ import numpy as np
 
 from hpcfl.data.download import file_md5
 from hpcfl.errors import DataError
-from hpcfl.files import atomic_write, atomic_write_text
+from hpcfl.files import atomic_write, atomic_write_text, user_cache_dir
 
 #: LEAF's ``ALL_LETTERS`` (``models/utils/language_utils.py``): the 80 symbols, index = class
 VOCAB = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
@@ -182,11 +181,6 @@ def parse_archive(path: Path) -> Roles:
     )
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hpcfl" / FOLDER
-
-
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -244,7 +238,7 @@ def load_roles(root: Path) -> Roles:
         raise DataError(
             f"{path} is damaged or not the PyPI file: md5 {actual}, expected {ARCHIVE_MD5}; replace it"
         )
-    cache = _cache_dir() / f"{actual}-v{PARSER_VERSION}.npz"  # keyed by the digest computed, not hoped
+    cache = user_cache_dir(FOLDER) / f"{actual}-v{PARSER_VERSION}.npz"  # keyed by the digest computed, not hoped
     roles = _read_cache(cache)
     if roles is None:
         roles = parse_archive(path)

@@ -21,11 +21,16 @@ from hpcfl.entk.cost_file import fitted_file as fitted_file
 from hpcfl.entk.settings import COSTS_ENV as COSTS_ENV
 from hpcfl.entk.settings import active, costs_label
 
-Form = Literal["full", "gather", "materialise"]
-"""How a Linear/Conv2d weight's kept coordinates are formed (see the module docstring)."""
+Form = Literal["full", "gather", "materialise", "native"]
+"""How a Linear/Conv2d weight's kept coordinates are formed (see the module docstring; ``"native"``:
+the compiled CPU kernel of :mod:`hpcfl.entk.native`, used wherever it is usable, outside the model)."""
 
 FORMS: tuple[str, ...] = ("gather", "materialise")
-"""The forms a plan's ``form=`` may force (``"full"`` is not a choice: p = P always writes whole)."""
+"""The forms the cost model weighs (``"full"`` is not a choice: p = P always writes whole)."""
+
+NATIVE: Form = "native"
+FORCEABLE: tuple[str, ...] = (*FORMS, NATIVE)
+"""The forms a plan's ``form=`` may force (tests, ``benchmarks/entk_layer_costs.py``)."""
 
 DENSE_TILE_ELEMS = 1 << 20
 """Elements of the per-tile temporaries of the materialise path on the CPU (unfolded input +
@@ -76,6 +81,22 @@ device time of a fused batch is about plain training's), and two policies that d
 up to 25% apart (resnet8, every weight whole)."""
 
 _COSTS = {"cpu": CPU_COSTS, "cuda": CUDA_COSTS}
+
+NATIVE_TERMS: tuple[str, ...] = ("native_mac", "native_vec", "native_unfold")
+"""The native form's constants (:func:`native_features`): a multiply-add of its register blocks
+(padding included), a 16-lane vector compressed and stored, an element of the unfolded input."""
+
+NATIVE_COSTS: dict[str, float] = {"native_mac": 0.021, "native_vec": 1.05, "native_unfold": 0.52}
+"""ns per count of the native CPU kernel (:mod:`hpcfl.entk.native`), on the scale of :data:`CPU_COSTS`
+so that a plan weighs the native form's estimate against the torch forms'. Fitted (non-negative
+least squares on relative error, ``benchmarks/entk_layer_costs.py``'s ``native_fit``) on the 2-core
+AVX-512 EPYC, 1 thread, batch 256, over the 31 layers of simplecnn and vgg11 at p = 1e5 and
+simplecnn and resnet8 at p = 2e4 (``benchmarks/results/entk_layer_costs_cpu_*``). Against the torch
+form the built-in constants pick, the faster of the two is chosen on 25 of 31 layers: three vgg11
+convs stay on the gathers though the kernel is 8-55% faster there (the torch constants under-price
+those gathers), and the three it takes wrongly lose at most 4 ms (resnet8 layer2.0.conv2 at p = 2e4:
+23.4 native, 19.2 materialised). Measured examples (p = 1e5): simplecnn fc1 6.9 ms (gathers 15.0),
+conv3 9.1 (materialised 13.0), conv2 7.3 (8.0)."""
 
 
 def fitted_record() -> dict[str, Any] | None:
@@ -150,6 +171,32 @@ def form_features(
     }
 
 
+def native_features(
+    *, batch: int, out_channels: int, k: int, unfold_rows: int, length: int
+) -> dict[str, float]:
+    """The counts :data:`NATIVE_COSTS` multiply for the native form of one layer's weight (the
+    arguments as :func:`form_features`'). A Linear on (B, I) inputs (L = 1, nothing unfolded) is a
+    scaled copy of the input per row, 16 columns a vector; otherwise the kernel runs blocks of 4 rows
+    by 64 columns over the L positions (rows and columns padded up to whole blocks)."""
+    lanes = -(-k // 16)
+    if length == 1 and not unfold_rows:
+        return {"native_mac": 0.0, "native_vec": float(batch * out_channels * lanes), "native_unfold": 0.0}
+    rows, cols = -(-out_channels // 4) * 4, -(-k // 64) * 64
+    return {
+        "native_mac": float(batch * rows * cols * length),
+        "native_vec": float(batch * rows * cols // 16),
+        "native_unfold": float(batch * unfold_rows * length),
+    }
+
+
+def native_cost(*, batch: int, out_channels: int, k: int, unfold_rows: int, length: int) -> float:
+    """The native form's estimated time (ns) for one layer's weight over a batch."""
+    counts = native_features(
+        batch=batch, out_channels=out_channels, k=k, unfold_rows=unfold_rows, length=length
+    )
+    return sum(NATIVE_COSTS[name] * count for name, count in counts.items())
+
+
 def layer_form_costs(
     *, batch: int, n: int, out_channels: int, k: int, unfold_rows: int, length: int, device_type: str
 ) -> dict[str, float]:
@@ -171,11 +218,20 @@ def layer_form_costs(
 
 
 def choose_layer_form(
-    *, batch: int, n: int, out_channels: int, k: int, unfold_rows: int, length: int, device_type: str
+    *,
+    batch: int,
+    n: int,
+    out_channels: int,
+    k: int,
+    unfold_rows: int,
+    length: int,
+    device_type: str,
+    native: bool = False,
 ) -> Form:
     """``"materialise"`` where the cost model (:func:`layer_form_costs`) makes it strictly cheaper,
     else ``"gather"`` — a pure function of the batch, the layer's dims, its kept coordinates and the
-    device type."""
+    device type; with ``native`` (the kernel is usable for this layer), ``"native"`` where
+    :func:`native_cost` is below both."""
     cost = layer_form_costs(
         batch=batch,
         n=n,
@@ -185,7 +241,14 @@ def choose_layer_form(
         length=length,
         device_type=device_type,
     )
-    return "materialise" if cost["materialise"] < cost["gather"] else "gather"
+    best: Form = "materialise" if cost["materialise"] < cost["gather"] else "gather"
+    if (
+        native
+        and native_cost(batch=batch, out_channels=out_channels, k=k, unfold_rows=unfold_rows, length=length)
+        < cost[best]
+    ):
+        return NATIVE  # type: ignore[return-value]
+    return best
 
 
 def fit_constants(

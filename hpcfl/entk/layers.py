@@ -19,6 +19,12 @@ On the CPU the model's constants make every Linear gather (its materialised grad
 writes per sample against n gathered products) and a conv materialise where its unfolded products
 are cheaper than n·L gathered terms. The CUDA constants are estimates until
 ``benchmarks/entk_layer_costs.py --device cuda`` fits them; a plan's ``form=`` forces one form.
+
+On a CPU where the compiled kernel of :mod:`hpcfl.entk.native` is usable (AVX-512 and a C compiler,
+``entk.native`` on), float32 Linear and Conv2d (groups 1) weights have a third form, ``"native"``:
+one pass per sample range that forms the per-sample gradient in registers and stores only the kept
+entries. Its cost (:func:`hpcfl.entk.costs.native_cost`) grows with the whole weight, not with n, so
+the cost model takes it where many coordinates of a layer are kept.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hpcfl.entk import native
 from hpcfl.entk.coords import ParamColumns
-from hpcfl.entk.costs import FORMS, Form, choose_layer_form, materialise_tile
+from hpcfl.entk.costs import FORCEABLE, NATIVE, Form, choose_layer_form, materialise_tile
 from triton_kernels import channel_sum_gather, conv2d_gather, linear_gather, norm_weight_gather
 
 
@@ -93,9 +100,15 @@ def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
 
 
 def _check_form(form: str | None) -> Form | None:
-    if form is not None and form not in FORMS:
-        raise ValueError(f"unknown eNTK layer form {form!r} (one of {FORMS})")
+    if form is not None and form not in FORCEABLE:
+        raise ValueError(f"unknown eNTK layer form {form!r} (one of {FORCEABLE})")
     return form  # type: ignore[return-value]
+
+
+def _sample_ranges(batch: int, pieces: int) -> list[tuple[int, int]]:
+    """≤ ``pieces`` ranges of about equal size covering [0, batch)."""
+    step = -(-batch // max(1, pieces))
+    return [(b0, min(batch, b0 + step)) for b0 in range(0, batch, step)]
 
 
 class LinearPlan(LayerPlan):
@@ -126,28 +139,43 @@ class LinearPlan(LayerPlan):
         self.bias_index = _on(bias.local, device) if bias is not None else None
         self.device = device
         self.forced = _check_form(form)
-        self._form: dict[int, Form] = {}  # batch -> chosen form
+        self._form: dict[tuple[int, int, bool], Form] = {}  # (B, L, native usable) -> chosen form
+        self._kept: native.KeptMasks | None = None
 
-    def form(self, batch: int) -> Form:
-        """``"full"``, ``"gather"`` or ``"materialise"`` for this weight at ``batch`` samples."""
+    @property
+    def kept(self) -> native.KeptMasks:
+        """The kept coordinates as the native kernel's row masks (built on first use)."""
+        if self._kept is None:
+            weight = self.columns[0]
+            assert weight is not None
+            self._kept = native.KeptMasks.of(weight.local, *self.shape)
+        return self._kept
+
+    def form(self, batch: int, *, dtype: torch.dtype = torch.float32, length: int = 1) -> Form:
+        """``"full"``, ``"gather"``, ``"materialise"`` or ``"native"`` for this weight at ``batch``
+        samples of ``dtype`` (``length`` > 1: positions of a sequence, where the torch path is one
+        batched product and a pick, and the choice is between it and ``"native"``)."""
         weight = self.columns[0]
         assert weight is not None
         if weight.full:
             return "full"
         if self.forced is not None:
             return self.forced
-        if batch not in self._form:
+        usable = dtype == torch.float32 and native.usable(self.device)
+        key = (batch, length, usable)
+        if key not in self._form:
             out_features, in_features = self.shape
-            self._form[batch] = choose_layer_form(
+            self._form[key] = choose_layer_form(
                 batch=batch,
                 n=weight.n,
                 out_channels=out_features,
                 k=in_features,
                 unfold_rows=0,
-                length=1,
+                length=length,
                 device_type=self.device.type,
+                native=usable,
             )
-        return self._form[batch]
+        return self._form[key]
 
     def _pieces(self, pieces: int) -> list[tuple[int, int]]:
         """≤ ``pieces`` column ranges of about equal size, cut at row boundaries."""
@@ -162,7 +190,7 @@ class LinearPlan(LayerPlan):
         self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace, *, pieces: int
     ) -> list[Task]:
         if act.dim() == 3:  # (B, L, I): a sequence, per-sample gradients summed over positions
-            return [lambda: _sequence_linear(self, act, delta, out)]
+            return self._sequence_tasks(act, delta, out, pieces)
         if act.dim() != 2:
             raise Unsupported(
                 "Linear", f"Linear on {act.dim()}-d inputs (only (B, I) and (B, L, I) are fused)"
@@ -171,9 +199,15 @@ class LinearPlan(LayerPlan):
         work: list[Task] = []
         if weight is not None and weight.n:
             dst = out[:, weight.col0 : weight.col1]  # (B, n)
-            form = self.form(act.shape[0])
+            form = self.form(act.shape[0], dtype=act.dtype)
             if form == "full":  # p = P: the whole outer product, written in place, no gather
                 work.append(lambda: self._outer(act, delta, dst))
+            elif form == NATIVE:
+                d, u = delta[:, :, None], act[:, None, :]  # (B, O, 1), (B, 1, I)
+                for b0, b1 in _sample_ranges(act.shape[0], pieces):
+                    work.append(
+                        lambda b0=b0, b1=b1: native.masked_product(d[b0:b1], u[b0:b1], self.kept, dst[b0:b1])
+                    )
             elif form == "materialise":
                 batch = act.shape[0]
                 tile = materialise_tile(batch, self.shape[0] * self.shape[1], self.device.type)
@@ -193,6 +227,21 @@ class LinearPlan(LayerPlan):
             dst_b = out[:, bias.col0 : bias.col1]
             index = None if bias.full else self.bias_index
             work.append(lambda: _write(dst_b, delta if index is None else delta.index_select(1, index)))
+        return work
+
+    def _sequence_tasks(self, act: Tensor, delta: Tensor, out: Tensor, pieces: int) -> list[Task]:
+        weight, bias = self.columns
+        batch = act.shape[0]
+        if weight is None or weight.full or self.form(batch, dtype=act.dtype, length=act.shape[1]) != NATIVE:
+            return [lambda: _sequence_linear(self, act, delta, out)]
+        dst = out[:, weight.col0 : weight.col1]
+        d = delta.transpose(1, 2)  # (B, O, L)
+        work: list[Task] = [
+            lambda b0=b0, b1=b1: native.masked_product(d[b0:b1], act[b0:b1], self.kept, dst[b0:b1])
+            for b0, b1 in _sample_ranges(batch, pieces)
+        ]
+        if bias is not None and bias.n:
+            work.append(lambda: _sequence_linear_bias(self, delta, out))
         return work
 
     def _outer(self, act: Tensor, delta: Tensor, dst: Tensor) -> None:
@@ -318,18 +367,31 @@ class ConvPlan(LayerPlan):
         self.bias_index = _on(bias.local, device) if bias is not None else None
         self.device = device
         self.forced = _check_form(form)
-        self._form: dict[tuple[int, int, int], Form] = {}  # (B, L, C) -> chosen form
+        self._form: dict[tuple[int, int, int, bool], Form] = {}  # (B, L, C, native usable) -> form
+        self.geometry = native.ConvGeometry(self.kernel, self.stride, self.padding, self.dilation)
+        self._kept: native.KeptMasks | None = None
 
-    def form(self, batch: int, length: int, in_channels: int) -> Form:
-        """``"full"``, ``"gather"`` or ``"materialise"`` for this weight at ``batch`` samples and L
-        output positions (the cost model, unless ``form=`` forced one)."""
+    @property
+    def kept(self) -> native.KeptMasks:
+        """The kept coordinates as the native kernel's row masks (built on first use)."""
+        if self._kept is None:
+            weight = self.columns[0]
+            assert weight is not None
+            self._kept = native.KeptMasks.of(weight.local, self.out_channels, self.k)
+        return self._kept
+
+    def form(self, batch: int, length: int, in_channels: int, *, dtype: torch.dtype = torch.float32) -> Form:
+        """``"full"``, ``"gather"``, ``"materialise"`` or ``"native"`` for this weight at ``batch``
+        samples of ``dtype`` and L output positions (the cost model, with the native form among the
+        candidates where the kernel is usable: float32, groups 1; unless ``form=`` forced one)."""
         weight = self.columns[0]
         assert weight is not None
         if weight.full:
             return "full"
         if self.forced is not None:
             return self.forced
-        key = (batch, length, in_channels)
+        usable = self.groups == 1 and dtype == torch.float32 and native.usable(self.device)
+        key = (batch, length, in_channels, usable)
         if key not in self._form:
             kh, kw = self.kernel
             self._form[key] = choose_layer_form(
@@ -340,6 +402,7 @@ class ConvPlan(LayerPlan):
                 unfold_rows=in_channels * kh * kw,
                 length=length,
                 device_type=self.device.type,
+                native=usable,
             )
         return self._form[key]
 
@@ -352,8 +415,11 @@ class ConvPlan(LayerPlan):
         work: list[Task] = []
         if weight is not None and weight.n:
             dst = out[:, weight.col0 : weight.col1]  # (B, n)
-            form = self.form(batch, length, channels)
-            if form == "gather":
+            form = self.form(batch, length, channels, dtype=act.dtype)
+            if form == NATIVE:
+                for b0, b1 in _sample_ranges(batch, pieces):
+                    work.append(lambda b0=b0, b1=b1: self._native(act[b0:b1], delta[b0:b1], dst[b0:b1], ws))
+            elif form == "gather":
                 step = -(-batch // pieces)
                 for b0 in range(0, batch, step):
                     work.append(
@@ -379,6 +445,10 @@ class ConvPlan(LayerPlan):
                 )
             )
         return work
+
+    def _native(self, act: Tensor, delta: Tensor, dst: Tensor, ws: Workspace) -> None:
+        scratch = ws.get("conv_native", delta.shape[2] * delta.shape[3] * self.k, torch.float32, act.device)
+        native.conv_masked_product(act, delta, self.geometry, self.kept, dst, scratch)
 
     def _gather(self, act: Tensor, delta: Tensor, dst: Tensor) -> None:
         conv2d_gather(
@@ -516,6 +586,12 @@ def _sequence_linear(plan: LinearPlan, act: Tensor, delta: Tensor, out: Tensor) 
     if weight is not None and weight.n:
         full = torch.bmm(delta.transpose(1, 2), act).reshape(act.shape[0], -1)  # (B, O·I)
         _pick(full, weight, plan.local, out)
+    _sequence_linear_bias(plan, delta, out)
+
+
+def _sequence_linear_bias(plan: LinearPlan, delta: Tensor, out: Tensor) -> None:
+    """The bias part of :func:`_sequence_linear`: g_b = Σ_pos δ_b,pos."""
+    bias = plan.columns[1]
     if bias is not None and bias.n:
         _pick(delta.sum(1), bias, plan.bias_index, out)
 

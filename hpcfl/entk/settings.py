@@ -13,7 +13,11 @@ move results in the last bits, so they belong in the config and in the run's rec
   CPU);
 - ``triton_autotune`` (``$HPCFL_TRITON_AUTOTUNE``): launch the Triton gathers through
   ``triton.autotune`` (tile sizes chosen per shape by timing; a conv gather's tile sets its
-  reduction order) instead of their fixed tiles.
+  reduction order) instead of their fixed tiles;
+- ``native`` (``$HPCFL_ENTK_NATIVE``, on by default): on the CPU, form the kept per-sample gradient
+  coordinates of Linear and Conv2d weights with the compiled AVX-512 kernel of
+  :mod:`hpcfl.entk.native` where this machine can build it (else the torch forms run). It sums
+  a conv's terms in its own order, so the record also says whether the kernel was in use.
 
 An environment variable that is set (non-empty) overrides the config key, so a job script can point
 every run of a cluster at its GPU's fitted constants; the record names the source of each value.
@@ -38,6 +42,7 @@ from hpcfl.errors import ConfigError
 COSTS_ENV = "HPCFL_ENTK_COSTS"
 CUDA_GRAPH_ENV = "HPCFL_ENTK_CUDA_GRAPH"
 AUTOTUNE_ENV = "HPCFL_TRITON_AUTOTUNE"
+NATIVE_ENV = "HPCFL_ENTK_NATIVE"
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -50,12 +55,14 @@ class EntkSection:
     - ``costs``: path of a fitted layer-form constants file (``benchmarks/entk_layer_costs.py``'s
       JSON), or null for the built-in constants; made absolute where it enters;
     - ``cuda_graph``: replay the fused path's full batches as CUDA graphs (GPU only);
-    - ``triton_autotune``: autotune the Triton gathers' tiles per shape (GPU only).
+    - ``triton_autotune``: autotune the Triton gathers' tiles per shape (GPU only);
+    - ``native``: use the compiled CPU kernel (:mod:`hpcfl.entk.native`) where it builds (CPU only).
     """
 
     costs: str | None = None
     cuda_graph: bool = False
     triton_autotune: bool = False
+    native: bool = True
 
     def __post_init__(self) -> None:
         if self.costs is not None:
@@ -74,9 +81,11 @@ class EntkSettings:
     costs: str | None = None
     cuda_graph: bool = False
     triton_autotune: bool = False
+    native: bool = True
     costs_from: str = "config"
     cuda_graph_from: str = "config"
     triton_autotune_from: str = "config"
+    native_from: str = "config"
     method: str | None = None
 
 
@@ -102,16 +111,22 @@ def resolve(
         costs, costs_from = env[COSTS_ENV], COSTS_ENV
         fitted_file(costs, f"{COSTS_ENV}={costs}")
     flags: dict[str, tuple[bool, str]] = {}
-    for key, name in (("cuda_graph", CUDA_GRAPH_ENV), ("triton_autotune", AUTOTUNE_ENV)):
+    for key, name in (
+        ("cuda_graph", CUDA_GRAPH_ENV),
+        ("triton_autotune", AUTOTUNE_ENV),
+        ("native", NATIVE_ENV),
+    ):
         raw = env.get(name)
         flags[key] = (parse_flag(name, raw), name) if raw else (bool(getattr(section, key)), "config")
     return EntkSettings(
         costs=costs,
         cuda_graph=flags["cuda_graph"][0],
         triton_autotune=flags["triton_autotune"][0],
+        native=flags["native"][0],
         costs_from=costs_from,
         cuda_graph_from=flags["cuda_graph"][1],
         triton_autotune_from=flags["triton_autotune"][1],
+        native_from=flags["native"][1],
         method=method,
     )
 
@@ -124,8 +139,10 @@ def costs_label(settings: EntkSettings) -> str:
 
 
 def record(settings: EntkSettings) -> dict[str, Any]:
-    """The settings as ``determinism.json``'s ``entk`` entry: every effective value, its source and
-    the method."""
+    """The settings as ``determinism.json``'s ``entk`` entry: every effective value, its source, the
+    method, and whether the native CPU kernel is in use here (:func:`hpcfl.entk.native.status`)."""
+    from hpcfl.entk import native
+
     return {
         "method": settings.method,
         "costs": settings.costs,
@@ -134,6 +151,9 @@ def record(settings: EntkSettings) -> dict[str, Any]:
         "cuda_graph_from": settings.cuda_graph_from,
         "triton_autotune": settings.triton_autotune,
         "triton_autotune_from": settings.triton_autotune_from,
+        "native": settings.native,
+        "native_from": settings.native_from,
+        "native_kernel": native.status(settings),
     }
 
 

@@ -22,7 +22,7 @@ DEFAULT_METHODS = {
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run every method (plus ``plain``) in its own subprocess, write CSV/JSON/PNG, print a table."""
-    from hpcfl.entk import costs
+    from hpcfl.entk import costs, native
     from hpcfl.errors import ConfigError
 
     methods = parse_methods(args.methods or DEFAULT_METHODS[args.device])
@@ -75,6 +75,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "constants": costs.constants(args.device),
             "from": os.environ.get(costs.COSTS_ENV),
         },
+        # the fused method's CPU kernel (hpcfl.entk.native): "on: FILE" or "off: WHY"
+        "native_kernel": native.status() if args.device == "cpu" else "off: not a CPU run",
     }
     best: dict[str, dict[str, Any]] = {}
     per_round: list[dict[str, Any]] = []

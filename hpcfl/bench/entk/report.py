@@ -142,6 +142,8 @@ def write_report(out: Path, report: dict[str, Any], plain: float | None) -> None
     )
     plot(rows, config, out / "entk_bench.png")
     print(table(rows, plain))
+    if "native_kernel" in config:
+        print(f"fused's native CPU kernel: {config['native_kernel']}")
     for name, item in ratios.items():
         extra = f" ({best_other_label(item, by_method)})" if "best" in item else ""
         verdict = "ok" if item["ratio"] >= item["required"] else "BELOW"
