@@ -238,7 +238,9 @@ def load_roles(root: Path) -> Roles:
         raise DataError(
             f"{path} is damaged or not the PyPI file: md5 {actual}, expected {ARCHIVE_MD5}; replace it"
         )
-    cache = user_cache_dir(FOLDER) / f"{actual}-v{PARSER_VERSION}.npz"  # keyed by the digest computed, not hoped
+    cache = (
+        user_cache_dir(FOLDER) / f"{actual}-v{PARSER_VERSION}.npz"
+    )  # keyed by the digest computed, not hoped
     roles = _read_cache(cache)
     if roles is None:
         roles = parse_archive(path)

@@ -91,12 +91,13 @@ NATIVE_COSTS: dict[str, float] = {"native_mac": 0.021, "native_vec": 1.05, "nati
 so that a plan weighs the native form's estimate against the torch forms'. Fitted (non-negative
 least squares on relative error, ``benchmarks/entk_layer_costs.py``'s ``native_fit``) on the 2-core
 AVX-512 EPYC, 1 thread, batch 256, over the 31 layers of simplecnn and vgg11 at p = 1e5 and
-simplecnn and resnet8 at p = 2e4 (``benchmarks/results/entk_layer_costs_cpu_*``). Against the torch
-form the built-in constants pick, the faster of the two is chosen on 25 of 31 layers: three vgg11
-convs stay on the gathers though the kernel is 8-55% faster there (the torch constants under-price
-those gathers), and the three it takes wrongly lose at most 4 ms (resnet8 layer2.0.conv2 at p = 2e4:
-23.4 native, 19.2 materialised). Measured examples (p = 1e5): simplecnn fc1 6.9 ms (gathers 15.0),
-conv3 9.1 (materialised 13.0), conv2 7.3 (8.0)."""
+simplecnn and resnet8 at p = 2e4 (``benchmarks/results/entk_layer_costs_cpu_p1e5.*``, ``_p2e4.*``;
+the joint fit over both files: 0.0214, 1.06, 0.54). Against the torch form the built-in constants
+pick, the faster of the two is chosen on 25 of 31 layers: three vgg11 convs stay on the gathers
+though the kernel is 1.2-2.3× faster there (the torch constants under-price those gathers, as
+before), and the two it takes wrongly lose 1.7 ms and 0.03 ms (resnet8 layer2.0.conv2 at p = 2e4:
+23.9 native, 22.2 materialised). Measured at p = 1e5: simplecnn fc1 7.2 ms (gathers 16.5), conv3
+10.1 (materialised 14.2), conv2 7.8 (8.7)."""
 
 
 def fitted_record() -> dict[str, Any] | None:

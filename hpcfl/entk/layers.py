@@ -80,6 +80,18 @@ class LayerPlan:
     """Base of the per-layer plans: the parameter columns it fills."""
 
     columns: tuple[ParamColumns | None, ...] = ()
+    matrix: tuple[int, int] = (0, 0)
+    """The weight as an (O, K) matrix (Linear and Conv2d plans): the native kernel's rows and columns."""
+    _kept: native.KeptMasks | None = None
+
+    @property
+    def kept(self) -> native.KeptMasks:
+        """The weight's kept coordinates as the native kernel's row masks (built on first use)."""
+        if self._kept is None:
+            weight = self.columns[0]
+            assert weight is not None
+            self._kept = native.KeptMasks.of(weight.local, *self.matrix)
+        return self._kept
 
     def tasks(
         self, module: nn.Module, act: Tensor, delta: Tensor, out: Tensor, ws: Workspace, *, pieces: int
@@ -128,7 +140,7 @@ class LinearPlan(LayerPlan):
         form: Form | None = None,
     ):
         self.columns = (weight, bias)
-        self.shape = (module.out_features, module.in_features)
+        self.shape = self.matrix = (module.out_features, module.in_features)
         width = module.in_features
         o = weight.local.div(width, rounding_mode="floor")
         self.o = o.to(device)  # (n,)
@@ -140,16 +152,6 @@ class LinearPlan(LayerPlan):
         self.device = device
         self.forced = _check_form(form)
         self._form: dict[tuple[int, int, bool], Form] = {}  # (B, L, native usable) -> chosen form
-        self._kept: native.KeptMasks | None = None
-
-    @property
-    def kept(self) -> native.KeptMasks:
-        """The kept coordinates as the native kernel's row masks (built on first use)."""
-        if self._kept is None:
-            weight = self.columns[0]
-            assert weight is not None
-            self._kept = native.KeptMasks.of(weight.local, *self.shape)
-        return self._kept
 
     def form(self, batch: int, *, dtype: torch.dtype = torch.float32, length: int = 1) -> Form:
         """``"full"``, ``"gather"``, ``"materialise"`` or ``"native"`` for this weight at ``batch``
@@ -350,6 +352,7 @@ class ConvPlan(LayerPlan):
         self.groups = module.groups
         out_c, cg, kh, kw = module.weight.shape
         self.out_channels, self.k = out_c, cg * kh * kw
+        self.matrix = (out_c, self.k)
         local = weight.local
         o = local.div(self.k, rounding_mode="floor")
         rem = local.remainder(self.k)
@@ -369,16 +372,6 @@ class ConvPlan(LayerPlan):
         self.forced = _check_form(form)
         self._form: dict[tuple[int, int, int, bool], Form] = {}  # (B, L, C, native usable) -> form
         self.geometry = native.ConvGeometry(self.kernel, self.stride, self.padding, self.dilation)
-        self._kept: native.KeptMasks | None = None
-
-    @property
-    def kept(self) -> native.KeptMasks:
-        """The kept coordinates as the native kernel's row masks (built on first use)."""
-        if self._kept is None:
-            weight = self.columns[0]
-            assert weight is not None
-            self._kept = native.KeptMasks.of(weight.local, self.out_channels, self.k)
-        return self._kept
 
     def form(self, batch: int, length: int, in_channels: int, *, dtype: torch.dtype = torch.float32) -> Form:
         """``"full"``, ``"gather"``, ``"materialise"`` or ``"native"`` for this weight at ``batch``

@@ -9,8 +9,14 @@ G_b for a tile of samples by a batched product and pick the kept entries (a conv
 :file:`native_kernels.c` does both in one pass: it forms G_b in registers, 4 rows × 64 columns at a
 time, and compresses each register's kept lanes (``vcompressps``, lane masks precomputed per row by
 :class:`KeptMasks`) straight into the output; nothing is gathered by index and G_b is never
-written. Measured on the 2-core AVX-512 EPYC (issue 66; simplecnn, B = 256, p = 100,000, 1 thread):
-fc1 16.1 → 6.8 ms, conv3 14.1 → 9.2 ms, conv2 8.5 → 7.1 ms, the same numbers to the bit here.
+written. Measured on the 2-core AVX-512 EPYC (issue 66; simplecnn, B = 256, p = 100,000, 1 thread,
+``benchmarks/results/entk_layer_costs_cpu_p1e5.*``): fc1 7.2 ms against the gathers' 16.5, conv3
+10.1 against 14.2 materialised, conv2 7.8 against 8.7; whole batches on 2 threads 0.77× plain
+training's throughput against 0.60× with the torch forms (median of 7 rounds). Its cost grows with
+the whole weight, not with the kept coordinates, so the cost model (:func:`hpcfl.entk.costs.native_cost`)
+takes it only where a layer keeps enough of them (simplecnn's conv1, K = 9, stays materialised: 2.7
+ms native, 1.1 materialised). The call releases the GIL (ctypes), so the tasks of
+:func:`hpcfl.entk.tasks.run_tasks` run it on every core at once.
 
 Built with the system C compiler (``$CC``, else ``cc``) at ``-O3 -march=native`` into
 ``~/.cache/hpcfl/native/`` (:func:`hpcfl.files.user_cache_dir`), keyed by the source, the compiler
@@ -107,20 +113,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "no C compiler (cc) on PATH"
     target = user_cache_dir("native") / f"entk-{_build_key(cc)}.so"
     if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-            os.close(fd)
-            done = subprocess.run(
-                [cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
-            )
-            if done.returncode != 0:
-                os.unlink(tmp)
-                first = (done.stderr.strip().splitlines() or ["no message"])[0]
-                return None, f"compiling {SOURCE.name} failed: {first}"
-            os.replace(tmp, target)
-        except (OSError, subprocess.SubprocessError) as err:
-            return None, f"compiling {SOURCE.name} failed: {err}"
+        why = _compile(cc, target)
+        if why is not None:
+            return None, why
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as err:
@@ -129,6 +124,30 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "this CPU has no AVX-512"
     _declare(lib)
     return lib, str(target)
+
+
+def _compile(cc: str, target: Path) -> str | None:
+    """Compile :data:`SOURCE` to ``target`` through a temporary file renamed into place (so a
+    concurrent reader finds the whole library or none); None, or why it failed."""
+    tmp: str | None = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+        done = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or [f"{cc} exited with {done.returncode}"])[0]
+            return f"compiling {SOURCE.name} failed: {first}"
+        os.replace(tmp, target)
+        tmp = None
+        return None
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"compiling {SOURCE.name} failed: {err}"
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
