@@ -44,7 +44,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hpcfl.comm",
         "hpcfl.ntk",  # the kernel evolution and memory model NTK-FL computes with
     ),
-    ("hpcfl.registry", "hpcfl.files", "hpcfl.errors", "hpcfl.units", "hpcfl.privacy.section"),
+    (
+        "hpcfl.registry",
+        "hpcfl.files",
+        "hpcfl.errors",
+        "hpcfl.units",
+        "hpcfl.cpuinfo",
+        "hpcfl.privacy.section",
+    ),
 )
 
 #: the one module whose string-named modules are late-bound lookups, not imports (see the docstring)

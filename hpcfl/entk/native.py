@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hpcfl.cpuinfo import cpu_model, vector_extensions
 from hpcfl.entk.settings import EntkSettings, active
 from hpcfl.files import user_cache_dir
 
@@ -81,12 +82,12 @@ class KeptMasks:
             raise ValueError(f"kept coordinates outside a {rows}x{width} matrix")
         lanes = -(-width // 16)
         row, col = local.div(width, rounding_mode="floor"), local.remainder(width)
-        bits = torch.zeros(rows * lanes, dtype=torch.int32)
+        bits = torch.zeros(rows * lanes, dtype=torch.int32)  # host: the kernel's masks live on the CPU
         bits.index_add_(
             0, row * lanes + col // 16, torch.ones_like(col, dtype=torch.int32) << (col % 16).to(torch.int32)
         )
         bits = torch.where(bits >= 1 << 15, bits - (1 << 16), bits)  # the same 16 bits, as int16
-        starts = torch.zeros(rows + 1, dtype=torch.int64)
+        starts = torch.zeros(rows + 1, dtype=torch.int64)  # host: as the masks
         starts[1:] = torch.bincount(row, minlength=rows).cumsum(0)
         return cls(bits.to(torch.int16).view(rows, lanes), starts, local, rows, width)
 
@@ -96,8 +97,6 @@ def _compiler() -> str | None:
 
 
 def _build_key(cc: str) -> str:
-    from hpcfl.bench.machine import cpu_model, vector_extensions
-
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):

@@ -139,10 +139,9 @@ def costs_label(settings: EntkSettings) -> str:
 
 
 def record(settings: EntkSettings) -> dict[str, Any]:
-    """The settings as ``determinism.json``'s ``entk`` entry: every effective value, its source, the
-    method, and whether the native CPU kernel is in use here (:func:`hpcfl.entk.native.status`)."""
-    from hpcfl.entk import native
-
+    """The settings as ``determinism.json``'s ``entk`` entry: every effective value, its source and
+    the method (the run's record adds whether the native CPU kernel was in use:
+    :func:`hpcfl.entk.native.status`)."""
     return {
         "method": settings.method,
         "costs": settings.costs,
@@ -153,7 +152,6 @@ def record(settings: EntkSettings) -> dict[str, Any]:
         "triton_autotune_from": settings.triton_autotune_from,
         "native": settings.native,
         "native_from": settings.native_from,
-        "native_kernel": native.status(settings),
     }
 
 

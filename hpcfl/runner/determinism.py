@@ -45,8 +45,8 @@ def collect(
     device and memory); ``device``: the one this rank resolved ``device`` to; ``entk``: the eNTK
     settings the run holds in force (default: :func:`entk_settings` of ``cfg``). ``entk_costs``
     (the fitted constants) is recorded whenever a costs file is in force, the ``entk`` entry (every
-    effective setting, its source and the method) when the algorithm computes eNTK features or
-    Jacobians.
+    effective setting, its source, the method and whether the native CPU kernel ran,
+    :func:`hpcfl.entk.native.status`) when the algorithm computes eNTK features or Jacobians.
 
     ``ranks`` (host, node-local rank, device per rank, and the GPUs SLURM made visible to it) is
     where a run says how it was laid over nodes; results never depend on it, so
@@ -87,7 +87,11 @@ def collect(
     if costs is not None:
         record["entk_costs"] = costs
     if entk.method is not None:
-        record["entk"] = entk_settings_module.record(entk)
+        from hpcfl.entk import native
+
+        # only a CPU run builds and uses the kernel
+        kernel = native.status(entk) if where["device"].startswith("cpu") else "off: not a CPU run"
+        record["entk"] = {**entk_settings_module.record(entk), "native_kernel": kernel}
     return record
 
 
