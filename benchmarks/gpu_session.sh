@@ -23,7 +23,8 @@
 #               eNTK layer forms on CUDA (test_entk_forms: fixed and autotuned gathers) + the
 #               CKA/Triton test files on CUDA + the fused eNTK's CUDA-graph replay (test_entk_cuda_graph:
 #               replay equals eager on simplecnn/resnet18-GN/vgg11, fallback on a host sync, no host
-#               sync in the fused batch, autotune never under capture)
+#               sync in the fused batch, autotune never under capture) + the native CPU eNTK kernel
+#               on the GPU host's CPU (test_entk_native: a second CPU model; skips without AVX-512/cc)
 #   checkpoint  a tiny device: cuda run (tests/fixtures/cuda_checkpoint.yaml) whose checkpoint files
 #               are written again from CUDA tensors (hpcfl itself now writes host copies) by
 #               tests/fixtures/make_checkpoint_cuda.py; the run directory is the CPU suite's fixture
@@ -91,7 +92,7 @@ declare -A LIMIT=(
     [tcttable]="200 90" [shakespeare]="570 120" [peers]="150 60"
 )
 declare -A CMD=(
-    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py tests/test_entk_forms.py tests/test_entk_cuda_graph.py --junitxml $OUTDIR/pytest_gpu.xml"
+    [tests]="python3 -m pytest -q -p no:cacheprovider -m 'gpu or not slow' tests/test_gpu.py tests/test_checkpoint_devices.py tests/test_cka.py tests/test_triton_kernels.py tests/test_fake_accelerator.py tests/test_entk_forms.py tests/test_entk_native.py tests/test_entk_cuda_graph.py --junitxml $OUTDIR/pytest_gpu.xml"
     [checkpoint]="python3 tests/fixtures/make_checkpoint_cuda.py $OUTDIR/checkpoint_cuda"
     [entk18]="python3 -m hpcfl bench entk --device cuda --model resnet18 --batch 256 --p 100000 --methods vmap,fused,opacus,opacus-functorch --rounds 2 --repeats 5 --out $OUTDIR/entk_resnet18_cuda"
     [layercosts]="python3 benchmarks/entk_layer_costs.py --device cuda --models simplecnn resnet8 resnet18 vgg11 --batch 256 --p 100000 --out $OUTDIR/entk_layer_costs_cuda"
