@@ -132,7 +132,10 @@ wheels() {
 dry() {
     # Everything a call needs, checked on the CPU: syntax, wheels, data, every step's arguments
     # through its own parser (benchmarks/_dry_parse.py), the tests' collection.
-    local py=${PYTHON:-python3} failed=0
+    # the project's venv where there is one (the system python3 has no hpcfl); $PYTHON overrides
+    local default=python3
+    [ -x .venv/bin/python ] && default=.venv/bin/python
+    local py=${PYTHON:-$default} failed=0
     bash -n "$0" || return 1
     for w in zarr numcodecs donfig google_crc32c submitit mpich opacus; do
         compgen -G ".whl/${w}-*.whl" >/dev/null || { echo "dry: no .whl/${w}-*.whl (run: $0 wheels)"; failed=1; }
