@@ -16,7 +16,6 @@ first repeat dropped; prints and writes the median milliseconds a step and the r
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import statistics
@@ -30,6 +29,7 @@ from hpcfl.algorithms.asynchronous import AsyncAlgorithm, AsyncServerState
 from hpcfl.algorithms.fedasync import FedAsync, FedAsyncParams
 from hpcfl.algorithms.fedbuff import FedBuff, FedBuffParams
 from hpcfl.bench.machine import with_machine, with_machine_columns
+from hpcfl.files import write_csv
 from hpcfl.models.mlp import MLP
 from hpcfl.training.layout import StateLayout
 
@@ -155,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = with_machine({"conditions": conditions, "rows": rows}, threads=torch.get_num_threads())
     (args.out / "async_pending_cpu.json").write_text(json.dumps(payload, indent=2) + "\n")
     flat = with_machine_columns(rows, threads=torch.get_num_threads())
-    with open(args.out / "async_pending_cpu.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(flat[0]))
-        w.writeheader()
-        w.writerows(flat)
+    write_csv(args.out / "async_pending_cpu.csv", flat)
     print(
         f"async_pending: -> {args.out}/async_pending_cpu.{{json,csv}}; load {load_before} -> {conditions['load_after']}"
     )

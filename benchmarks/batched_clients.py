@@ -24,7 +24,6 @@ Prints a table with the ratio batched / sequential samples/s and writes CSV, JSO
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcfl.bench.machine import with_machine, with_machine_columns
+from hpcfl.files import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -327,11 +327,8 @@ def main() -> None:
     tag = f"{args.device}_{args.threads}t" if args.device == "cpu" else args.device
     tag += "_" + "-".join(args.models)
     rows = with_machine_columns(rows, args.threads if args.device == "cpu" else None)
-    with open(out / f"batched_clients_{tag}.csv", "w", newline="") as fh:
-        fields = [k for k in rows[0] if k != "samples_per_s_all"]
-        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    fields = [k for k in rows[0] if k != "samples_per_s_all"]
+    write_csv(out / f"batched_clients_{tag}.csv", rows, fields, extrasaction="ignore")
     (out / f"batched_clients_{tag}.json").write_text(
         json.dumps(with_machine({"args": vars(args) | {"out": str(out)}, "rows": rows}), indent=2)
     )

@@ -77,23 +77,20 @@ def main() -> None:
                 flush=True,
             )
     if comm.rank == 0 and args.out:
-        import csv
         import socket
         from pathlib import Path
 
         from hpcfl.bench.machine import with_machine, with_machine_columns
+        from hpcfl.files import write_csv
 
         hosts = sorted(set(comm.hosts))
         out = Path(args.out)
         meta = {"ranks": comm.size, "hosts": hosts, "repeats": args.repeats, "hostname": socket.gethostname()}
         out.with_suffix(".json").write_text(json.dumps(with_machine({**meta, "rows": rows}), indent=1) + "\n")
         rows = with_machine_columns(rows)
-        with out.with_suffix(".csv").open("w", newline="") as fh:
-            fields = list(dict.fromkeys(k for row in rows for k in row))  # the late rows have their own
-            writer = csv.DictWriter(fh, fieldnames=["hosts", *fields], restval="")
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({"hosts": " ".join(hosts), **row})
+        fields = list(dict.fromkeys(k for row in rows for k in row))  # the late rows have their own
+        table = [{"hosts": " ".join(hosts), **row} for row in rows]
+        write_csv(out.with_suffix(".csv"), table, ["hosts", *fields], restval="")
 
 
 def late_rows(plain: MPIComm, knocking: MPIComm, args: argparse.Namespace) -> list[dict]:

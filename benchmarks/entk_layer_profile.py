@@ -22,7 +22,6 @@ microseconds per task.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import sys
@@ -39,6 +38,7 @@ import hpcfl.entk.fused as fused  # noqa: E402
 import hpcfl.entk.layers as layers  # noqa: E402
 from hpcfl.bench.entk.runners import input_shape, make_runner, model_and_batch  # noqa: E402
 from hpcfl.bench.machine import with_machine, with_machine_columns  # noqa: E402
+from hpcfl.files import write_csv  # noqa: E402
 
 PLANS = (layers.LinearPlan, layers.ConvPlan, layers.NormPlan, layers.EmbeddingPlan, layers.LayerNormPlan)
 
@@ -194,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     (args.out / "entk_layer_profile_cpu.json").write_text(json.dumps(payload, indent=2) + "\n")
     rows = with_machine_columns([{"part": k, "median_ms": med[k] * 1e3} for k in keys], threads=args.threads)
-    with open(args.out / "entk_layer_profile_cpu.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out / "entk_layer_profile_cpu.csv", rows)
     md = [
         f"# Fused eNTK extractor, part by part, beside plain training ({args.model}, B = {args.batch}, "
         f"p = {args.p:,}, {args.threads} threads, CPU)\n",

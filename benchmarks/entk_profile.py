@@ -12,11 +12,11 @@ prints the top ``--top`` of each model with the share of the batch's device time
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 from pathlib import Path
 
 from hpcfl.bench.machine import with_machine, with_machine_columns
+from hpcfl.files import write_csv
 
 SHAPES = {"simplecnn": (1, 28, 28), "mlp": (1, 28, 28), "resnet8": (3, 32, 32), "resnet18": (3, 32, 32),
           "vgg11": (3, 32, 32)}  # fmt: skip
@@ -106,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     tag = args.device.replace(":", "")
     rows = with_machine_columns(rows)
-    with open(args.out / f"entk_profile_{tag}.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / f"entk_profile_{tag}.csv", rows)
     top = [r for r in rows if r["share"] >= 0.01]
     (args.out / f"entk_profile_{tag}.json").write_text(
         json.dumps(with_machine({"batch": args.batch, "p": args.p, "rows": top}), indent=2)

@@ -17,7 +17,6 @@ not per round). Writes ``local_epoch_time.{csv,json,png}`` under ``--out`` and p
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -35,6 +34,7 @@ from hpcfl.algorithms.fedcka import FedCKAParams
 from hpcfl.algorithms.moon import MoonParams
 from hpcfl.algorithms.participation import Population
 from hpcfl.bench.machine import with_machine, with_machine_columns
+from hpcfl.files import write_csv
 from hpcfl.models import build_model
 from hpcfl.training import FlatModel, LocalSchedule
 from hpcfl.training.layout import StateLayout
@@ -187,11 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(args)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = with_machine_columns(rows, args.threads)
-    with open(args.out / "local_epoch_time.csv", "w", newline="") as f:
-        keys = [k for k in rows[0] if not k.endswith("_all")]
-        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    keys = [k for k in rows[0] if not k.endswith("_all")]
+    write_csv(args.out / "local_epoch_time.csv", rows, keys, extrasaction="ignore")
     meta = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__,

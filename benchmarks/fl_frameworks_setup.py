@@ -23,7 +23,6 @@ one timed). Writes fl_frameworks_setup_<device>.{csv,json,md}.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import tempfile
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 from hpcfl.bench.machine import with_machine, with_machine_columns
+from hpcfl.files import write_csv
 
 PUBLISHED = {  # samples/s read off BlazeFL's README plots of 2026-04-25 (PR #137); hardware not stated
     "simplecnn": {"blazefl": 43_000, "flower": 13_600},
@@ -164,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     tag = args.device.replace(":", "")
     rows = with_machine_columns(rows)
-    with open(args.out / f"fl_frameworks_setup_{tag}.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / f"fl_frameworks_setup_{tag}.csv", rows)
     meta = {"device": device_name, "data": data_name, "clients": args.clients, "per_client": PER_CLIENT,
             "epochs": EPOCHS, "batch": BATCH, "published": PUBLISHED, "published_on": PUBLISHED_ON}  # fmt: skip
     (args.out / f"fl_frameworks_setup_{tag}.json").write_text(

@@ -38,7 +38,6 @@ and ``.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -47,6 +46,7 @@ import time
 from pathlib import Path
 
 from hpcfl.bench.machine import stamp_csv, with_machine
+from hpcfl.files import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -294,10 +294,7 @@ def main() -> None:
         k2 = next(t for t in table if t["ranks"] == 2)["kernel_compute"]
         summary["kernel_scaling_1_to_2"] = k1 / k2
     (args.out / "ntkfl_server_time.json").write_text(json.dumps(with_machine(summary), indent=2))
-    with open(args.out / "ntkfl_server_time.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
+    write_csv(args.out / "ntkfl_server_time.csv", table)
     stamp_csv(args.out / "ntkfl_server_time.csv")
     for row in table:
         print(

@@ -25,7 +25,6 @@ machine; the figures are ratios within one run.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -39,6 +38,7 @@ from typing import Any
 import yaml
 
 from hpcfl.bench.machine import stamp_csv, with_machine
+from hpcfl.files import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -238,10 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "participation.json").write_text(
         json.dumps(with_machine({"meta": meta, "results": results}), indent=1) + "\n"
     )
-    with open(args.out / "participation.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=sorted({k for r in results for k in r}))
-        writer.writeheader()
-        writer.writerows(results)
+    write_csv(args.out / "participation.csv", results, sorted({k for r in results for k in r}))
     stamp_csv(args.out / "participation.csv")
     plot(results, args.out / "participation.png")
     print(

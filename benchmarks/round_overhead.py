@@ -27,7 +27,6 @@ per-round times, so both columns compare like with like.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcfl.bench.machine import with_machine, with_machine_columns
+from hpcfl.files import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -369,10 +369,7 @@ def write_outputs(
         )
     )
     flat = with_machine_columns([{k: v for k, v in r.items() if k != "record"} for r in runs], args.threads)
-    with open(stem.with_suffix(".csv"), "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(flat[0]))
-        writer.writeheader()
-        writer.writerows(flat)
+    write_csv(stem.with_suffix(".csv"), flat)
     lines = [
         f"FedAvg round overhead, {args.rounds} rounds, seed {args.seed}, {args.threads} torch thread(s) per "
         f"process, median of {args.repeats} interleaved repeats; load average before {' '.join(load_before)}, "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import csv
 import json
 import os
 import subprocess
@@ -32,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from hpcfl.bench.machine import stamp_csv, with_machine
+from hpcfl.files import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -264,10 +264,7 @@ def main() -> None:
         f"float64 {1e3 * cost['float64']:.3f} ms ({summary['allreduce_float64_over_float32']:.2f}x; "
         f"reduction: float64 makes the sum placement-independent)"
     )
-    with open(args.out / "round_throughput.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=sorted({k for r in rows for k in r}))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "round_throughput.csv", rows, sorted({k for r in rows for k in r}))
     stamp_csv(args.out / "round_throughput.csv")
     (args.out / "round_throughput.json").write_text(
         json.dumps(with_machine({"rows": rows, "summary": summary}), indent=2)
@@ -309,10 +306,7 @@ def gpu_grid(args: argparse.Namespace) -> None:
                 )
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     tag = args.device.replace(":", "")
-    with open(args.out / f"round_throughput_{tag}.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=sorted({k for r in rows for k in r}))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / f"round_throughput_{tag}.csv", rows, sorted({k for r in rows for k in r}))
     stamp_csv(args.out / f"round_throughput_{tag}.csv")
     (args.out / f"round_throughput_{tag}.json").write_text(
         json.dumps(with_machine({"device": name, "rows": rows}), indent=2)

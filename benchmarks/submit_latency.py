@@ -18,7 +18,6 @@ The difference submit − run is what the scheduler path adds. Prints a table; w
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpcfl.bench.machine import with_machine, with_machine_columns  # noqa: E402
+from hpcfl.files import write_csv  # noqa: E402
 from tests.cluster.slurm import start_cluster  # noqa: E402
 from tests.helpers import synthetic_config  # noqa: E402
 
@@ -121,10 +121,7 @@ def main() -> None:
         f"\nsubmit-to-first-round / direct run-to-first-round: {med['submit_first_round_s'] / med['run_first_round_s']:.2f}x"
     )
     rows = with_machine_columns(rows)
-    with open(args.out / "submit_latency.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out / "submit_latency.csv", rows)
     (args.out / "submit_latency.json").write_text(
         json.dumps(with_machine({"rows": rows, "median": med}), indent=2)
     )

@@ -21,7 +21,6 @@ point of each and their ratio; writes CSV + JSON.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -34,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpcfl.bench.machine import with_machine, with_machine_columns  # noqa: E402
+from hpcfl.files import write_csv  # noqa: E402
 from tests.cluster.slurm import SlurmCluster, start_cluster  # noqa: E402
 from tests.helpers import synthetic_config  # noqa: E402
 
@@ -159,10 +159,7 @@ def main() -> None:
         print(f"| {k} | {v:.3f} |")
     print(f"\n{args.points} single submissions / one sweep array: {med['ratio_singles_over_sweep']:.1f}x")
     rows = with_machine_columns(rows)
-    with open(args.out / "sweep_submission.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "sweep_submission.csv", rows)
     (args.out / "sweep_submission.json").write_text(
         json.dumps(with_machine({"rows": rows, "median": med}), indent=2)
     )

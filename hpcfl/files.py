@@ -6,13 +6,15 @@ and for JSON-lines files; everything else in hpcfl writes through these helpers.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import os
 import pickle
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -101,6 +103,20 @@ def host_copy(obj: Any) -> Any:
         return o
 
     return walk(obj)
+
+
+def write_csv(
+    path: Path, rows: Sequence[Mapping[str, Any]], fieldnames: Sequence[str] | None = None, **options: Any
+) -> None:
+    """``rows`` as a CSV table with a header, written atomically: ``fieldnames`` (default: the first
+    row's keys) in that order; ``options`` go to :class:`csv.DictWriter` (``extrasaction``, ``restval``)."""
+    text = io.StringIO()
+    writer = csv.DictWriter(
+        text, fieldnames=list(fieldnames if fieldnames is not None else rows[0]), **options
+    )
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, text.getvalue())
 
 
 def atomic_torch_save(path: Path, obj: Any) -> None:

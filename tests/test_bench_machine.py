@@ -76,7 +76,9 @@ def test_json_and_csv_carry_the_machine(tmp_path):
 def test_every_benchmark_records_its_machine():
     """Each script in benchmarks/ and hpcfl/bench that writes a file does so through
     hpcfl.bench.machine (or _runs.write_tables, which does)."""
-    writes = re.compile(r"write_text\(|open\([^)]*[\"']w[\"']|atomic_write_text\(|DictWriter\(|csv\.writer\(")
+    writes = re.compile(
+        r"write_text\(|open\([^)]*[\"']w[\"']|atomic_write_text\(|DictWriter\(|csv\.writer\(|write_csv\("
+    )
     missing = []
     scripts = sorted((REPO / "benchmarks").rglob("*.py")) + sorted(
         (REPO / "hpcfl" / "bench").rglob("report.py")

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from hpcfl.files import atomic_write, save_figure  # noqa: E402
+from hpcfl.files import atomic_write, save_figure, write_csv  # noqa: E402
 
 
 def test_save_figure_writes_png_and_svg_and_closes_the_figure(tmp_path: Path) -> None:
@@ -35,3 +35,19 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -> N
     with pytest.raises(OSError, match="disk full"):
         atomic_write(target, broken)
     assert target.read_bytes() == b"old" and list(tmp_path.iterdir()) == [target]
+
+
+def test_write_csv_writes_the_header_the_rows_and_the_given_order(tmp_path: Path) -> None:
+    """The benchmarks' one CSV writer: first row's keys by default, or the given fields and
+    DictWriter options; what csv.DictWriter would write, under the final name only when whole."""
+    import csv
+
+    rows = [{"b": 1, "a": 2.5, "note": "x,y"}, {"b": 3, "a": 4.0, "note": ""}]
+    write_csv(tmp_path / "t.csv", rows)
+    assert list(csv.DictReader((tmp_path / "t.csv").open())) == [
+        {"b": "1", "a": "2.5", "note": "x,y"},
+        {"b": "3", "a": "4.0", "note": ""},
+    ]
+    write_csv(tmp_path / "u.csv", rows, ["a", "extra"], extrasaction="ignore", restval="-")
+    assert (tmp_path / "u.csv").read_bytes() == b"a,extra\r\n2.5,-\r\n4.0,-\r\n"  # csv line ends
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv", "u.csv"]
