@@ -153,7 +153,11 @@ def measure_model(name: str, args: argparse.Namespace, device: Any) -> tuple[lis
             dims = layer_dims(lp, act, delta)
             kind = "conv" if isinstance(lp, ConvPlan) else "linear"
             forms = ["full"] if weight.full else list(costs.FORMS)
-            if not weight.full and native.usable(device) and getattr(modules[layer], "groups", 1) == 1:
+            if (
+                native.usable(device)
+                and getattr(modules[layer], "groups", 1) == 1
+                and (kind == "conv" or not weight.full)  # a whole Linear weight is one outer product
+            ):
                 forms.append(costs.NATIVE)  # timed wherever the kernel could run, chosen or not
             chosen = (  # the torch forms' pick (what the fit below scores)
                 "full"
@@ -165,7 +169,7 @@ def measure_model(name: str, args: argparse.Namespace, device: Any) -> tuple[lis
             )
             for form in forms:
                 cls = ConvPlan if kind == "conv" else LinearPlan
-                single = cls(modules[layer], weight, None, device, form=None if form == "full" else form)  # type: ignore[arg-type]
+                single = cls(modules[layer], weight, None, device, form="gather" if form == "full" else form)  # type: ignore[arg-type]
                 ws = Workspace()
                 tasks = single.tasks(modules[layer], act, delta, out, ws, pieces=1)
 

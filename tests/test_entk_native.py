@@ -180,6 +180,24 @@ def test_the_plan_takes_the_kernel_where_the_cost_model_says_and_only_for_float3
         assert _forms(_plan("simplecnn", 100_000)) == torch_forms
 
 
+@needs_kernel
+def test_whole_conv_weights_take_the_kernel_where_the_model_finds_it_cheaper() -> None:
+    """resnet8 with every weight kept (p >= P), batch 256: the kernel for layer2.0.conv2 and the
+    layer3 convolutions, materialised whole where its unfold of 1,024 positions or a 1×1 kernel's
+    padding costs more (the model's estimate)."""
+    plan = _plan("resnet8", 10**6, norm="bn")
+    dims = {"conv1": (3, 1024), "layer1.0.conv1": (16, 1024), "layer2.0.conv2": (32, 256),
+            "layer2.0.shortcut.0": (16, 256), "layer3.0.conv2": (64, 64)}  # fmt: skip
+    forms = {
+        layer: plan.layers[layer].form(256, length, channels) for layer, (channels, length) in dims.items()
+    }
+    assert forms == {"conv1": "full", "layer1.0.conv1": "full", "layer2.0.conv2": "native",
+                     "layer2.0.shortcut.0": "full", "layer3.0.conv2": "native"}  # fmt: skip
+    assert plan.layers["layer3.0.conv2"].form(256, 64, 64, dtype=torch.float64) == "full"
+    with applied(EntkSettings(native=False)):
+        assert _plan("resnet8", 10**6, norm="bn").layers["layer3.0.conv2"].form(256, 64, 64) == "full"
+
+
 def test_choose_layer_form_weighs_the_native_cost_only_when_asked() -> None:
     dims = dict(batch=256, n=73_631, out_channels=128, k=2048, unfold_rows=0, length=1, device_type="cpu")
     assert costs.choose_layer_form(**dims) == "gather"
@@ -201,6 +219,7 @@ def _f32_model(name: str, shape: tuple[int, int, int], **options: object):
     [
         ("simplecnn", (1, 28, 28), {}, 100_000),
         ("resnet8", (3, 32, 32), {"norm": "gn"}, 20_000),
+        ("resnet8", (3, 32, 32), {"norm": "bn"}, 78_042),  # p = P: whole weights, every lane kept
     ],
 )
 def test_fused_features_with_the_kernel_equal_vmap_in_float32(name, shape, options, p) -> None:

@@ -252,6 +252,19 @@ def choose_layer_form(
     return best
 
 
+def choose_whole_form(
+    *, batch: int, out_channels: int, k: int, unfold_rows: int, length: int, device_type: str, native: bool
+) -> Form:
+    """For a conv weight kept whole (p = P): ``"full"`` (its per-sample gradients materialised and
+    written in place) or, where the native kernel is usable (``native``) and :func:`native_cost` is
+    below the materialise estimate, ``"native"`` (every lane kept: the compress is a plain store)."""
+    if not native:
+        return "full"
+    shape = dict(batch=batch, out_channels=out_channels, k=k, unfold_rows=unfold_rows, length=length)
+    whole = layer_form_costs(n=out_channels * k, device_type=device_type, **shape)["materialise"]
+    return NATIVE if native_cost(**shape) < whole else "full"
+
+
 def fit_constants(
     features: Sequence[dict[str, float]], times_ns: Sequence[float], *, terms: Sequence[str] = COST_TERMS
 ) -> dict[str, float]:

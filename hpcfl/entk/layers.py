@@ -39,7 +39,14 @@ from torch import Tensor, nn
 
 from hpcfl.entk import native
 from hpcfl.entk.coords import ParamColumns
-from hpcfl.entk.costs import FORCEABLE, NATIVE, Form, choose_layer_form, materialise_tile
+from hpcfl.entk.costs import (
+    FORCEABLE,
+    NATIVE,
+    Form,
+    choose_layer_form,
+    choose_whole_form,
+    materialise_tile,
+)
 from triton_kernels import channel_sum_gather, conv2d_gather, linear_gather, norm_weight_gather
 
 
@@ -205,10 +212,10 @@ class LinearPlan(LayerPlan):
             if form == "full":  # p = P: the whole outer product, written in place, no gather
                 work.append(lambda: self._outer(act, delta, dst))
             elif form == NATIVE:
-                d, u = delta[:, :, None], act[:, None, :]  # (B, O, 1), (B, 1, I)
+                d, u, kept = delta[:, :, None], act[:, None, :], self.kept  # (B, O, 1), (B, 1, I)
                 for b0, b1 in _sample_ranges(act.shape[0], pieces):
                     work.append(
-                        lambda b0=b0, b1=b1: native.masked_product(d[b0:b1], u[b0:b1], self.kept, dst[b0:b1])
+                        lambda b0=b0, b1=b1: native.masked_product(d[b0:b1], u[b0:b1], kept, dst[b0:b1])
                     )
             elif form == "materialise":
                 batch = act.shape[0]
@@ -237,9 +244,9 @@ class LinearPlan(LayerPlan):
         if weight is None or weight.full or self.form(batch, dtype=act.dtype, length=act.shape[1]) != NATIVE:
             return [lambda: _sequence_linear(self, act, delta, out)]
         dst = out[:, weight.col0 : weight.col1]
-        d = delta.transpose(1, 2)  # (B, O, L)
+        d, kept = delta.transpose(1, 2), self.kept  # (B, O, L); the masks built here, not in the tasks
         work: list[Task] = [
-            lambda b0=b0, b1=b1: native.masked_product(d[b0:b1], act[b0:b1], self.kept, dst[b0:b1])
+            lambda b0=b0, b1=b1: native.masked_product(d[b0:b1], act[b0:b1], kept, dst[b0:b1])
             for b0, b1 in _sample_ranges(batch, pieces)
         ]
         if bias is not None and bias.n:
@@ -376,26 +383,27 @@ class ConvPlan(LayerPlan):
     def form(self, batch: int, length: int, in_channels: int, *, dtype: torch.dtype = torch.float32) -> Form:
         """``"full"``, ``"gather"``, ``"materialise"`` or ``"native"`` for this weight at ``batch``
         samples of ``dtype`` and L output positions (the cost model, with the native form among the
-        candidates where the kernel is usable: float32, groups 1; unless ``form=`` forced one)."""
+        candidates where the kernel is usable: float32, groups 1, whole weights included; unless
+        ``form=`` forced a form for a weight not kept whole)."""
         weight = self.columns[0]
         assert weight is not None
-        if weight.full:
-            return "full"
-        if self.forced is not None:
-            return self.forced
+        if self.forced is not None:  # a whole weight stays whole unless the kernel is forced
+            return "full" if weight.full and self.forced != NATIVE else self.forced
         usable = self.groups == 1 and dtype == torch.float32 and native.usable(self.device)
         key = (batch, length, in_channels, usable)
         if key not in self._form:
             kh, kw = self.kernel
-            self._form[key] = choose_layer_form(
+            dims = dict(
                 batch=batch,
-                n=weight.n,
                 out_channels=self.out_channels,
                 k=self.k,
                 unfold_rows=in_channels * kh * kw,
                 length=length,
                 device_type=self.device.type,
                 native=usable,
+            )
+            self._form[key] = (
+                choose_whole_form(**dims) if weight.full else choose_layer_form(n=weight.n, **dims)
             )
         return self._form[key]
 
@@ -410,8 +418,11 @@ class ConvPlan(LayerPlan):
             dst = out[:, weight.col0 : weight.col1]  # (B, n)
             form = self.form(batch, length, channels, dtype=act.dtype)
             if form == NATIVE:
+                kept = self.kept  # built here, not in the tasks
                 for b0, b1 in _sample_ranges(batch, pieces):
-                    work.append(lambda b0=b0, b1=b1: self._native(act[b0:b1], delta[b0:b1], dst[b0:b1], ws))
+                    work.append(
+                        lambda b0=b0, b1=b1: self._native(act[b0:b1], delta[b0:b1], dst[b0:b1], ws, kept)
+                    )
             elif form == "gather":
                 step = -(-batch // pieces)
                 for b0 in range(0, batch, step):
@@ -439,9 +450,9 @@ class ConvPlan(LayerPlan):
             )
         return work
 
-    def _native(self, act: Tensor, delta: Tensor, dst: Tensor, ws: Workspace) -> None:
+    def _native(self, act: Tensor, delta: Tensor, dst: Tensor, ws: Workspace, kept: native.KeptMasks) -> None:
         scratch = ws.get("conv_native", delta.shape[2] * delta.shape[3] * self.k, torch.float32, act.device)
-        native.conv_masked_product(act, delta, self.geometry, self.kept, dst, scratch)
+        native.conv_masked_product(act, delta, self.geometry, kept, dst, scratch)
 
     def _gather(self, act: Tensor, delta: Tensor, dst: Tensor) -> None:
         conv2d_gather(
