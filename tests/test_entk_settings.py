@@ -14,6 +14,7 @@ from hpcfl.entk.settings import (
     AUTOTUNE_ENV,
     COSTS_ENV,
     CUDA_GRAPH_ENV,
+    NATIVE_ENV,
     EntkSection,
     EntkSettings,
     active,
@@ -25,7 +26,7 @@ from hpcfl.errors import ConfigError
 
 @pytest.fixture(autouse=True)
 def _no_environment(monkeypatch):
-    for name in (COSTS_ENV, CUDA_GRAPH_ENV, AUTOTUNE_ENV):
+    for name in (COSTS_ENV, CUDA_GRAPH_ENV, AUTOTUNE_ENV, NATIVE_ENV):
         monkeypatch.delenv(name, raising=False)
     costs.fitted_file.cache_clear()
     yield
@@ -54,9 +55,13 @@ def test_each_variable_overrides_its_key_and_the_source_is_named(tmp_path):
     )
     empty = resolve(section, env={COSTS_ENV: "", CUDA_GRAPH_ENV: ""})  # an empty variable is unset
     assert empty.costs == mine and empty.cuda_graph is True and empty.costs_from == "config"
+    assert (got.native, got.native_from) == (True, "config")  # the native CPU kernel: on by default
+    off = resolve(section, env={NATIVE_ENV: "0"})
+    assert (off.native, off.native_from) == (False, NATIVE_ENV)
+    assert resolve(EntkSection(native=False), env={}).native is False
 
 
-@pytest.mark.parametrize("name", [CUDA_GRAPH_ENV, AUTOTUNE_ENV])
+@pytest.mark.parametrize("name", [CUDA_GRAPH_ENV, AUTOTUNE_ENV, NATIVE_ENV])
 def test_a_bad_flag_in_the_environment_is_one_line(name):
     with pytest.raises(ConfigError) as err:
         resolve(EntkSection(), env={name: "maybe"})
